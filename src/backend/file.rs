@@ -1,0 +1,320 @@
+//! Regular files and block devices, through a cache policy ([`PolicyFile`]).
+//!
+//! Zeroing and trimming use the cheapest call that gives the promised result: hole punching
+//! and `FALLOC_FL_ZERO_RANGE` on files, `BLKZEROOUT` and `BLKDISCARD` on devices. Extents come
+//! from `SEEK_DATA`/`SEEK_HOLE` on files; a device reports all data.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
+use crate::error::{Error, ErrorKind, Result};
+use crate::io::{sys, CacheMode, OpenOptions, PolicyFile, Tuning};
+
+/// Extents reported by one call at most; callers ask again for the rest.
+const MAX_EXTENTS: usize = 1024;
+
+pub struct FileBackend {
+    name: String,
+    file: PolicyFile,
+    size: AtomicU64,
+    read_only: bool,
+    rotational: bool,
+    logical_block: u32,
+}
+
+impl FileBackend {
+    pub fn open(
+        path: &Path,
+        opts: OpenOptions,
+        mode: CacheMode,
+        tuning: &Tuning,
+    ) -> Result<FileBackend> {
+        let file = PolicyFile::open(path, opts, mode, tuning)?;
+        let size = file.size()?;
+        let meta = file
+            .file()
+            .metadata()
+            .map_err(|e| Error::io("stat", e).path(path))?;
+        let (rotational, logical_block) = if file.is_block() {
+            let lbs =
+                sys::block_logical_size(file.fd()).map_err(|e| Error::io("ioctl", e).path(path))?;
+            (rotational(meta.rdev()), lbs)
+        } else {
+            (rotational(meta.dev()), 1)
+        };
+        Ok(FileBackend {
+            name: path.display().to_string(),
+            file,
+            size: AtomicU64::new(size),
+            read_only: !opts.write,
+            rotational,
+            logical_block,
+        })
+    }
+
+    pub fn policy(&self) -> &PolicyFile {
+        &self.file
+    }
+
+    pub fn is_block(&self) -> bool {
+        self.file.is_block()
+    }
+
+    /// Sets the size of a regular file (a copy destination is truncated to its source size).
+    pub fn set_len(&self, len: u64) -> Result<()> {
+        self.file
+            .file()
+            .set_len(len)
+            .map_err(|e| Error::io("truncate", e).path(self.file.path()).at(0, len))?;
+        self.size.store(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Allocates `[0, len)` on disk (`--preallocate`).
+    pub fn preallocate(&self, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        sys::fallocate(self.file.fd(), 0, 0, len).map_err(|e| {
+            Error::io("preallocate", e)
+                .path(self.file.path())
+                .at(0, len)
+        })?;
+        self.size.fetch_max(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn err(
+        &self,
+        op: &'static str,
+        offset: u64,
+        len: u64,
+    ) -> impl Fn(std::io::Error) -> Error + '_ {
+        move |e| Error::io(op, e).path(self.file.path()).at(offset, len)
+    }
+
+    /// The whole logical blocks inside `[offset, offset+len)`, as `(start, end)`.
+    fn inner_blocks(&self, offset: u64, len: u64) -> (u64, u64) {
+        let lbs = u64::from(self.logical_block.max(1));
+        (offset.div_ceil(lbs) * lbs, (offset + len) / lbs * lbs)
+    }
+
+    fn fua(&self, fua: bool) -> Result<()> {
+        if fua {
+            self.file.sync()
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// `/sys/dev/block/MAJ:MIN/queue/rotational`, looking through a partition to its disk.
+fn rotational(dev: u64) -> bool {
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let base = format!("/sys/dev/block/{major}:{minor}");
+    for p in [
+        format!("{base}/queue/rotational"),
+        format!("{base}/../queue/rotational"),
+    ] {
+        if let Ok(s) = std::fs::read_to_string(p) {
+            return s.trim() == "1";
+        }
+    }
+    false
+}
+
+impl Backend for FileBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn size(&self) -> Option<u64> {
+        Some(self.size.load(Ordering::Relaxed))
+    }
+
+    fn caps(&self) -> Caps {
+        let block = self.is_block();
+        let direct = self.file.mode() == CacheMode::Direct;
+        let minimum = if block {
+            self.logical_block
+        } else if direct {
+            self.file.align() as u32
+        } else {
+            1
+        };
+        Caps {
+            read_only: self.read_only,
+            can_flush: true,
+            can_fua: true,
+            can_trim: !self.read_only,
+            can_zero: !self.read_only,
+            can_fast_zero: !self.read_only && !block,
+            can_extents: !block,
+            sequential: false,
+            rotational: self.rotational,
+            block: BlockSizes {
+                minimum,
+                preferred: 4096.max(minimum),
+                maximum: 32 << 20,
+            },
+        }
+    }
+
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.file.read_at(buf, offset)
+    }
+
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        debug_assert!(!self.read_only);
+        self.file.write_at(buf, offset, fua)
+    }
+
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        debug_assert!(!self.read_only);
+        if len == 0 {
+            return Ok(());
+        }
+        let fd = self.file.fd();
+        let res = if self.is_block() {
+            if flags.fast {
+                return Err(Error::new(ErrorKind::NotSupported, "zero")
+                    .path(self.file.path())
+                    .at(offset, len)
+                    .detail("a device cannot promise fast zeroing"));
+            }
+            // BLKZEROOUT takes whole logical blocks: write the unaligned edges as zeroes.
+            let (start, end) = self.inner_blocks(offset, len);
+            if start >= end {
+                return super::write_zeroes(self, offset, len, flags.fua);
+            }
+            super::write_zeroes(self, offset, start - offset, false)?;
+            super::write_zeroes(self, end, offset + len - end, false)?;
+            sys::block_zeroout(fd, start, end - start)
+        } else if flags.may_trim {
+            sys::fallocate(
+                fd,
+                sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE,
+                offset,
+                len,
+            )
+        } else {
+            sys::fallocate(
+                fd,
+                sys::FALLOC_ZERO_RANGE | sys::FALLOC_KEEP_SIZE,
+                offset,
+                len,
+            )
+        };
+        match res {
+            Ok(()) => self.fua(flags.fua),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EOPNOTSUPP) | Some(libc::EINVAL)
+                ) =>
+            {
+                if flags.fast {
+                    return Err(Error::io("zero", e).path(self.file.path()).at(offset, len));
+                }
+                super::write_zeroes(self, offset, len, flags.fua)
+            }
+            Err(e) => Err(self.err("zero", offset, len)(e)),
+        }
+    }
+
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        debug_assert!(!self.read_only);
+        if len == 0 {
+            return Ok(());
+        }
+        let fd = self.file.fd();
+        let res = if self.is_block() {
+            // BLKDISCARD takes whole logical blocks; the partial edges simply keep their data.
+            let (start, end) = self.inner_blocks(offset, len);
+            if start >= end {
+                return self.fua(fua);
+            }
+            sys::block_discard(fd, start, end - start)
+        } else {
+            sys::fallocate(
+                fd,
+                sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE,
+                offset,
+                len,
+            )
+        };
+        match res {
+            // Trimming is advisory: where it is unsupported the data simply stays.
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => self.fua(fua),
+            Err(e) => Err(self.err("trim", offset, len)(e)),
+            Ok(()) => self.fua(fua),
+        }
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.file.sync()
+    }
+
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        if self.is_block() || len == 0 {
+            return Ok(vec![Extent::data(len)]);
+        }
+        let fd = self.file.fd();
+        let end = offset + len;
+        let mut out = Vec::new();
+        let mut at = offset;
+        while at < end && out.len() < MAX_EXTENTS {
+            let data = match sys::seek_data(fd, at) {
+                Ok(d) => d,
+                // Filesystems without SEEK_DATA: everything is data.
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINVAL) | Some(libc::EOPNOTSUPP)
+                    ) =>
+                {
+                    out.push(Extent::data(end - at));
+                    break;
+                }
+                Err(e) => return Err(self.err("seek", at, end - at)(e)),
+            };
+            match data {
+                None => {
+                    out.push(Extent::hole(end - at));
+                    break;
+                }
+                Some(d) if d > at => {
+                    let d = d.min(end);
+                    out.push(Extent::hole(d - at));
+                    at = d;
+                }
+                Some(_) => {
+                    let h = sys::seek_hole(fd, at)
+                        .map_err(self.err("seek", at, end - at))?
+                        .unwrap_or(end)
+                        .min(end);
+                    // A hole at `at` right after SEEK_DATA said data: the file changed under us.
+                    let h = h.max(at + 1);
+                    out.push(Extent::data(h - at));
+                    at = h;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn cache_info(&self) -> Option<CacheInfo> {
+        let stat = sys::cachestat(self.file.fd(), 0, 0).ok()?;
+        Some(CacheInfo {
+            page_size: sys::page_size() as u64,
+            stat,
+            mechanism: self.file.mechanism(),
+        })
+    }
+
+    fn finish(&self) -> Result<()> {
+        self.file.finish()
+    }
+}

@@ -1,0 +1,171 @@
+//! Backends: where bytes live. One trait, [`Backend`], for everything a copy can read from or
+//! write to and a server can export: files and block devices ([`FileBackend`]), an in-memory
+//! sparse store ([`MemoryBackend`]), `null:` ([`NullBackend`]) and pipes ([`PipeBackend`]).
+//! Filters (`crate::filters`) implement the same trait around another backend.
+//!
+//! Contract for callers: requests are validated before they get here (in range, non-empty
+//! where it matters, write only when not read-only); backends check the same invariants with
+//! `debug_assert!` only. Data-path methods have no default bodies on purpose: adding an
+//! operation must make every filter decide what to do with it.
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::io::{CacheStat, Mechanism};
+
+pub mod file;
+pub mod memory;
+pub mod null;
+pub mod pipe;
+
+pub use file::FileBackend;
+pub use memory::MemoryBackend;
+pub use null::NullBackend;
+pub use pipe::PipeBackend;
+
+/// One run of an extent map: `len` bytes that are data, or read as zero, or are unallocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub len: u64,
+    /// Not allocated (NBD `HOLE`).
+    pub hole: bool,
+    /// Reads as zeroes (NBD `ZERO`).
+    pub zero: bool,
+}
+
+impl Extent {
+    pub fn data(len: u64) -> Extent {
+        Extent {
+            len,
+            hole: false,
+            zero: false,
+        }
+    }
+
+    /// Unallocated and reading as zeroes.
+    pub fn hole(len: u64) -> Extent {
+        Extent {
+            len,
+            hole: true,
+            zero: true,
+        }
+    }
+}
+
+/// How a zeroing request may be carried out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ZeroFlags {
+    /// The range may be deallocated (punched) rather than written (NBD: no `NO_HOLE`).
+    pub may_trim: bool,
+    /// Fail with `NotSupported` rather than fall back to writing zeroes (NBD `FAST_ZERO`).
+    pub fast: bool,
+    /// Durable on return (NBD `FUA`).
+    pub fua: bool,
+}
+
+/// Preferred and limiting request sizes, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct BlockSizes {
+    pub minimum: u32,
+    pub preferred: u32,
+    pub maximum: u32,
+}
+
+/// What a backend can do. Filters compute theirs from the layer below.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Caps {
+    pub read_only: bool,
+    pub can_flush: bool,
+    pub can_fua: bool,
+    pub can_trim: bool,
+    pub can_zero: bool,
+    /// Zeroing is always quick (a punch or an unmap), so `ZeroFlags::fast` can succeed.
+    pub can_fast_zero: bool,
+    /// `extents` reports real holes and zeroes (otherwise it reports one data extent).
+    pub can_extents: bool,
+    /// Only sequential access at the current position (pipes).
+    pub sequential: bool,
+    pub rotational: bool,
+    pub block: BlockSizes,
+}
+
+/// Page-cache footprint of a backend's file, where it has one.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CacheInfo {
+    pub page_size: u64,
+    pub stat: CacheStat,
+    pub mechanism: Mechanism,
+}
+
+/// Everything that holds bytes. All methods take `&self`: backends are shared between
+/// threads and do their own (fine-grained) locking.
+pub trait Backend: Send + Sync {
+    /// What the user typed to name it (a path, `null:`, `-`).
+    fn name(&self) -> &str;
+
+    /// Size in bytes; `None` for a stream whose end is not known in advance.
+    fn size(&self) -> Option<u64>;
+
+    fn caps(&self) -> Caps;
+
+    /// Reads into `buf` at `offset`. Returns `buf.len()`, or fewer only when the data ends
+    /// inside the request (a pipe at end of input, or a file that shrank).
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize>;
+
+    /// Writes `buf` at `offset`; with `fua`, durable on return.
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
+
+    /// Makes `[offset, offset+len)` read as zeroes.
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()>;
+
+    /// Tells the backend `[offset, offset+len)` is no longer needed. Afterwards the range
+    /// reads as unspecified data (zeroes for files, which punch holes).
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()>;
+
+    /// Makes every completed write durable.
+    fn flush(&self) -> Result<()>;
+
+    /// The allocation map of `[offset, offset+len)`: contiguous extents starting at
+    /// `offset`, at least one, together no longer than `len`.
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>>;
+
+    /// The page-cache footprint and mechanism, for backends over a file.
+    fn cache_info(&self) -> Option<CacheInfo>;
+
+    /// End of the job: waits for and evicts what the cache policy says must go. Also done
+    /// on drop; calling it reports the errors.
+    fn finish(&self) -> Result<()>;
+}
+
+/// Reads exactly `buf.len()` bytes or fails with `UnexpectedEof`.
+pub fn read_exact(b: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<()> {
+    let n = b.read(buf, offset)?;
+    if n < buf.len() {
+        return Err(Error::new(ErrorKind::UnexpectedEof, "read")
+            .path(b.name())
+            .at(offset, buf.len() as u64)
+            .detail(format!("data ended after {n} bytes")));
+    }
+    Ok(())
+}
+
+/// Zeroes `[offset, offset+len)` by writing zero buffers (the fallback for backends or
+/// filesystems without a native zeroing call).
+pub fn write_zeroes(b: &dyn Backend, offset: u64, len: u64, fua: bool) -> Result<()> {
+    const PIECE: u64 = 1 << 20;
+    let zeroes = vec![0u8; PIECE.min(len) as usize];
+    let mut at = offset;
+    while at < offset + len {
+        let n = PIECE.min(offset + len - at);
+        let last = at + n == offset + len;
+        b.write(&zeroes[..n as usize], at, fua && last)?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// True when every byte of `buf` is zero. OR-folding 64-byte pieces lets the compiler use wide
+/// registers; a non-zero piece stops the scan.
+pub fn is_zero(buf: &[u8]) -> bool {
+    let mut pieces = buf.chunks_exact(64);
+    pieces.all(|p| p.iter().fold(0u8, |acc, &b| acc | b) == 0)
+        && pieces.remainder().iter().all(|&b| b == 0)
+}

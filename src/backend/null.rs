@@ -1,0 +1,89 @@
+//! `null:`: reads zeroes, discards writes. As a copy destination it measures the source side
+//! alone; `null:SIZE` gives it a size (default: as large as anything it is asked to take).
+
+use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
+use crate::error::Result;
+
+pub struct NullBackend {
+    name: String,
+    size: u64,
+}
+
+/// The size of `null:` without one: large enough for any source, small enough that offsets
+/// plus lengths never overflow.
+pub const UNBOUNDED: u64 = i64::MAX as u64;
+
+impl NullBackend {
+    pub fn new(size: Option<u64>) -> NullBackend {
+        let name = match size {
+            Some(s) => format!("null:{s}"),
+            None => "null:".to_string(),
+        };
+        NullBackend {
+            name,
+            size: size.unwrap_or(UNBOUNDED),
+        }
+    }
+}
+
+impl Backend for NullBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn size(&self) -> Option<u64> {
+        Some(self.size)
+    }
+
+    fn caps(&self) -> Caps {
+        Caps {
+            read_only: false,
+            can_flush: true,
+            can_fua: true,
+            can_trim: true,
+            can_zero: true,
+            can_fast_zero: true,
+            can_extents: true,
+            sequential: false,
+            rotational: false,
+            block: BlockSizes {
+                minimum: 1,
+                preferred: 4096,
+                maximum: 32 << 20,
+            },
+        }
+    }
+
+    fn read(&self, buf: &mut [u8], _offset: u64) -> Result<usize> {
+        buf.fill(0);
+        Ok(buf.len())
+    }
+
+    fn write(&self, _buf: &[u8], _offset: u64, _fua: bool) -> Result<()> {
+        Ok(())
+    }
+
+    fn zero(&self, _offset: u64, _len: u64, _flags: ZeroFlags) -> Result<()> {
+        Ok(())
+    }
+
+    fn trim(&self, _offset: u64, _len: u64, _fua: bool) -> Result<()> {
+        Ok(())
+    }
+
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn extents(&self, _offset: u64, len: u64) -> Result<Vec<Extent>> {
+        Ok(vec![Extent::hole(len)])
+    }
+
+    fn cache_info(&self) -> Option<CacheInfo> {
+        None
+    }
+
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,246 @@
+//! `lightfoot cache stat|evict FILE…`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+use lightfoot::copy::endpoint::parse_size;
+use lightfoot::io::inspect::{evict, open_for_inspection, residency, Residency};
+
+use super::human;
+
+/// See and control what files have in the page cache.
+#[derive(Subcommand)]
+pub enum CacheCommand {
+    /// Show cached, dirty, writeback and evicted pages per file (from cachestat(2)).
+    #[command(after_long_help = STAT_HELP)]
+    Stat(StatArgs),
+    /// Drop the clean cached pages of files (POSIX_FADV_DONTNEED).
+    #[command(after_long_help = EVICT_HELP)]
+    Evict(EvictArgs),
+}
+
+const STAT_HELP: &str = "\
+Columns: the size of the range, then bytes cached (and the share of the range), dirty (not yet
+written back), under writeback, evicted (pages of this file the cache has dropped since the
+file was opened by anyone) and recently evicted (of those, dropped recently enough that a
+re-read would count as thrashing).
+
+Reading residency needs cachestat(2) (Linux 6.5) and, since 2025, write access to the file
+(or ownership, or root). For other files the figures are not visible: lightfoot says so rather
+than guess (mincore would report every page cached). Exit status: 0 if every file was shown,
+1 otherwise. See docs/cache.md.";
+
+const EVICT_HELP: &str = "\
+Only clean pages can be dropped; with --sync, dirty pages are written back first. Pages
+mapped by a running program, and whole large folios straddling the edges of --range, stay.
+Eviction needs only read access. Exit status: 0 if every file was evicted, 1 otherwise.
+See docs/cache.md.";
+
+#[derive(Args)]
+pub struct StatArgs {
+    /// Files or block devices.
+    #[arg(required = true, value_name = "FILE")]
+    files: Vec<PathBuf>,
+
+    /// Only this byte range: OFFSET:LENGTH, OFFSET: (to the end) or :LENGTH, with K, M, G
+    /// suffixes.
+    #[arg(long, value_name = "OFF:LEN", value_parser = parse_range)]
+    range: Option<(u64, Option<u64>)>,
+
+    /// Print JSON (one array, an object per file) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct EvictArgs {
+    /// Files or block devices.
+    #[arg(required = true, value_name = "FILE")]
+    files: Vec<PathBuf>,
+
+    /// Only this byte range: OFFSET:LENGTH, OFFSET: or :LENGTH.
+    #[arg(long, value_name = "OFF:LEN", value_parser = parse_range)]
+    range: Option<(u64, Option<u64>)>,
+
+    /// Write dirty pages back (and wait) before evicting, so they can go too.
+    #[arg(long)]
+    sync: bool,
+
+    /// Print JSON: cached bytes before and after, per file.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_range(s: &str) -> Result<(u64, Option<u64>), String> {
+    let (off, len) = s.split_once(':').ok_or("expected OFFSET:LENGTH")?;
+    let off = if off.is_empty() { 0 } else { parse_size(off)? };
+    let len = if len.is_empty() {
+        None
+    } else {
+        Some(parse_size(len)?)
+    };
+    Ok((off, len))
+}
+
+pub fn run(cmd: CacheCommand) -> i32 {
+    super::init_logging(0);
+    match cmd {
+        CacheCommand::Stat(a) => stat(a),
+        CacheCommand::Evict(a) => evict_files(a),
+    }
+}
+
+#[derive(serde::Serialize)]
+struct StatRow {
+    file: String,
+    #[serde(flatten)]
+    residency: Option<Residency>,
+    cached_bytes: Option<u64>,
+    error: Option<String>,
+}
+
+fn stat(a: StatArgs) -> i32 {
+    let (off, len) = a.range.unwrap_or((0, None));
+    let mut rows = Vec::new();
+    let mut status = 0;
+    for path in &a.files {
+        let r = open_for_inspection(path).and_then(|f| residency(&f, path, off, len));
+        match r {
+            Ok(r) => rows.push(StatRow {
+                file: path.display().to_string(),
+                cached_bytes: Some(r.cached_bytes()),
+                residency: Some(r),
+                error: None,
+            }),
+            Err(e) => {
+                status = 1;
+                if !a.json {
+                    super::report(&e);
+                }
+                rows.push(StatRow {
+                    file: path.display().to_string(),
+                    residency: None,
+                    cached_bytes: None,
+                    error: Some(e.to_string()),
+                });
+            }
+        }
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).expect("rows serialise")
+        );
+        return status;
+    }
+    let ok: Vec<_> = rows
+        .iter()
+        .filter_map(|r| r.residency.as_ref().map(|res| (r, res)))
+        .collect();
+    if ok.is_empty() {
+        return status;
+    }
+    let width = ok
+        .iter()
+        .map(|(r, _)| r.file.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    println!(
+        "{:<width$}  {:>10}  {:>18}  {:>10}  {:>10}  {:>10}  {:>10}",
+        "FILE", "SIZE", "CACHED", "DIRTY", "WRITEBACK", "EVICTED", "RECENT"
+    );
+    for (row, r) in ok {
+        let page = |n: u64| human::bytes(n * r.page_size);
+        let share = if r.pages > 0 {
+            100.0 * r.stat.cached as f64 / r.pages as f64
+        } else {
+            0.0
+        };
+        let cached = format!("{} ({share:.1}%)", page(r.stat.cached));
+        let na = |n: u64| {
+            if r.source == lightfoot::io::inspect::Source::Mincore {
+                "?".to_string()
+            } else {
+                page(n)
+            }
+        };
+        println!(
+            "{:<width$}  {:>10}  {:>18}  {:>10}  {:>10}  {:>10}  {:>10}",
+            row.file,
+            human::bytes(r.len),
+            cached,
+            na(r.stat.dirty),
+            na(r.stat.writeback),
+            na(r.stat.evicted),
+            na(r.stat.recently_evicted),
+        );
+    }
+    status
+}
+
+#[derive(serde::Serialize)]
+struct EvictRow {
+    file: String,
+    cached_before: Option<u64>,
+    cached_after: Option<u64>,
+    error: Option<String>,
+}
+
+fn evict_files(a: EvictArgs) -> i32 {
+    let (off, len) = a.range.unwrap_or((0, None));
+    let mut status = 0;
+    let mut rows = Vec::new();
+    for path in &a.files {
+        let f = match open_for_inspection(path) {
+            Ok(f) => f,
+            Err(e) => {
+                status = 1;
+                super::report(&e);
+                rows.push(EvictRow {
+                    file: path.display().to_string(),
+                    cached_before: None,
+                    cached_after: None,
+                    error: Some(e.to_string()),
+                });
+                continue;
+            }
+        };
+        let before = residency(&f, path, off, len).ok().map(|r| r.cached_bytes());
+        let res = evict(&f, path, off, len, a.sync);
+        let after = residency(&f, path, off, len).ok().map(|r| r.cached_bytes());
+        let error = res.as_ref().err().map(|e| e.to_string());
+        match &res {
+            Err(e) => {
+                status = 1;
+                super::report(e);
+            }
+            Ok(()) if !a.json => match (before, after) {
+                (Some(b), Some(af)) => println!(
+                    "{}: {} → {} cached",
+                    path.display(),
+                    human::bytes(b),
+                    human::bytes(af)
+                ),
+                _ => println!(
+                    "{}: evicted (residency not visible to this user)",
+                    path.display()
+                ),
+            },
+            Ok(()) => {}
+        }
+        rows.push(EvictRow {
+            file: path.display().to_string(),
+            cached_before: before,
+            cached_after: after,
+            error,
+        });
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).expect("rows serialise")
+        );
+    }
+    status
+}

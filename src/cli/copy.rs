@@ -1,0 +1,391 @@
+//! `lightfoot copy SRC DST`.
+
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use lightfoot::copy::endpoint::{open_destination, open_source, parse_size, DestOptions};
+use lightfoot::copy::{copy, CopyOptions, Endpoint, Opened, Progress};
+use lightfoot::io::inspect::{open_for_inspection, residency};
+use lightfoot::io::{CacheMode, CacheStat, Fadvise, Mechanism, ReadMech, Tuning, WriteMech};
+use lightfoot::ErrorKind;
+
+use super::human;
+
+const AFTER_HELP: &str = "\
+ENDPOINTS:
+  PATH        a regular file or a block device
+  -           standard input (as SRC) or standard output (as DST); sequential
+  null:[SIZE] reads zeroes, discards writes (a DST of any size; SRC of SIZE bytes)
+
+A regular-file DST is created, or truncated and then extended to the size of SRC, so holes in
+SRC stay holes. A block-device DST is written in full: holes are zeroed (BLKZEROOUT) unless
+--destination-is-zero. DST is made durable (fdatasync, and its directory for a new file)
+before success is reported, unless --no-flush.
+
+Cache modes (--cache):
+  neutral  pages of SRC cached before the job stay cached; pages the job brings in (SRC and
+           DST) are gone when it ends; the footprint stays within tens of MiB meanwhile
+  keep     plain buffered I/O: the kernel keeps what it likes
+  drop     evict every page the job touched, including ones cached before
+  direct   O_DIRECT for both sides
+
+Exit status: 0 success, 1 failure (DST may be incomplete: the message says so), 2 usage
+error, 130 interrupted. Environment: LIGHTFOOT_NO_DONTCACHE=1 is --no-dontcache.
+See docs/copy.md and docs/cache-policy.md.";
+
+/// Copy a file, block device or stream, leaving the page cache as it was.
+#[derive(Args)]
+#[command(after_long_help = AFTER_HELP)]
+pub struct CopyArgs {
+    /// Source: a file, a block device, `-` (standard input) or `null:SIZE`.
+    #[arg(value_name = "SRC")]
+    src: Endpoint,
+
+    /// Destination: a file (created or truncated), a block device, `-` (standard output) or
+    /// `null:`.
+    #[arg(value_name = "DST")]
+    dst: Endpoint,
+
+    /// Page-cache policy for both sides.
+    #[arg(long, value_name = "MODE", default_value = "neutral", value_parser = parse_enum::<CacheMode>)]
+    cache: CacheMode,
+
+    /// Parallel workers, each with one request in flight.
+    #[arg(short = 'j', long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
+    workers: u16,
+
+    /// Bytes per request (K, M, G suffixes; at least 64K, at most 256M).
+    #[arg(long, value_name = "SIZE", default_value = "4M", value_parser = parse_request_size)]
+    request_size: usize,
+
+    /// Write every byte: zeroes in SRC are written (or allocated) in DST rather than left as
+    /// holes.
+    #[arg(long)]
+    no_sparse: bool,
+
+    /// Allocate the whole DST file before copying (regular files).
+    #[arg(long)]
+    preallocate: bool,
+
+    /// DST (a block device) already reads as zeroes: skip zeroing its holes.
+    #[arg(long)]
+    destination_is_zero: bool,
+
+    /// Do not make DST durable at the end (eviction still waits for writeback).
+    #[arg(long)]
+    no_flush: bool,
+
+    /// Show a progress bar (on a terminal).
+    #[arg(long)]
+    progress: bool,
+
+    /// Print a JSON summary: bytes, seconds, MiB/s, mechanisms, page-cache footprint of SRC
+    /// and DST before and after.
+    #[arg(long)]
+    json: bool,
+
+    /// Say which mechanisms were chosen and why (-vv: more).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+
+    /// Never use RWF_DONTCACHE (fall back to O_DIRECT reads and write-behind writes).
+    #[arg(long, help_heading = "Advanced")]
+    no_dontcache: bool,
+
+    /// Force the read mechanism: buffered, dontcache, direct or evict-behind.
+    #[arg(long, value_name = "MECH", help_heading = "Advanced", value_parser = parse_enum::<ReadMech>)]
+    read_mechanism: Option<ReadMech>,
+
+    /// Force the write mechanism: buffered, dontcache, write-behind or direct.
+    #[arg(long, value_name = "MECH", help_heading = "Advanced", value_parser = parse_enum::<WriteMech>)]
+    write_mechanism: Option<WriteMech>,
+
+    /// Readahead advice for SRC: normal, sequential or random (default: chosen with the
+    /// mechanism; random for DONTCACHE, whose readahead past the last read would stay cached).
+    #[arg(long, value_name = "ADVICE", help_heading = "Advanced", value_parser = parse_enum::<Fadvise>)]
+    fadvise: Option<Fadvise>,
+}
+
+pub fn parse_enum<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, String> {
+    s.parse()
+}
+
+fn parse_request_size(s: &str) -> Result<usize, String> {
+    let n = parse_size(s)?;
+    if !(64 << 10..=256 << 20).contains(&n) {
+        return Err(format!(
+            "request size must be between 64K and 256M, not {s}"
+        ));
+    }
+    Ok(n as usize)
+}
+
+/// Ctrl-C: the first one stops the copy at the next request (so the cache is cleaned up), a
+/// second one exits at once.
+static CANCEL: AtomicBool = AtomicBool::new(false);
+
+#[derive(serde::Serialize)]
+struct Side {
+    name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mechanism: Option<Mechanism>,
+    /// Cached bytes before and after the job (null where not known).
+    cached_before: Option<u64>,
+    cached_after: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stat_after: Option<CacheStat>,
+}
+
+#[derive(serde::Serialize)]
+struct Summary {
+    ok: bool,
+    bytes: u64,
+    written: u64,
+    zero: u64,
+    seconds: f64,
+    mib_per_second: f64,
+    cache: CacheMode,
+    workers: u16,
+    request_size: usize,
+    source: Side,
+    destination: Side,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+fn cached_now(ep: &Endpoint) -> Option<u64> {
+    let Endpoint::Path(p) = ep else { return None };
+    let f = open_for_inspection(p).ok()?;
+    residency(&f, p, 0, None).ok().map(|r| r.cached_bytes())
+}
+
+fn cached_of(opened: &Opened) -> (Option<u64>, Option<CacheStat>, Option<Mechanism>) {
+    match opened.backend.cache_info() {
+        Some(ci) => (
+            Some(ci.stat.cached * ci.page_size),
+            Some(ci.stat),
+            Some(ci.mechanism),
+        ),
+        None => (
+            None,
+            None,
+            opened.file.as_ref().map(|f| f.policy().mechanism()),
+        ),
+    }
+}
+
+pub fn run(args: CopyArgs) -> i32 {
+    super::init_logging(args.verbose);
+    let _ = ctrlc::set_handler(|| {
+        if CANCEL.swap(true, Ordering::SeqCst) {
+            std::process::exit(super::EXIT_INTERRUPTED);
+        }
+    });
+    let tuning = Tuning {
+        no_dontcache: args.no_dontcache,
+        no_cachestat: false,
+        read: args.read_mechanism,
+        write: args.write_mechanism,
+        fadvise: args.fadvise,
+    }
+    .with_env();
+
+    let src_before = cached_now(&args.src);
+    let dst_before = cached_now(&args.dst);
+    let src = match open_source(&args.src, args.cache, &tuning) {
+        Ok(s) => s,
+        Err(e) => {
+            super::report(&e);
+            return 1;
+        }
+    };
+    let size = src.backend.size();
+    let dest_opts = DestOptions {
+        preallocate: args.preallocate,
+        destination_is_zero: args.destination_is_zero,
+    };
+    let dst = match open_destination(&args.dst, &src, size, args.cache, &tuning, dest_opts) {
+        Ok(d) => d,
+        Err(e) => {
+            super::report(&e);
+            return 1;
+        }
+    };
+    let opts = CopyOptions {
+        workers: args.workers as usize,
+        request_size: args.request_size,
+        destination_is_zero: dst.zeroed,
+        sparse: !args.no_sparse,
+        flush: !args.no_flush,
+    };
+    let progress = Arc::new(Progress::default());
+    let bar = (args.progress && std::io::stderr().is_terminal())
+        .then(|| progress_bar(size, progress.clone()));
+    let result = copy(&*src.backend, &*dst.backend, &opts, &progress, &CANCEL);
+    if let Some((bar, stop, handle)) = bar {
+        stop.store(true, Ordering::Relaxed);
+        let _ = handle.join();
+        bar.finish_and_clear();
+    }
+    let result = result.and_then(|stats| {
+        if opts.flush {
+            dst.sync_parent()
+                .map_err(|error| lightfoot::copy::Failure {
+                    error,
+                    done: stats.bytes,
+                })?;
+        }
+        Ok(stats)
+    });
+
+    let (src_after, _, src_mech) = cached_of(&src);
+    let (dst_after, dst_stat, dst_mech) = cached_of(&dst);
+    let to_stdout = args.dst == Endpoint::Stdio;
+    let (ok, bytes, written, zero, seconds, error) = match &result {
+        Ok(s) => (true, s.bytes, s.written, s.zero, s.seconds, None),
+        Err(f) => (false, f.done, 0, 0, 0.0, Some(f.error.to_string())),
+    };
+    let summary = Summary {
+        ok,
+        bytes,
+        written,
+        zero,
+        seconds,
+        mib_per_second: if seconds > 0.0 {
+            bytes as f64 / seconds / 1048576.0
+        } else {
+            0.0
+        },
+        cache: args.cache,
+        workers: args.workers,
+        request_size: args.request_size,
+        source: Side {
+            name: src.backend.name().to_string(),
+            mechanism: src_mech,
+            cached_before: src_before,
+            cached_after: src_after,
+            stat_after: None,
+        },
+        destination: Side {
+            name: dst.backend.name().to_string(),
+            mechanism: dst_mech,
+            cached_before: dst_before,
+            cached_after: dst_after,
+            stat_after: dst_stat,
+        },
+        error,
+    };
+    drop(src);
+    drop(dst);
+
+    if args.json {
+        let text = serde_json::to_string_pretty(&summary).expect("summary serialises");
+        if to_stdout {
+            eprintln!("{text}")
+        } else {
+            println!("{text}")
+        }
+    }
+    match result {
+        Ok(_) => {
+            if !args.json {
+                print_summary(&summary, args.verbose > 0, to_stdout);
+            }
+            0
+        }
+        Err(f) => {
+            // A reader that closed our stdout early is not our failure.
+            if to_stdout
+                && std::error::Error::source(&f.error)
+                    .and_then(|s| s.downcast_ref::<std::io::Error>())
+                    .is_some_and(|e| e.raw_os_error() == Some(libc::EPIPE))
+            {
+                return 0;
+            }
+            super::report(&f.error);
+            if !matches!(args.dst, Endpoint::Null(_)) {
+                let total = size
+                    .map(|s| format!(" of {}", human::bytes(s)))
+                    .unwrap_or_default();
+                eprintln!(
+                    "lightfoot: {} is incomplete: {} copied{total} before the failure",
+                    summary.destination.name,
+                    human::bytes(f.done)
+                );
+            }
+            if f.error.kind() == ErrorKind::Interrupted {
+                super::EXIT_INTERRUPTED
+            } else {
+                1
+            }
+        }
+    }
+}
+
+fn print_summary(s: &Summary, verbose: bool, to_stderr: bool) {
+    let cache = |before: Option<u64>, after: Option<u64>| match (before, after) {
+        (Some(b), Some(a)) => format!("{} → {}", human::bytes(b), human::bytes(a)),
+        (None, Some(a)) => format!("(new) → {}", human::bytes(a)),
+        _ => "not visible".to_string(),
+    };
+    let mut text = format!(
+        "copied {} in {:.2} s ({:.0} MiB/s); {} written, {} zero\npage cache: source {}, destination {}\n",
+        human::bytes(s.bytes),
+        s.seconds,
+        s.mib_per_second,
+        human::bytes(s.written),
+        human::bytes(s.zero),
+        cache(s.source.cached_before, s.source.cached_after),
+        cache(s.destination.cached_before, s.destination.cached_after),
+    );
+    if verbose {
+        for (what, side) in [("source", &s.source), ("destination", &s.destination)] {
+            if let Some(m) = &side.mechanism {
+                text += &format!(
+                    "{what}: read {}, write {}, fadvise {}",
+                    m.read, m.write, m.fadvise
+                );
+                for n in &m.notes {
+                    text += &format!("; {n}");
+                }
+                text += "\n";
+            }
+        }
+    }
+    if to_stderr {
+        eprint!("{text}")
+    } else {
+        print!("{text}")
+    }
+}
+
+type Bar = (
+    indicatif::ProgressBar,
+    Arc<AtomicBool>,
+    std::thread::JoinHandle<()>,
+);
+
+fn progress_bar(size: Option<u64>, progress: Arc<Progress>) -> Bar {
+    let bar = match size {
+        Some(s) => indicatif::ProgressBar::new(s),
+        None => indicatif::ProgressBar::new_spinner(),
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let (b, st) = (bar.clone(), stop.clone());
+    let handle = std::thread::spawn(move || {
+        while !st.load(Ordering::Relaxed) {
+            b.set_position(progress.done.load(Ordering::Relaxed));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    (bar, stop, handle)
+}

@@ -1,0 +1,65 @@
+//! Command line: `lightfoot copy`, `lightfoot cache stat|evict`. The only place that prints
+//! and chooses exit codes: 0 success, 1 failure, 2 usage error, 130 interrupted.
+
+use clap::{Parser, Subcommand};
+
+mod cache;
+mod copy;
+mod human;
+
+#[derive(Parser)]
+#[command(
+    name = "lightfoot",
+    version,
+    about = "Copy and serve disk images without trampling the page cache",
+    long_about = "Copy and serve disk images and large files without trampling the host's page \
+cache. By default every command is cache-neutral (pages cached before the job stay cached, pages \
+the job brought in are gone when it ends) and durable (success means the data reached stable \
+storage).",
+    propagate_version = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    Copy(copy::CopyArgs),
+    #[command(subcommand)]
+    Cache(cache::CacheCommand),
+}
+
+/// Exit status for an interrupted job (128 + SIGINT, as shells report it).
+pub const EXIT_INTERRUPTED: i32 = 130;
+
+pub fn run() -> i32 {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Copy(args) => copy::run(args),
+        Command::Cache(cmd) => cache::run(cmd),
+    }
+}
+
+/// Logging to stderr: warnings by default, `-v` info (the mechanisms chosen and why), `-vv`
+/// debug. `RUST_LOG` overrides.
+pub fn init_logging(verbose: u8) {
+    let level = match verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("lightfoot={level}")));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .try_init();
+}
+
+/// Prints an error the way every command does.
+pub fn report(err: &dyn std::fmt::Display) {
+    eprintln!("lightfoot: {err}");
+}

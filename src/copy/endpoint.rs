@@ -1,0 +1,242 @@
+//! What the user names on the command line, opened as a backend: a file or block device path,
+//! `-` (standard input or output) or `null:[SIZE]`. NBD URIs come with the NBD client.
+
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::backend::{Backend, FileBackend, NullBackend, PipeBackend};
+use crate::error::{Error, ErrorKind, Result};
+use crate::io::{CacheMode, OpenOptions, Tuning};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    Path(PathBuf),
+    /// `-`
+    Stdio,
+    /// `null:` or `null:SIZE`
+    Null(Option<u64>),
+}
+
+impl std::str::FromStr for Endpoint {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "-" {
+            return Ok(Endpoint::Stdio);
+        }
+        if let Some(size) = s.strip_prefix("null:") {
+            if size.is_empty() {
+                return Ok(Endpoint::Null(None));
+            }
+            return parse_size(size).map(|n| Endpoint::Null(Some(n)));
+        }
+        if s.is_empty() {
+            return Err("empty path".into());
+        }
+        Ok(Endpoint::Path(PathBuf::from(s)))
+    }
+}
+
+/// Parses `4096`, `64K`, `4M`, `1G`, `2T` (powers of 1024; `KiB`/`MiB`/... also accepted).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(digits);
+    let n: u64 = num.parse().map_err(|_| format!("invalid size '{s}'"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" | "kb" => 10,
+        "m" | "mib" | "mb" => 20,
+        "g" | "gib" | "gb" => 30,
+        "t" | "tib" | "tb" => 40,
+        _ => {
+            return Err(format!(
+                "invalid size '{s}' (use a number with an optional K, M, G or T suffix)"
+            ))
+        }
+    };
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("size '{s}' is too large"))
+}
+
+/// An endpoint opened for a copy.
+pub struct Opened {
+    pub backend: Arc<dyn Backend>,
+    /// The same backend when it is a file or device (for footprint figures and file steps).
+    pub file: Option<Arc<FileBackend>>,
+    /// The destination file did not exist before the job.
+    pub created: bool,
+    /// The destination reads as zeroes where not written.
+    pub zeroed: bool,
+}
+
+impl Opened {
+    fn plain(backend: Arc<dyn Backend>, zeroed: bool) -> Opened {
+        Opened {
+            backend,
+            file: None,
+            created: false,
+            zeroed,
+        }
+    }
+
+    fn file(file: FileBackend, created: bool, zeroed: bool) -> Opened {
+        let file = Arc::new(file);
+        Opened {
+            backend: file.clone(),
+            file: Some(file),
+            created,
+            zeroed,
+        }
+    }
+
+    /// After a new file was made durable: makes its directory entry durable too.
+    pub fn sync_parent(&self) -> Result<()> {
+        let Some(f) = &self.file else { return Ok(()) };
+        if !self.created {
+            return Ok(());
+        }
+        let path = f.policy().path();
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let dir = std::fs::File::open(parent).map_err(|e| Error::io("open", e).path(parent))?;
+        dir.sync_all()
+            .map_err(|e| Error::io("flush", e).path(parent))
+    }
+}
+
+pub fn open_source(ep: &Endpoint, mode: CacheMode, tuning: &Tuning) -> Result<Opened> {
+    match ep {
+        Endpoint::Stdio => Ok(Opened::plain(Arc::new(PipeBackend::stdin()?), false)),
+        Endpoint::Null(size) => Ok(Opened::plain(
+            Arc::new(NullBackend::new(Some(size.unwrap_or(0)))),
+            false,
+        )),
+        Endpoint::Path(p) => {
+            let meta = std::fs::metadata(p).map_err(|e| Error::io("open", e).path(p))?;
+            if meta.is_dir() {
+                return Err(Error::new(ErrorKind::InvalidInput, "open")
+                    .path(p)
+                    .detail("is a directory"));
+            }
+            if meta.file_type().is_fifo() || meta.file_type().is_char_device() {
+                let f = std::fs::File::open(p).map_err(|e| Error::io("open", e).path(p))?;
+                return Ok(Opened::plain(
+                    Arc::new(PipeBackend::from_file(&p.display().to_string(), f, false)),
+                    false,
+                ));
+            }
+            let fb = FileBackend::open(p, OpenOptions::default(), mode, tuning)?;
+            Ok(Opened::file(fb, false, false))
+        }
+    }
+}
+
+/// How to prepare a destination.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DestOptions {
+    /// Allocate the whole destination file before copying (`--preallocate`).
+    pub preallocate: bool,
+    /// The user promises a block device already reads as zeroes (`--destination-is-zero`).
+    pub destination_is_zero: bool,
+}
+
+/// Opens the destination. A regular file is created or truncated to `size` (so it reads as
+/// zeroes); a block device is opened as it is and must be large enough.
+pub fn open_destination(
+    ep: &Endpoint,
+    src: &Opened,
+    size: Option<u64>,
+    mode: CacheMode,
+    tuning: &Tuning,
+    opts: DestOptions,
+) -> Result<Opened> {
+    match ep {
+        Endpoint::Stdio => Ok(Opened::plain(Arc::new(PipeBackend::stdout()?), false)),
+        Endpoint::Null(n) => Ok(Opened::plain(Arc::new(NullBackend::new(*n)), true)),
+        Endpoint::Path(p) => {
+            let existing = match std::fs::metadata(p) {
+                Ok(m) => Some(m),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => return Err(Error::io("open", e).path(p)),
+            };
+            if let (Some(m), Some(sf)) = (&existing, &src.file) {
+                let sm = sf
+                    .policy()
+                    .file()
+                    .metadata()
+                    .map_err(|e| Error::io("stat", e).path(sf.policy().path()))?;
+                if m.dev() == sm.dev() && m.ino() == sm.ino() {
+                    return Err(Error::new(ErrorKind::InvalidInput, "copy")
+                        .path(p)
+                        .detail("source and destination are the same file"));
+                }
+            }
+            match &existing {
+                Some(m) if m.is_dir() => {
+                    return Err(Error::new(ErrorKind::InvalidInput, "open")
+                        .path(p)
+                        .detail("is a directory"))
+                }
+                Some(m) if m.file_type().is_block_device() => {
+                    let opts_o = OpenOptions {
+                        write: true,
+                        create: false,
+                        truncate: false,
+                    };
+                    let fb = FileBackend::open(p, opts_o, mode, tuning)?;
+                    return Ok(Opened::file(fb, false, opts.destination_is_zero));
+                }
+                Some(m) if m.file_type().is_fifo() || m.file_type().is_char_device() => {
+                    let f = std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(p)
+                        .map_err(|e| Error::io("open", e).path(p))?;
+                    return Ok(Opened::plain(
+                        Arc::new(PipeBackend::from_file(&p.display().to_string(), f, true)),
+                        false,
+                    ));
+                }
+                _ => {}
+            }
+            let opts_o = OpenOptions {
+                write: true,
+                create: true,
+                truncate: true,
+            };
+            let fb = FileBackend::open(p, opts_o, mode, tuning)?;
+            if let Some(size) = size {
+                if opts.preallocate {
+                    fb.preallocate(size)?;
+                }
+                fb.set_len(size)?;
+            }
+            Ok(Opened::file(fb, existing.is_none(), true))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_endpoints_and_sizes() {
+        assert_eq!("-".parse::<Endpoint>().unwrap(), Endpoint::Stdio);
+        assert_eq!("null:".parse::<Endpoint>().unwrap(), Endpoint::Null(None));
+        assert_eq!(
+            "null:1G".parse::<Endpoint>().unwrap(),
+            Endpoint::Null(Some(1 << 30))
+        );
+        assert_eq!(
+            "a/b".parse::<Endpoint>().unwrap(),
+            Endpoint::Path("a/b".into())
+        );
+        assert_eq!(parse_size("4M").unwrap(), 4 << 20);
+        assert_eq!(parse_size("64KiB").unwrap(), 64 << 10);
+        assert!(parse_size("4Q").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+}

@@ -1,0 +1,323 @@
+//! The copy engine: moves every byte of a source backend to a destination backend.
+//!
+//! The source is split into requests of `request_size` bytes taken in order by `workers`
+//! threads (positional I/O, so they share each fd without a lock). For each request the
+//! source's extent map says what is data; holes, and data that turns out to be all zeroes,
+//! are skipped when the destination is known to read as zeroes already, and zeroed on it
+//! otherwise. A sequential endpoint (a pipe) gets one worker, so requests stay in order; a
+//! source of unknown size is read until it ends.
+//!
+//! The engine knows nothing of files or cache policies: those live in the backends. It is
+//! cancelled through a flag (Ctrl-C), and always calls `finish` on both backends so their
+//! cache clean-up runs on success and failure alike.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
+
+use crate::backend::{is_zero, Backend, ZeroFlags};
+use crate::error::{Error, ErrorKind, Result};
+use crate::io::AlignedBuf;
+
+pub mod endpoint;
+
+pub use endpoint::{Endpoint, Opened};
+
+/// Granularity of zero detection in data extents: runs of zero bytes this long (and aligned)
+/// are not written to a destination that already reads as zeroes.
+pub const ZERO_BLOCK: usize = 64 << 10;
+
+#[derive(Debug, Clone)]
+pub struct CopyOptions {
+    /// Worker threads (each with one request in flight).
+    pub workers: usize,
+    /// Bytes per request.
+    pub request_size: usize,
+    /// The destination reads as zeroes where not written (a new or truncated file, or
+    /// `--destination-is-zero`): holes are skipped rather than zeroed.
+    pub destination_is_zero: bool,
+    /// Skip zero runs (when the destination reads as zeroes) and punch rather than write
+    /// zeroes; `false` (`--no-sparse`) allocates every byte.
+    pub sparse: bool,
+    /// Make the destination durable before reporting success.
+    pub flush: bool,
+}
+
+impl Default for CopyOptions {
+    fn default() -> Self {
+        CopyOptions {
+            workers: 2,
+            request_size: 4 << 20,
+            destination_is_zero: false,
+            sparse: true,
+            flush: true,
+        }
+    }
+}
+
+/// Counters the caller can watch while the copy runs.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Bytes of the source dealt with (copied, skipped or zeroed).
+    pub done: AtomicU64,
+    /// Bytes actually written to the destination.
+    pub written: AtomicU64,
+    /// Bytes zeroed or skipped as zero.
+    pub zero: AtomicU64,
+}
+
+/// What a finished copy did.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Stats {
+    pub bytes: u64,
+    pub written: u64,
+    pub zero: u64,
+    pub seconds: f64,
+}
+
+/// A failed copy: the error, and how far it got.
+#[derive(Debug)]
+pub struct Failure {
+    pub error: Error,
+    /// Bytes of the source dealt with before the failure (not necessarily a prefix).
+    pub done: u64,
+}
+
+/// Copies `src` to `dst`. `cancel` stops it at the next request boundary.
+pub fn copy(
+    src: &dyn Backend,
+    dst: &dyn Backend,
+    opts: &CopyOptions,
+    progress: &Progress,
+    cancel: &AtomicBool,
+) -> Result<Stats, Failure> {
+    let start = Instant::now();
+    let res = match src.size() {
+        Some(size) => copy_sized(src, dst, size, opts, progress, cancel),
+        None => copy_stream(src, dst, opts, progress, cancel),
+    };
+    // Flush before finishing: finish evicts, and eviction of clean pages is cheap after the
+    // flush wrote them. Clean-up runs whatever happened; the first error wins.
+    let res = res.and_then(|()| if opts.flush { dst.flush() } else { Ok(()) });
+    let fin_dst = dst.finish();
+    let fin_src = src.finish();
+    let res = res.and(fin_dst).and(fin_src);
+    let done = progress.done.load(Ordering::Relaxed);
+    match res {
+        Ok(()) => Ok(Stats {
+            bytes: done,
+            written: progress.written.load(Ordering::Relaxed),
+            zero: progress.zero.load(Ordering::Relaxed),
+            seconds: start.elapsed().as_secs_f64(),
+        }),
+        Err(error) => Err(Failure { error, done }),
+    }
+}
+
+fn check_room(dst: &dyn Backend, size: u64) -> Result<()> {
+    match dst.size() {
+        Some(room) if room < size => Err(Error::new(ErrorKind::NoSpace, "copy")
+            .path(dst.name())
+            .detail(format!(
+                "destination is smaller than the source ({room} < {size} bytes)"
+            ))),
+        _ => Ok(()),
+    }
+}
+
+fn copy_sized(
+    src: &dyn Backend,
+    dst: &dyn Backend,
+    size: u64,
+    opts: &CopyOptions,
+    progress: &Progress,
+    cancel: &AtomicBool,
+) -> Result<()> {
+    check_room(dst, size)?;
+    if dst.caps().read_only {
+        return Err(Error::new(ErrorKind::Permission, "copy")
+            .path(dst.name())
+            .detail("destination is read-only"));
+    }
+    let req = opts.request_size.max(ZERO_BLOCK) as u64;
+    let chunks = size.div_ceil(req);
+    let sequential = src.caps().sequential || dst.caps().sequential;
+    let workers = if sequential {
+        1
+    } else {
+        opts.workers.clamp(1, 64) as u64
+    }
+    .min(chunks.max(1));
+    let next = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let first_error: std::sync::Mutex<Option<Error>> = Default::default();
+
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| {
+                let mut buf = AlignedBuf::new(req as usize);
+                loop {
+                    if stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    if cancel.load(Ordering::Relaxed) {
+                        first_error.lock().unwrap().get_or_insert(
+                            Error::new(ErrorKind::Interrupted, "copy").detail("interrupted"),
+                        );
+                        stop.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= chunks {
+                        return;
+                    }
+                    let off = i * req;
+                    let len = req.min(size - off);
+                    if let Err(e) = copy_chunk(src, dst, off, len, &mut buf, opts, progress) {
+                        first_error.lock().unwrap().get_or_insert(e);
+                        stop.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    match first_error.into_inner().unwrap() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Copies `[off, off+len)`: walks the source's extents, reads data, writes what is not zero.
+fn copy_chunk(
+    src: &dyn Backend,
+    dst: &dyn Backend,
+    off: u64,
+    len: u64,
+    buf: &mut [u8],
+    opts: &CopyOptions,
+    progress: &Progress,
+) -> Result<()> {
+    let end = off + len;
+    let mut at = off;
+    while at < end {
+        let extents = src.extents(at, end - at)?;
+        for e in extents {
+            let n = e.len.min(end - at);
+            if n == 0 {
+                continue;
+            }
+            if e.zero {
+                zero_range(dst, at, n, opts)?;
+                progress.zero.fetch_add(n, Ordering::Relaxed);
+            } else {
+                let data = &mut buf[..n as usize];
+                let got = src.read(data, at)?;
+                if got < data.len() {
+                    return Err(Error::new(ErrorKind::UnexpectedEof, "read")
+                        .path(src.name())
+                        .at(at + got as u64, n - got as u64)
+                        .detail("the source ended early (did it shrink during the copy?)"));
+                }
+                write_data(dst, at, data, opts, progress)?;
+            }
+            at += n;
+            progress.done.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+    Ok(())
+}
+
+/// Makes `[at, at+n)` of the destination read as zeroes, if it does not already.
+fn zero_range(dst: &dyn Backend, at: u64, n: u64, opts: &CopyOptions) -> Result<()> {
+    if opts.destination_is_zero && opts.sparse {
+        return Ok(());
+    }
+    dst.zero(
+        at,
+        n,
+        ZeroFlags {
+            may_trim: opts.sparse,
+            fast: false,
+            fua: false,
+        },
+    )
+}
+
+/// Writes a data buffer, leaving out aligned zero blocks where the destination is zero.
+fn write_data(
+    dst: &dyn Backend,
+    at: u64,
+    data: &[u8],
+    opts: &CopyOptions,
+    progress: &Progress,
+) -> Result<()> {
+    if !(opts.sparse && opts.destination_is_zero) {
+        dst.write(data, at, false)?;
+        progress
+            .written
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        return Ok(());
+    }
+    // Runs of non-zero blocks are written in one request each.
+    let mut run_start: Option<usize> = None;
+    let mut i = 0;
+    while i <= data.len() {
+        let block_end = (i + ZERO_BLOCK).min(data.len());
+        let zero = i == data.len() || is_zero(&data[i..block_end]);
+        match (zero, run_start) {
+            (false, None) => run_start = Some(i),
+            (true, Some(s)) => {
+                dst.write(&data[s..i], at + s as u64, false)?;
+                progress
+                    .written
+                    .fetch_add((i - s) as u64, Ordering::Relaxed);
+                run_start = None;
+            }
+            _ => {}
+        }
+        if zero && i < data.len() {
+            progress
+                .zero
+                .fetch_add((block_end - i) as u64, Ordering::Relaxed);
+        }
+        if i == data.len() {
+            break;
+        }
+        i = block_end;
+    }
+    Ok(())
+}
+
+/// A source of unknown size (a pipe): read in order until it ends.
+fn copy_stream(
+    src: &dyn Backend,
+    dst: &dyn Backend,
+    opts: &CopyOptions,
+    progress: &Progress,
+    cancel: &AtomicBool,
+) -> Result<()> {
+    let req = opts.request_size.max(ZERO_BLOCK);
+    let mut buf = AlignedBuf::new(req);
+    let room = dst.size();
+    let mut at = 0u64;
+    loop {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(Error::new(ErrorKind::Interrupted, "copy").detail("interrupted"));
+        }
+        let n = src.read(&mut buf[..req], at)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if room.is_some_and(|r| at + n as u64 > r) {
+            check_room(dst, at + n as u64)?;
+        }
+        // The destination's size is not known to cover this range, so everything is written.
+        dst.write(&buf[..n], at, false)?;
+        at += n as u64;
+        progress.written.fetch_add(n as u64, Ordering::Relaxed);
+        progress.done.fetch_add(n as u64, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests;

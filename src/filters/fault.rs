@@ -1,0 +1,227 @@
+//! A fault-injecting filter for tests: fails, shortens or slows chosen operations, at chosen
+//! offsets or every n-th time, so every error path can be exercised without a broken disk.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backend::{Backend, CacheInfo, Caps, Extent, ZeroFlags};
+use crate::error::{Error, ErrorKind, Result};
+
+/// Which operations a rule applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+    Zero,
+    Trim,
+    Flush,
+    Extents,
+}
+
+/// What happens when a rule fires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Fail with this kind (`Io` stands for EIO, `NoSpace` for ENOSPC).
+    Fail(ErrorKind),
+    /// Reads return half the bytes (as at an unexpected end of data); writes store the first
+    /// half and then fail with EIO (a torn write).
+    Short,
+    /// Sleep, then carry out the operation.
+    Slow(Duration),
+}
+
+/// One rule: `fault` on `ops` overlapping `range`, on every `every`-th match after skipping
+/// the first `skip`, at most `times` times.
+#[derive(Debug, Clone)]
+pub struct Rule {
+    pub ops: Vec<Op>,
+    pub range: Option<(u64, u64)>,
+    pub skip: u64,
+    pub every: u64,
+    pub times: Option<u64>,
+    pub fault: Fault,
+}
+
+impl Rule {
+    /// `fault` on every request of `op`.
+    pub fn new(op: Op, fault: Fault) -> Rule {
+        Rule {
+            ops: vec![op],
+            range: None,
+            skip: 0,
+            every: 1,
+            times: None,
+            fault,
+        }
+    }
+
+    /// Only requests overlapping `[offset, offset+len)`.
+    pub fn at(mut self, offset: u64, len: u64) -> Rule {
+        self.range = Some((offset, len));
+        self
+    }
+
+    /// Only every n-th matching request (n ≥ 1), after skipping `skip` of them.
+    pub fn every(mut self, n: u64, skip: u64) -> Rule {
+        self.every = n.max(1);
+        self.skip = skip;
+        self
+    }
+
+    /// At most `n` times.
+    pub fn times(mut self, n: u64) -> Rule {
+        self.times = Some(n);
+        self
+    }
+}
+
+pub struct FaultInjector {
+    inner: Arc<dyn Backend>,
+    rules: Vec<(Rule, AtomicU64, AtomicU64)>,
+}
+
+impl FaultInjector {
+    pub fn new(inner: Arc<dyn Backend>, rules: Vec<Rule>) -> FaultInjector {
+        let rules = rules
+            .into_iter()
+            .map(|r| (r, AtomicU64::new(0), AtomicU64::new(0)))
+            .collect();
+        FaultInjector { inner, rules }
+    }
+
+    /// How many times the rules fired, in order.
+    pub fn fired(&self) -> Vec<u64> {
+        self.rules
+            .iter()
+            .map(|(_, _, f)| f.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// The fault to inject for this request, if any (sleeps for `Slow` itself).
+    fn check(&self, op: Op, offset: u64, len: u64) -> Option<Fault> {
+        for (rule, seen, fired) in &self.rules {
+            if !rule.ops.contains(&op) {
+                continue;
+            }
+            if let Some((o, l)) = rule.range {
+                let overlaps = offset < o + l && o < offset + len.max(1);
+                if !overlaps && op != Op::Flush {
+                    continue;
+                }
+            }
+            let n = seen.fetch_add(1, Ordering::Relaxed);
+            if n < rule.skip || (n - rule.skip) % rule.every != 0 {
+                continue;
+            }
+            if rule
+                .times
+                .is_some_and(|t| fired.load(Ordering::Relaxed) >= t)
+            {
+                continue;
+            }
+            fired.fetch_add(1, Ordering::Relaxed);
+            match rule.fault {
+                Fault::Slow(d) => std::thread::sleep(d),
+                other => return Some(other),
+            }
+        }
+        None
+    }
+
+    fn fail(&self, kind: ErrorKind, op: &'static str, offset: u64, len: u64) -> Error {
+        let errno = match kind {
+            ErrorKind::NoSpace => libc::ENOSPC,
+            ErrorKind::Permission => libc::EPERM,
+            ErrorKind::NotSupported => libc::EOPNOTSUPP,
+            ErrorKind::InvalidInput => libc::EINVAL,
+            _ => libc::EIO,
+        };
+        Error::io(op, std::io::Error::from_raw_os_error(errno))
+            .path(self.inner.name())
+            .at(offset, len)
+            .detail("injected")
+    }
+}
+
+impl Backend for FaultInjector {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn size(&self) -> Option<u64> {
+        self.inner.size()
+    }
+
+    fn caps(&self) -> Caps {
+        self.inner.caps()
+    }
+
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        match self.check(Op::Read, offset, buf.len() as u64) {
+            Some(Fault::Fail(k)) => Err(self.fail(k, "read", offset, buf.len() as u64)),
+            Some(Fault::Short) => {
+                let half = buf.len() / 2;
+                self.inner.read(&mut buf[..half], offset)
+            }
+            _ => self.inner.read(buf, offset),
+        }
+    }
+
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        match self.check(Op::Write, offset, buf.len() as u64) {
+            Some(Fault::Fail(k)) => Err(self.fail(k, "write", offset, buf.len() as u64)),
+            Some(Fault::Short) => {
+                let half = buf.len() / 2;
+                self.inner.write(&buf[..half], offset, fua)?;
+                Err(self.fail(
+                    ErrorKind::Io,
+                    "write",
+                    offset + half as u64,
+                    (buf.len() - half) as u64,
+                ))
+            }
+            _ => self.inner.write(buf, offset, fua),
+        }
+    }
+
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        match self.check(Op::Zero, offset, len) {
+            Some(Fault::Fail(k)) => Err(self.fail(k, "zero", offset, len)),
+            Some(Fault::Short) => {
+                self.inner.zero(offset, len / 2, flags)?;
+                Err(self.fail(ErrorKind::Io, "zero", offset + len / 2, len - len / 2))
+            }
+            _ => self.inner.zero(offset, len, flags),
+        }
+    }
+
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        match self.check(Op::Trim, offset, len) {
+            Some(Fault::Fail(k)) => Err(self.fail(k, "trim", offset, len)),
+            _ => self.inner.trim(offset, len, fua),
+        }
+    }
+
+    fn flush(&self) -> Result<()> {
+        match self.check(Op::Flush, 0, 0) {
+            Some(Fault::Fail(k)) => Err(self.fail(k, "flush", 0, 0)),
+            _ => self.inner.flush(),
+        }
+    }
+
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        match self.check(Op::Extents, offset, len) {
+            Some(Fault::Fail(k)) => Err(self.fail(k, "extents", offset, len)),
+            _ => self.inner.extents(offset, len),
+        }
+    }
+
+    fn cache_info(&self) -> Option<CacheInfo> {
+        self.inner.cache_info()
+    }
+
+    fn finish(&self) -> Result<()> {
+        self.inner.finish()
+    }
+}

@@ -1,0 +1,142 @@
+//! Evict-behind for buffered reads: residency checked per 2 MiB block just before the first
+//! read in it, and the blocks the job brought into the cache evicted once read.
+//!
+//! Why 2 MiB-aligned blocks: `POSIX_FADV_DONTNEED` drops only whole folios and readahead builds
+//! folios up to 2 MiB, so smaller ranges often drop nothing (KERNEL-NOTES). A block that held
+//! any page before the job is never evicted: a pre-cached region may leak up to one block of
+//! the job's pages at each edge, but never loses its own.
+//!
+//! Why a check just before the read rather than one snapshot at start: pages another process
+//! caches during a long job are then respected too. It only works with readahead off
+//! (`POSIX_FADV_RANDOM`), otherwise our own readahead would already have loaded the block.
+
+use std::collections::BTreeMap;
+use std::os::fd::BorrowedFd;
+use std::sync::Mutex;
+
+use super::sys::{self, Advice};
+
+/// Eviction granularity: the largest folio readahead builds.
+pub const BLOCK: u64 = 2 << 20;
+
+pub struct EvictBehind {
+    /// Evict every block touched, cached before or not (`--cache=drop`).
+    evict_foreign: bool,
+    /// Most blocks of ours kept cached at once before the oldest is evicted (bounds the
+    /// footprint of random readers that never finish a block).
+    max_blocks: usize,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Blocks the job brought into the cache and has not evicted yet, with the last time (a
+    /// counter) they were touched.
+    ours: BTreeMap<u64, u64>,
+    clock: u64,
+}
+
+impl EvictBehind {
+    pub fn new(evict_foreign: bool, max_bytes: u64) -> EvictBehind {
+        EvictBehind {
+            evict_foreign,
+            max_blocks: (max_bytes / BLOCK).max(2) as usize,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    /// Call before reading `[offset, offset+len)`: classifies the blocks seen for the first
+    /// time. `Err` only if cachestat fails (the caller then stops using this mechanism).
+    pub fn before_read(&self, fd: BorrowedFd, offset: u64, len: u64) -> std::io::Result<()> {
+        let mut inner = self.inner.lock().unwrap();
+        inner.clock += 1;
+        let now = inner.clock;
+        for block in blocks(offset, len) {
+            if let Some(t) = inner.ours.get_mut(&block) {
+                *t = now;
+                continue;
+            }
+            let ours = self.evict_foreign || sys::cachestat(fd, block * BLOCK, BLOCK)?.cached == 0;
+            if ours {
+                inner.ours.insert(block, now);
+            }
+        }
+        Ok(())
+    }
+
+    /// Call after the read: evicts the blocks whose last byte this read reached, and the
+    /// least recently touched ones beyond the limit.
+    pub fn after_read(&self, fd: BorrowedFd, offset: u64, len: u64) {
+        let end = offset + len;
+        let mut evict = Vec::new();
+        {
+            let mut inner = self.inner.lock().unwrap();
+            for block in blocks(offset, len) {
+                if (block + 1) * BLOCK <= end && inner.ours.remove(&block).is_some() {
+                    evict.push(block);
+                }
+            }
+            while inner.ours.len() > self.max_blocks {
+                let oldest = inner
+                    .ours
+                    .iter()
+                    .min_by_key(|(_, t)| **t)
+                    .map(|(b, _)| *b)
+                    .unwrap();
+                inner.ours.remove(&oldest);
+                evict.push(oldest);
+            }
+        }
+        evict_blocks(fd, evict);
+    }
+
+    /// Evicts every block of ours still cached (end of job, error, Ctrl-C).
+    pub fn finish(&self, fd: BorrowedFd) {
+        let blocks: Vec<u64> = std::mem::take(&mut self.inner.lock().unwrap().ours)
+            .into_keys()
+            .collect();
+        evict_blocks(fd, blocks);
+    }
+
+    pub fn blocks_held(&self) -> usize {
+        self.inner.lock().unwrap().ours.len()
+    }
+}
+
+/// Block indexes touched by a byte range.
+fn blocks(offset: u64, len: u64) -> std::ops::Range<u64> {
+    if len == 0 {
+        return 0..0;
+    }
+    offset / BLOCK..(offset + len).div_ceil(BLOCK)
+}
+
+/// DONTNEED on blocks, coalesced into runs of adjacent blocks (one call per run).
+/// Eviction is advice: failures change nothing that was promised, so they are ignored.
+fn evict_blocks(fd: BorrowedFd, mut blocks: Vec<u64>) {
+    blocks.sort_unstable();
+    let mut i = 0;
+    while i < blocks.len() {
+        let start = blocks[i];
+        let mut end = start + 1;
+        i += 1;
+        while i < blocks.len() && blocks[i] == end {
+            end += 1;
+            i += 1;
+        }
+        let _ = sys::fadvise(fd, start * BLOCK, (end - start) * BLOCK, Advice::DontNeed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cover_range() {
+        assert_eq!(blocks(0, 1), 0..1);
+        assert_eq!(blocks(BLOCK - 1, 2), 0..2);
+        assert_eq!(blocks(BLOCK, BLOCK), 1..2);
+        assert_eq!(blocks(5, 0), 0..0);
+    }
+}

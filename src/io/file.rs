@@ -1,0 +1,534 @@
+//! `PolicyFile`: a file or block device whose reads and writes follow a cache policy.
+//!
+//! This is where `--cache=MODE` becomes system calls. The backends (`backend::file`) add the
+//! rest of the backend contract (zero, trim, extents) on top of it.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::evict::{self, EvictBehind};
+use super::policy::{choose, CacheMode, Choice, Fadvise, Probe, ReadMech, Tuning, WriteMech};
+use super::sys::{self, Advice, AlignedBuf};
+use super::writebehind::WriteBehind;
+use crate::error::{Error, ErrorKind, Result};
+
+/// Most bytes evict-behind keeps cached for readers that never finish a block.
+const EVICT_BEHIND_MAX: u64 = 32 << 20;
+
+/// How to open a `PolicyFile`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpenOptions {
+    pub write: bool,
+    pub create: bool,
+    pub truncate: bool,
+}
+
+/// A write error seen by writeback or a flush, kept so that no later flush reports success
+/// for data that was lost (the kernel reports such an error only once per open file).
+#[derive(Debug, Default)]
+pub struct WriteLatch(Mutex<Option<String>>);
+
+impl WriteLatch {
+    pub fn set(&self, err: &Error) {
+        let mut slot = self.0.lock().unwrap();
+        if slot.is_none() {
+            *slot = Some(err.to_string());
+        }
+    }
+
+    pub fn check(&self, path: &Path) -> Result<()> {
+        match &*self.0.lock().unwrap() {
+            None => Ok(()),
+            Some(first) => Err(Error::new(ErrorKind::Io, "flush")
+                .path(path)
+                .detail(format!(
+                    "an earlier write failed ({first}); data may be lost"
+                ))),
+        }
+    }
+}
+
+/// Which mechanisms a file ended up using, and why (for `--verbose` and JSON output).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Mechanism {
+    pub read: ReadMech,
+    pub write: WriteMech,
+    pub fadvise: Fadvise,
+    pub notes: Vec<String>,
+}
+
+pub struct PolicyFile {
+    path: PathBuf,
+    file: File,
+    /// An O_DIRECT fd on the same file, where a mechanism needs it.
+    direct: Option<File>,
+    /// O_DIRECT offset and length alignment.
+    align: u64,
+    is_block: bool,
+    mode: CacheMode,
+    read_mech: AtomicU8,
+    write_mech: AtomicU8,
+    fadvise: Fadvise,
+    evict: EvictBehind,
+    write_behind: WriteBehind,
+    latch: Arc<WriteLatch>,
+    rmw_locks: Vec<Mutex<()>>,
+    notes: Mutex<Vec<String>>,
+    /// Lowest and highest byte touched (for `drop` mode's final eviction).
+    touched_lo: AtomicU64,
+    touched_hi: AtomicU64,
+    finished: AtomicBool,
+}
+
+impl PolicyFile {
+    pub fn open(
+        path: &Path,
+        opts: OpenOptions,
+        mode: CacheMode,
+        tuning: &Tuning,
+    ) -> Result<PolicyFile> {
+        let open_err = |e: io::Error| Error::io("open", e).path(path);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(opts.write)
+            .create(opts.create)
+            .truncate(opts.truncate)
+            .open(path)
+            .map_err(open_err)?;
+        let meta = file.metadata().map_err(open_err)?;
+        let is_block = meta.file_type().is_block_device();
+        if !is_block && !meta.is_file() {
+            return Err(Error::new(ErrorKind::InvalidInput, "open")
+                .path(path)
+                .detail("not a regular file or block device"));
+        }
+        let fd = file.as_fd();
+        let dontcache = match sys::pread(fd, &mut [0u8; 1], 0, sys::RWF_DONTCACHE) {
+            Ok(_) => true,
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => false,
+            Err(e) => {
+                return Err(Error::io("read", e)
+                    .path(path)
+                    .at(0, 1)
+                    .detail("probing RWF_DONTCACHE"))
+            }
+        };
+        let mut pre_notes = Vec::new();
+        let cachestat = match sys::cachestat(fd, 0, 4096) {
+            Ok(_) => true,
+            Err(e) => {
+                let why = if e.raw_os_error() == Some(libc::EPERM) {
+                    "cachestat denied (the file is not writable by this user): residency unknown"
+                        .to_string()
+                } else {
+                    format!("cachestat unavailable ({e}): residency unknown")
+                };
+                tracing::info!("{}: {why}", path.display());
+                pre_notes.push(why);
+                false
+            }
+        };
+        let probe = Probe {
+            is_block,
+            dontcache,
+            cachestat,
+        };
+        let Choice {
+            read,
+            write,
+            fadvise,
+            mut notes,
+        } = choose(mode, probe, tuning);
+        notes.splice(0..0, pre_notes);
+
+        let wants_direct =
+            read == ReadMech::Direct || write == WriteMech::Direct || read == ReadMech::DontCache;
+        let direct = if wants_direct {
+            match std::fs::OpenOptions::new()
+                .read(true)
+                .write(opts.write)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+            {
+                Ok(f) => Some(f),
+                Err(e) if read == ReadMech::DontCache && write != WriteMech::Direct => {
+                    notes.push(format!(
+                        "O_DIRECT unavailable ({e}): no fallback if DONTCACHE fails"
+                    ));
+                    None
+                }
+                Err(e) => return Err(Error::io("open", e).path(path).detail("O_DIRECT")),
+            }
+        } else {
+            None
+        };
+        let align = direct
+            .as_ref()
+            .and_then(|f| sys::dio_alignment(f.as_fd()))
+            .map(|(mem, off)| u64::from(mem.max(off)))
+            .unwrap_or(sys::BUF_ALIGN as u64)
+            .clamp(512, sys::BUF_ALIGN as u64);
+        let advice = match fadvise {
+            Fadvise::Normal => Advice::Normal,
+            Fadvise::Sequential => Advice::Sequential,
+            Fadvise::Random => Advice::Random,
+        };
+        let _ = sys::fadvise(fd, 0, 0, advice);
+        tracing::debug!(
+            "{}: read {read}, write {write}, fadvise {fadvise}",
+            path.display()
+        );
+
+        Ok(PolicyFile {
+            path: path.to_path_buf(),
+            direct,
+            align,
+            is_block,
+            mode,
+            read_mech: AtomicU8::new(read as u8),
+            write_mech: AtomicU8::new(write as u8),
+            fadvise,
+            evict: EvictBehind::new(mode == CacheMode::Drop, EVICT_BEHIND_MAX),
+            write_behind: WriteBehind::new(write == WriteMech::DontCache),
+            latch: Arc::new(WriteLatch::default()),
+            rmw_locks: (0..64).map(|_| Mutex::new(())).collect(),
+            notes: Mutex::new(notes),
+            touched_lo: AtomicU64::new(u64::MAX),
+            touched_hi: AtomicU64::new(0),
+            finished: AtomicBool::new(false),
+            file,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    pub fn is_block(&self) -> bool {
+        self.is_block
+    }
+
+    /// O_DIRECT alignment (also the natural block size to advertise).
+    pub fn align(&self) -> u64 {
+        self.align
+    }
+
+    pub fn mode(&self) -> CacheMode {
+        self.mode
+    }
+
+    pub fn latch(&self) -> &WriteLatch {
+        &self.latch
+    }
+
+    pub fn mechanism(&self) -> Mechanism {
+        Mechanism {
+            read: self.read_mech(),
+            write: self.write_mech(),
+            fadvise: self.fadvise,
+            notes: self.notes.lock().unwrap().clone(),
+        }
+    }
+
+    fn read_mech(&self) -> ReadMech {
+        match self.read_mech.load(Ordering::Relaxed) {
+            x if x == ReadMech::DontCache as u8 => ReadMech::DontCache,
+            x if x == ReadMech::Direct as u8 => ReadMech::Direct,
+            x if x == ReadMech::EvictBehind as u8 => ReadMech::EvictBehind,
+            _ => ReadMech::Buffered,
+        }
+    }
+
+    fn write_mech(&self) -> WriteMech {
+        match self.write_mech.load(Ordering::Relaxed) {
+            x if x == WriteMech::DontCache as u8 => WriteMech::DontCache,
+            x if x == WriteMech::WriteBehind as u8 => WriteMech::WriteBehind,
+            x if x == WriteMech::Direct as u8 => WriteMech::Direct,
+            _ => WriteMech::Buffered,
+        }
+    }
+
+    fn note(&self, note: String) {
+        tracing::info!("{}: {note}", self.path.display());
+        self.notes.lock().unwrap().push(note);
+    }
+
+    fn touch(&self, offset: u64, len: u64) {
+        self.touched_lo.fetch_min(offset, Ordering::Relaxed);
+        self.touched_hi.fetch_max(offset + len, Ordering::Relaxed);
+    }
+
+    /// Reads into `buf` at `offset`; returns `buf.len()`, or fewer only at end of file.
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        let len = buf.len() as u64;
+        let err = |e: io::Error| Error::io("read", e).path(&self.path).at(offset, len);
+        self.touch(offset, len);
+        loop {
+            let mech = self.read_mech();
+            let res = match mech {
+                ReadMech::Buffered => read_full(self.fd(), buf, offset, 0),
+                ReadMech::DontCache => read_full(self.fd(), buf, offset, sys::RWF_DONTCACHE),
+                ReadMech::Direct => self.read_direct(buf, offset),
+                ReadMech::EvictBehind => {
+                    if let Err(e) = self.evict.before_read(self.fd(), offset, len) {
+                        self.read_mech
+                            .store(ReadMech::Direct as u8, Ordering::Relaxed);
+                        self.note(format!(
+                            "cachestat failed ({e}): switching reads to O_DIRECT"
+                        ));
+                        continue;
+                    }
+                    let res = read_full(self.fd(), buf, offset, 0);
+                    self.evict.after_read(self.fd(), offset, len);
+                    res
+                }
+            };
+            match res {
+                Err(e)
+                    if mech == ReadMech::DontCache
+                        && e.raw_os_error() == Some(libc::EOPNOTSUPP)
+                        && self.direct.is_some() =>
+                {
+                    self.read_mech
+                        .store(ReadMech::Direct as u8, Ordering::Relaxed);
+                    self.note("DONTCACHE read refused: switching reads to O_DIRECT".into());
+                }
+                other => return other.map_err(err),
+            }
+        }
+    }
+
+    fn direct_fd(&self) -> io::Result<BorrowedFd<'_>> {
+        self.direct
+            .as_ref()
+            .map(|f| f.as_fd())
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EOPNOTSUPP))
+    }
+
+    fn is_aligned(&self, ptr: *const u8, offset: u64, len: usize) -> bool {
+        let a = self.align;
+        offset % a == 0 && len as u64 % a == 0 && ptr as u64 % a == 0
+    }
+
+    fn read_direct(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let fd = self.direct_fd()?;
+        if self.is_aligned(buf.as_ptr(), offset, buf.len()) {
+            return read_full(fd, buf, offset, 0);
+        }
+        // Bounce through an aligned buffer covering the request.
+        let start = offset / self.align * self.align;
+        let end = (offset + buf.len() as u64).div_ceil(self.align) * self.align;
+        let mut bounce = AlignedBuf::new((end - start) as usize);
+        let n = read_full(fd, &mut bounce[..(end - start) as usize], start, 0)?;
+        let skip = (offset - start) as usize;
+        let got = n.saturating_sub(skip).min(buf.len());
+        buf[..got].copy_from_slice(&bounce[skip..skip + got]);
+        Ok(got)
+    }
+
+    /// Writes all of `buf` at `offset`; with `fua`, durably.
+    pub fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        let len = buf.len() as u64;
+        let err = |e: io::Error| Error::io("write", e).path(&self.path).at(offset, len);
+        self.touch(offset, len);
+        let dsync = if fua { sys::RWF_DSYNC } else { 0 };
+        loop {
+            let mech = self.write_mech();
+            let res = match mech {
+                WriteMech::Buffered => write_full(self.fd(), buf, offset, dsync),
+                WriteMech::DontCache => {
+                    write_full(self.fd(), buf, offset, dsync | sys::RWF_DONTCACHE)
+                }
+                WriteMech::WriteBehind => write_full(self.fd(), buf, offset, dsync),
+                WriteMech::Direct => self.write_direct(buf, offset, dsync),
+            };
+            match res {
+                Err(e)
+                    if mech == WriteMech::DontCache
+                        && e.raw_os_error() == Some(libc::EOPNOTSUPP) =>
+                {
+                    self.switch_to_write_behind("DONTCACHE write refused");
+                    continue;
+                }
+                Err(e) => return Err(err(e)),
+                Ok(()) => {}
+            }
+            if matches!(mech, WriteMech::DontCache | WriteMech::WriteBehind) {
+                match self.write_behind.after_write(self.fd(), offset, len) {
+                    Ok(o) if o.pages_left && self.write_mech() == WriteMech::DontCache => {
+                        self.switch_to_write_behind(
+                            "DONTCACHE writes left pages cached after writeback",
+                        );
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        let e = Error::io("writeback", e).path(&self.path);
+                        self.latch.set(&e);
+                        return Err(e);
+                    }
+                }
+            }
+            return Ok(());
+        }
+    }
+
+    fn switch_to_write_behind(&self, why: &str) {
+        self.write_mech
+            .store(WriteMech::WriteBehind as u8, Ordering::Relaxed);
+        self.write_behind.stop_verifying();
+        self.note(format!("{why}: switching writes to write-behind"));
+    }
+
+    fn write_direct(&self, buf: &[u8], offset: u64, dsync: i32) -> io::Result<()> {
+        let fd = self.direct_fd()?;
+        if self.is_aligned(buf.as_ptr(), offset, buf.len()) {
+            return write_full(fd, buf, offset, dsync);
+        }
+        let a = self.align;
+        let start = offset / a * a;
+        let end = (offset + buf.len() as u64).div_ceil(a) * a;
+        // An aligned write past the end of a regular file would grow it: write such a tail
+        // through the cache instead, then wait for it and evict it.
+        if !self.is_block && end > self.file.metadata()?.len() {
+            write_full(self.fd(), buf, offset, dsync)?;
+            sys::sync_file_range(
+                self.fd(),
+                offset,
+                buf.len() as u64,
+                sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER,
+            )?;
+            let _ = sys::fadvise(self.fd(), start, end - start, Advice::DontNeed);
+            return Ok(());
+        }
+        // Read-modify-write of the partial head and tail blocks, under per-block locks so two
+        // unaligned writes sharing a block do not undo each other.
+        let head = offset / a;
+        let tail = (end - 1) / a;
+        let (i, j) = ((head % 64) as usize, (tail % 64) as usize);
+        let _g1 = self.rmw_locks[i.min(j)].lock().unwrap();
+        let _g2 = if i != j {
+            Some(self.rmw_locks[i.max(j)].lock().unwrap())
+        } else {
+            None
+        };
+        let mut bounce = AlignedBuf::new((end - start) as usize);
+        let bounce = &mut bounce[..(end - start) as usize];
+        if offset != start {
+            read_full(fd, &mut bounce[..a as usize], start, 0)?;
+        }
+        let last = bounce.len() - a as usize;
+        if (offset + buf.len() as u64) % a != 0 && (last > 0 || offset == start) {
+            read_full(fd, &mut bounce[last..], end - a, 0)?;
+        }
+        let skip = (offset - start) as usize;
+        bounce[skip..skip + buf.len()].copy_from_slice(buf);
+        write_full(fd, bounce, start, dsync)
+    }
+
+    /// Makes every completed write durable (`fdatasync`), or reports the error latched since.
+    pub fn sync(&self) -> Result<()> {
+        if let Err(e) = sys::fdatasync(self.fd()) {
+            let e = Error::io("flush", e).path(&self.path);
+            self.latch.set(&e);
+            return Err(e);
+        }
+        self.latch.check(&self.path)?;
+        // Everything is clean now: evicting the windows costs nothing and keeps the footprint
+        // low between flushes.
+        if let Err(e) = self.write_behind.drain(self.fd()) {
+            let e = Error::io("writeback", e).path(&self.path);
+            self.latch.set(&e);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Waits for and evicts everything the policy says must go. Idempotent; also run on drop
+    /// so errors and Ctrl-C clean up too.
+    pub fn finish(&self) -> Result<()> {
+        if self.finished.swap(true, Ordering::Relaxed) {
+            return Ok(());
+        }
+        let drained = self.write_behind.drain(self.fd());
+        self.evict.finish(self.fd());
+        if self.mode == CacheMode::Drop {
+            let lo = self.touched_lo.load(Ordering::Relaxed);
+            let hi = self.touched_hi.load(Ordering::Relaxed);
+            if lo < hi {
+                // Round out to whole folios and cover the readahead window past the end.
+                let start = lo / evict::BLOCK * evict::BLOCK;
+                let end = hi.div_ceil(evict::BLOCK) * evict::BLOCK + (32 << 20);
+                let _ = sys::sync_file_range(
+                    self.fd(),
+                    start,
+                    end - start,
+                    sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER,
+                );
+                let _ = sys::fadvise(self.fd(), start, end - start, Advice::DontNeed);
+            }
+        }
+        drained.map(drop).map_err(|e| {
+            let e = Error::io("writeback", e).path(&self.path);
+            self.latch.set(&e);
+            e
+        })
+    }
+
+    /// The size of the file or device now.
+    pub fn size(&self) -> Result<u64> {
+        if self.is_block {
+            sys::block_size_bytes(self.fd()).map_err(|e| Error::io("size", e).path(&self.path))
+        } else {
+            Ok(self
+                .file
+                .metadata()
+                .map_err(|e| Error::io("stat", e).path(&self.path))?
+                .len())
+        }
+    }
+}
+
+impl Drop for PolicyFile {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}
+
+/// Reads until `buf` is full or end of file.
+fn read_full(fd: BorrowedFd, buf: &mut [u8], offset: u64, flags: i32) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        let n = sys::pread(fd, &mut buf[done..], offset + done as u64, flags)?;
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    Ok(done)
+}
+
+/// Writes all of `buf`.
+fn write_full(fd: BorrowedFd, buf: &[u8], offset: u64, flags: i32) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let n = sys::pwrite(fd, &buf[done..], offset + done as u64, flags)?;
+        if n == 0 {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        done += n;
+    }
+    Ok(())
+}

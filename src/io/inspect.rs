@@ -1,0 +1,118 @@
+//! Looking at and dropping what a file has in the page cache (`lightfoot cache stat|evict`,
+//! and the footprint figures of `copy --json`).
+
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::os::unix::fs::FileTypeExt;
+use std::path::Path;
+
+use super::sys::{self, Advice, CacheStat};
+use crate::error::{Error, ErrorKind, Result};
+
+/// Where residency figures came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    Cachestat,
+    /// mmap + mincore, on kernels without cachestat: counts cached pages only.
+    Mincore,
+}
+
+/// Page-cache state of a byte range of one file.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Residency {
+    pub offset: u64,
+    pub len: u64,
+    pub page_size: u64,
+    /// Pages in the range.
+    pub pages: u64,
+    pub stat: CacheStat,
+    pub source: Source,
+}
+
+impl Residency {
+    pub fn cached_bytes(&self) -> u64 {
+        self.stat.cached * self.page_size
+    }
+}
+
+/// Opens `path` the way `cache stat|evict` need it: for writing when allowed (cachestat wants
+/// write access), otherwise read-only.
+pub fn open_for_inspection(path: &Path) -> Result<File> {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+    {
+        Ok(f) => Ok(f),
+        Err(_) => File::open(path).map_err(|e| Error::io("open", e).path(path)),
+    }
+}
+
+/// Size of a regular file or block device.
+pub fn file_size(file: &File, path: &Path) -> Result<u64> {
+    let meta = file
+        .metadata()
+        .map_err(|e| Error::io("stat", e).path(path))?;
+    if meta.file_type().is_block_device() {
+        sys::block_size_bytes(file.as_fd()).map_err(|e| Error::io("size", e).path(path))
+    } else {
+        Ok(meta.len())
+    }
+}
+
+/// Residency of `[offset, offset+len)` (`len == None`: to the end).
+pub fn residency(file: &File, path: &Path, offset: u64, len: Option<u64>) -> Result<Residency> {
+    let size = file_size(file, path)?;
+    let offset = offset.min(size);
+    let len = len.unwrap_or(size - offset).min(size - offset);
+    let page_size = sys::page_size() as u64;
+    let pages = (offset + len).div_ceil(page_size) - offset / page_size;
+    let fd = file.as_fd();
+    if len == 0 {
+        return Ok(Residency {
+            offset,
+            len,
+            page_size,
+            pages: 0,
+            stat: CacheStat::default(),
+            source: Source::Cachestat,
+        });
+    }
+    match sys::cachestat(fd, offset, len) {
+        Ok(stat) => Ok(Residency { offset, len, page_size, pages, stat, source: Source::Cachestat }),
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => Err(Error::io("cachestat", e)
+            .path(path)
+            .detail("residency of a file this user cannot write is not visible (and mincore would report every page cached)")),
+        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+            // Kernels before 6.5. mincore is only truthful for files we may write.
+            let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap_or_default();
+            if !sys::can_write(&c) {
+                return Err(Error::new(ErrorKind::NotSupported, "cachestat")
+                    .path(path)
+                    .detail("no cachestat on this kernel, and mincore is meaningless for files this user cannot write"));
+            }
+            let cached = sys::mincore_cached_pages(fd, offset, len).map_err(|e| Error::io("mincore", e).path(path))?;
+            let stat = CacheStat { cached, ..CacheStat::default() };
+            Ok(Residency { offset, len, page_size, pages, stat, source: Source::Mincore })
+        }
+        Err(e) => Err(Error::io("cachestat", e).path(path)),
+    }
+}
+
+/// Drops the clean pages of `[offset, offset+len)`; with `sync`, writes dirty ones back first.
+pub fn evict(file: &File, path: &Path, offset: u64, len: Option<u64>, sync: bool) -> Result<()> {
+    let fd = file.as_fd();
+    let len = len.unwrap_or(0);
+    if sync {
+        // Wait for writeback of the range, then for anything already under writeback.
+        sys::sync_file_range(
+            fd,
+            offset,
+            len,
+            sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER,
+        )
+        .map_err(|e| Error::io("writeback", e).path(path))?;
+    }
+    sys::fadvise(fd, offset, len, Advice::DontNeed).map_err(|e| Error::io("evict", e).path(path))
+}

@@ -1,0 +1,25 @@
+//! The io layer: everything that talks to the kernel about files and the page cache.
+//!
+//! - [`sys`]: the system calls (preadv2/pwritev2 with RWF_DONTCACHE, cachestat,
+//!   sync_file_range, fadvise, fallocate, block-device ioctls), the crate's only `unsafe`.
+//! - [`policy`]: `--cache=MODE` and the choice of mechanism per file ([`policy::choose`]).
+//! - [`PolicyFile`]: a file or block device whose reads and writes follow the chosen
+//!   mechanism, with runtime fallbacks and a latched write error.
+//! - [`evict`] and [`writebehind`]: the two eviction engines for buffered reads and writes.
+//! - [`inspect`]: residency figures and eviction on request (`lightfoot cache`).
+//!
+//! Data flow of a neutral copy on Linux 6.14+: reads `preadv2(RWF_DONTCACHE)` with readahead
+//! off; writes buffered, then `sync_file_range` windows evicted a few windows behind;
+//! `fdatasync` at the end. Facts behind each choice: `../shared/KERNEL-NOTES.md` and
+//! `docs/cache-policy.md`.
+
+pub mod evict;
+pub mod file;
+pub mod inspect;
+pub mod policy;
+pub mod sys;
+pub mod writebehind;
+
+pub use file::{Mechanism, OpenOptions, PolicyFile, WriteLatch};
+pub use policy::{CacheMode, Fadvise, ReadMech, Tuning, WriteMech};
+pub use sys::{AlignedBuf, CacheStat};

@@ -1,0 +1,320 @@
+//! The cache policy: what the user asks for (`--cache=MODE`) and the mechanism that delivers
+//! it on this kernel, filesystem and file.
+//!
+//! The choice is made per file at open time from a probe (does RWF_DONTCACHE work here? does
+//! cachestat answer? is it a block device?) and can still fall back at run time (a DONTCACHE
+//! call that starts failing, DONTCACHE writes that leave pages behind). Every decision is
+//! recorded as a note so `--verbose` and JSON output can say what was used and why.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// `--cache=MODE`: the contract with the user.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheMode {
+    /// Leave the page cache as found: pages cached before stay, pages the job brought in go.
+    #[default]
+    Neutral,
+    /// Plain buffered I/O: the kernel decides.
+    Keep,
+    /// Evict everything the job touched, including pages that were cached before.
+    Drop,
+    /// O_DIRECT for reads and writes, alignment handled with bounce buffers.
+    Direct,
+}
+
+/// How reads are done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReadMech {
+    /// Plain `pread` (`keep`).
+    Buffered,
+    /// `preadv2(RWF_DONTCACHE)`: the kernel keeps what was cached and drops what it read in.
+    DontCache,
+    /// O_DIRECT: adds no pages, leaves cached ones alone.
+    Direct,
+    /// Buffered reads with readahead off, a cachestat residency check of each 2 MiB block
+    /// before reading it, and eviction of the blocks the job brought in once read.
+    EvictBehind,
+}
+
+/// How writes are done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WriteMech {
+    /// Plain `pwrite` (`keep`).
+    Buffered,
+    /// `pwritev2(RWF_DONTCACHE)`, checked with cachestat after writeback.
+    DontCache,
+    /// Buffered writes, writeback started per window with `sync_file_range`, windows waited on
+    /// and evicted a few windows behind.
+    WriteBehind,
+    /// O_DIRECT, with read-modify-write of unaligned heads and tails.
+    Direct,
+}
+
+/// Overrides of the automatic choice, for benchmarks, tests and kernels that misbehave.
+#[derive(Debug, Clone, Default)]
+pub struct Tuning {
+    /// Never use RWF_DONTCACHE (`--no-dontcache`, or `LIGHTFOOT_NO_DONTCACHE=1`).
+    pub no_dontcache: bool,
+    /// Behave as if cachestat answered EPERM (tests of the unprivileged path).
+    pub no_cachestat: bool,
+    /// Force the read mechanism (`--read-mechanism`).
+    pub read: Option<ReadMech>,
+    /// Force the write mechanism (`--write-mechanism`).
+    pub write: Option<WriteMech>,
+    /// Readahead advice for the fd (`--fadvise`); default: chosen with the mechanism.
+    pub fadvise: Option<Fadvise>,
+}
+
+impl Tuning {
+    /// Applies `LIGHTFOOT_NO_DONTCACHE=1` and `LIGHTFOOT_NO_CACHESTAT=1` from the environment.
+    /// Only the binary calls this; the library never reads the environment by itself.
+    pub fn with_env(mut self) -> Tuning {
+        let set = |name: &str| {
+            std::env::var(name)
+                .map(|v| v != "0" && !v.is_empty())
+                .unwrap_or(false)
+        };
+        self.no_dontcache |= set("LIGHTFOOT_NO_DONTCACHE");
+        self.no_cachestat |= set("LIGHTFOOT_NO_CACHESTAT");
+        self
+    }
+}
+
+/// `--fadvise`: the readahead advice given for the whole file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fadvise {
+    Normal,
+    Sequential,
+    Random,
+}
+
+/// What the probe found out about one open file.
+#[derive(Debug, Clone, Copy)]
+pub struct Probe {
+    pub is_block: bool,
+    /// RWF_DONTCACHE accepted by a one-byte read.
+    pub dontcache: bool,
+    /// cachestat answers for this file (false: EPERM or a kernel without it).
+    pub cachestat: bool,
+}
+
+/// The mechanisms chosen for a file, with the reasons.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Choice {
+    pub read: ReadMech,
+    pub write: WriteMech,
+    pub fadvise: Fadvise,
+    pub notes: Vec<String>,
+}
+
+/// Chooses the mechanisms for `mode` given what the probe found.
+///
+/// Neutral reads: DONTCACHE where it works (fastest here, and the kernel keeps pre-cached
+/// pages); otherwise O_DIRECT, which is neutral by construction and needs no residency
+/// information; evict-behind only when forced (it needs cachestat, and measured slower than
+/// O_DIRECT on ext4: see docs/cache-policy.md). Neutral writes: write-behind windows, which
+/// work on every kernel and filesystem and measured fastest with two workers (KERNEL-NOTES:
+/// concurrent DONTCACHE writers slow down).
+pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Choice {
+    let mut notes = Vec::new();
+    let dontcache = probe.dontcache && !tuning.no_dontcache;
+    if probe.dontcache && tuning.no_dontcache {
+        notes.push("RWF_DONTCACHE disabled by request".to_string());
+    } else if !probe.dontcache {
+        notes.push("RWF_DONTCACHE not supported here".to_string());
+    }
+    let cachestat = probe.cachestat && !tuning.no_cachestat;
+    let (mut read, mut write) = match mode {
+        CacheMode::Keep => (ReadMech::Buffered, WriteMech::Buffered),
+        CacheMode::Direct => (ReadMech::Direct, WriteMech::Direct),
+        CacheMode::Drop => (ReadMech::EvictBehind, WriteMech::WriteBehind),
+        CacheMode::Neutral => {
+            let read = if dontcache {
+                ReadMech::DontCache
+            } else {
+                ReadMech::Direct
+            };
+            (read, WriteMech::WriteBehind)
+        }
+    };
+    if let Some(r) = tuning.read {
+        read = r;
+    }
+    if let Some(w) = tuning.write {
+        write = w;
+    }
+    if read == ReadMech::DontCache && !dontcache {
+        notes.push("DONTCACHE reads unavailable: using O_DIRECT".to_string());
+        read = ReadMech::Direct;
+    }
+    if write == WriteMech::DontCache && !dontcache {
+        notes.push("DONTCACHE writes unavailable: using write-behind".to_string());
+        write = WriteMech::WriteBehind;
+    }
+    // Evict-behind decides what to evict from residency; without cachestat it cannot know
+    // what was cached before, so it must not run in neutral mode (drop mode evicts all).
+    if read == ReadMech::EvictBehind && mode != CacheMode::Drop && !cachestat {
+        notes.push("residency unknown (cachestat unavailable or EPERM): reading with O_DIRECT instead of evict-behind".to_string());
+        read = if dontcache {
+            ReadMech::DontCache
+        } else {
+            ReadMech::Direct
+        };
+    }
+    let fadvise = tuning.fadvise.unwrap_or(match read {
+        // Our own requests are large; kernel readahead would only leave a tail window behind
+        // (KERNEL-NOTES: DONTCACHE leaves readahead past the last read) and, for
+        // evict-behind, load pages before the residency check sees them.
+        ReadMech::DontCache | ReadMech::EvictBehind => Fadvise::Random,
+        ReadMech::Buffered | ReadMech::Direct => Fadvise::Normal,
+    });
+    Choice {
+        read,
+        write,
+        fadvise,
+        notes,
+    }
+}
+
+macro_rules! names {
+    ($ty:ty { $($variant:ident = $name:literal),* $(,)? }) => {
+        impl $ty {
+            pub const NAMES: &'static [&'static str] = &[$($name),*];
+            pub fn name(self) -> &'static str {
+                match self { $(<$ty>::$variant => $name),* }
+            }
+        }
+        impl FromStr for $ty {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                match s {
+                    $($name => Ok(<$ty>::$variant),)*
+                    _ => Err(format!("expected one of: {}", Self::NAMES.join(", "))),
+                }
+            }
+        }
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+
+names!(CacheMode { Neutral = "neutral", Keep = "keep", Drop = "drop", Direct = "direct" });
+names!(ReadMech { Buffered = "buffered", DontCache = "dontcache", Direct = "direct", EvictBehind = "evict-behind" });
+names!(WriteMech { Buffered = "buffered", DontCache = "dontcache", WriteBehind = "write-behind", Direct = "direct" });
+names!(Fadvise { Normal = "normal", Sequential = "sequential", Random = "random" });
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: Probe = Probe {
+        is_block: false,
+        dontcache: true,
+        cachestat: true,
+    };
+
+    #[test]
+    fn neutral_prefers_dontcache_reads_and_write_behind() {
+        let c = choose(CacheMode::Neutral, ALL, &Tuning::default());
+        assert_eq!(
+            (c.read, c.write, c.fadvise),
+            (ReadMech::DontCache, WriteMech::WriteBehind, Fadvise::Random)
+        );
+    }
+
+    #[test]
+    fn neutral_without_dontcache_reads_direct() {
+        let probe = Probe {
+            dontcache: false,
+            ..ALL
+        };
+        let c = choose(CacheMode::Neutral, probe, &Tuning::default());
+        assert_eq!(c.read, ReadMech::Direct);
+        let forced = Tuning {
+            no_dontcache: true,
+            ..Tuning::default()
+        };
+        assert_eq!(
+            choose(CacheMode::Neutral, ALL, &forced).read,
+            ReadMech::Direct
+        );
+    }
+
+    #[test]
+    fn forced_dontcache_falls_back_where_missing() {
+        let probe = Probe {
+            dontcache: false,
+            ..ALL
+        };
+        let t = Tuning {
+            read: Some(ReadMech::DontCache),
+            write: Some(WriteMech::DontCache),
+            ..Tuning::default()
+        };
+        let c = choose(CacheMode::Neutral, probe, &t);
+        assert_eq!(
+            (c.read, c.write),
+            (ReadMech::Direct, WriteMech::WriteBehind)
+        );
+        assert!(c.notes.iter().any(|n| n.contains("unavailable")));
+    }
+
+    #[test]
+    fn evict_behind_needs_cachestat_in_neutral_mode() {
+        let t = Tuning {
+            read: Some(ReadMech::EvictBehind),
+            no_cachestat: true,
+            ..Tuning::default()
+        };
+        let c = choose(
+            CacheMode::Neutral,
+            Probe {
+                dontcache: false,
+                ..ALL
+            },
+            &t,
+        );
+        assert_eq!(c.read, ReadMech::Direct);
+        let t = Tuning {
+            read: Some(ReadMech::EvictBehind),
+            ..Tuning::default()
+        };
+        assert_eq!(
+            choose(CacheMode::Neutral, ALL, &t).read,
+            ReadMech::EvictBehind
+        );
+        // Drop mode evicts everything, so it needs no residency.
+        let t = Tuning {
+            no_cachestat: true,
+            ..Tuning::default()
+        };
+        assert_eq!(choose(CacheMode::Drop, ALL, &t).read, ReadMech::EvictBehind);
+    }
+
+    #[test]
+    fn keep_and_direct_are_what_they_say() {
+        let c = choose(CacheMode::Keep, ALL, &Tuning::default());
+        assert_eq!((c.read, c.write), (ReadMech::Buffered, WriteMech::Buffered));
+        let c = choose(CacheMode::Direct, ALL, &Tuning::default());
+        assert_eq!((c.read, c.write), (ReadMech::Direct, WriteMech::Direct));
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for n in ReadMech::NAMES {
+            assert_eq!(n.parse::<ReadMech>().unwrap().name(), *n);
+        }
+        assert!("bogus"
+            .parse::<CacheMode>()
+            .unwrap_err()
+            .contains("neutral"));
+    }
+}

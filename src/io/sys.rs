@@ -1,0 +1,398 @@
+//! Every system call lightfoot makes outside `std`: the only `unsafe` in the crate.
+//!
+//! Each wrapper takes a borrowed fd and returns `io::Result`, so callers never touch raw errno.
+//! Constants the `libc` crate or Debian's headers may lack are defined here (KERNEL-NOTES:
+//! define RWF_DONTCACHE yourself).
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+/// `RWF_DONTCACHE` (Linux 6.14): drop the pages a read or write brought in once done.
+pub const RWF_DONTCACHE: i32 = 0x80;
+/// `RWF_DSYNC`: this write is durable when the call returns (our FUA).
+pub const RWF_DSYNC: i32 = 0x2;
+
+const SYS_CACHESTAT: libc::c_long = 451;
+
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+const BLKSSZGET: libc::c_ulong = 0x1268;
+const BLKDISCARD: libc::c_ulong = 0x1277;
+const BLKZEROOUT: libc::c_ulong = 0x127f;
+
+fn check(ret: libc::c_long) -> io::Result<usize> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
+}
+
+/// Retries a call interrupted by a signal (Ctrl-C is handled by a flag, not by EINTR).
+fn retry<T>(mut f: impl FnMut() -> io::Result<T>) -> io::Result<T> {
+    loop {
+        match f() {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            other => return other,
+        }
+    }
+}
+
+/// `preadv2` of one buffer with `flags`; returns the bytes read (0 at end of file).
+pub fn pread(fd: BorrowedFd, buf: &mut [u8], offset: u64, flags: i32) -> io::Result<usize> {
+    let iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    retry(|| {
+        // SAFETY: `iov` points into `buf`, which is exclusively borrowed for the whole call.
+        let ret = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
+        check(ret as libc::c_long)
+    })
+}
+
+/// `pwritev2` of one buffer with `flags`; returns the bytes written.
+pub fn pwrite(fd: BorrowedFd, buf: &[u8], offset: u64, flags: i32) -> io::Result<usize> {
+    let iov = libc::iovec {
+        iov_base: buf.as_ptr() as *mut _,
+        iov_len: buf.len(),
+    };
+    retry(|| {
+        // SAFETY: `iov` points into `buf`, borrowed for the whole call; the kernel only reads it.
+        let ret = unsafe { libc::pwritev2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
+        check(ret as libc::c_long)
+    })
+}
+
+/// Page-cache counters of a byte range, in pages, as `cachestat(2)` reports them.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct CacheStat {
+    pub cached: u64,
+    pub dirty: u64,
+    pub writeback: u64,
+    pub evicted: u64,
+    pub recently_evicted: u64,
+}
+
+#[repr(C)]
+struct CachestatRange {
+    off: u64,
+    len: u64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct RawCachestat {
+    nr_cache: u64,
+    nr_dirty: u64,
+    nr_writeback: u64,
+    nr_evicted: u64,
+    nr_recently_evicted: u64,
+}
+
+/// `cachestat(2)` (Linux 6.5) of `[offset, offset + len)`; `len == 0` means to the end of file.
+/// Since 2025 it answers EPERM for files the caller could not write (KERNEL-NOTES).
+pub fn cachestat(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<CacheStat> {
+    let range = CachestatRange { off: offset, len };
+    let mut raw = RawCachestat::default();
+    retry(|| {
+        // SAFETY: both pointers are to live, properly laid out `repr(C)` values for the call.
+        let ret = unsafe {
+            libc::syscall(
+                SYS_CACHESTAT,
+                fd.as_raw_fd(),
+                &range as *const CachestatRange,
+                &mut raw as *mut RawCachestat,
+                0u32,
+            )
+        };
+        check(ret)
+    })?;
+    Ok(CacheStat {
+        cached: raw.nr_cache,
+        dirty: raw.nr_dirty,
+        writeback: raw.nr_writeback,
+        evicted: raw.nr_evicted,
+        recently_evicted: raw.nr_recently_evicted,
+    })
+}
+
+/// The advice values of `posix_fadvise` that lightfoot uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Advice {
+    Normal,
+    Sequential,
+    Random,
+    WillNeed,
+    DontNeed,
+}
+
+/// `posix_fadvise`; `len == 0` means to the end of file.
+pub fn fadvise(fd: BorrowedFd, offset: u64, len: u64, advice: Advice) -> io::Result<()> {
+    let advice = match advice {
+        Advice::Normal => libc::POSIX_FADV_NORMAL,
+        Advice::Sequential => libc::POSIX_FADV_SEQUENTIAL,
+        Advice::Random => libc::POSIX_FADV_RANDOM,
+        Advice::WillNeed => libc::POSIX_FADV_WILLNEED,
+        Advice::DontNeed => libc::POSIX_FADV_DONTNEED,
+    };
+    // SAFETY: plain syscall on a borrowed fd; no memory is passed.
+    let ret = unsafe {
+        libc::posix_fadvise(
+            fd.as_raw_fd(),
+            offset as libc::off_t,
+            len as libc::off_t,
+            advice,
+        )
+    };
+    // posix_fadvise returns the error number instead of setting errno.
+    if ret != 0 {
+        return Err(io::Error::from_raw_os_error(ret));
+    }
+    Ok(())
+}
+
+/// `sync_file_range` flags.
+pub const SFR_WAIT_BEFORE: u32 = libc::SYNC_FILE_RANGE_WAIT_BEFORE;
+pub const SFR_WRITE: u32 = libc::SYNC_FILE_RANGE_WRITE;
+pub const SFR_WAIT_AFTER: u32 = libc::SYNC_FILE_RANGE_WAIT_AFTER;
+
+/// `sync_file_range`: starts and/or waits for writeback. Not a durability primitive (no
+/// metadata, no device cache flush); its errors are real write errors.
+pub fn sync_file_range(fd: BorrowedFd, offset: u64, len: u64, flags: u32) -> io::Result<()> {
+    retry(|| {
+        // SAFETY: plain syscall on a borrowed fd; no memory is passed.
+        let ret = unsafe {
+            libc::sync_file_range(
+                fd.as_raw_fd(),
+                offset as libc::off64_t,
+                len as libc::off64_t,
+                flags,
+            )
+        };
+        check(ret as libc::c_long).map(drop)
+    })
+}
+
+/// `fdatasync`.
+pub fn fdatasync(fd: BorrowedFd) -> io::Result<()> {
+    retry(|| {
+        // SAFETY: plain syscall on a borrowed fd.
+        let ret = unsafe { libc::fdatasync(fd.as_raw_fd()) };
+        check(ret as libc::c_long).map(drop)
+    })
+}
+
+/// `fallocate` modes used here.
+pub const FALLOC_KEEP_SIZE: i32 = libc::FALLOC_FL_KEEP_SIZE;
+pub const FALLOC_PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE;
+pub const FALLOC_ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE;
+
+pub fn fallocate(fd: BorrowedFd, mode: i32, offset: u64, len: u64) -> io::Result<()> {
+    retry(|| {
+        // SAFETY: plain syscall on a borrowed fd.
+        let ret = unsafe {
+            libc::fallocate(
+                fd.as_raw_fd(),
+                mode,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        check(ret as libc::c_long).map(drop)
+    })
+}
+
+/// Where `lseek(SEEK_DATA / SEEK_HOLE)` lands; `None` when there is no more data (ENXIO).
+pub fn seek_data(fd: BorrowedFd, offset: u64) -> io::Result<Option<u64>> {
+    seek(fd, offset, libc::SEEK_DATA)
+}
+
+pub fn seek_hole(fd: BorrowedFd, offset: u64) -> io::Result<Option<u64>> {
+    seek(fd, offset, libc::SEEK_HOLE)
+}
+
+fn seek(fd: BorrowedFd, offset: u64, whence: i32) -> io::Result<Option<u64>> {
+    // SAFETY: plain syscall on a borrowed fd. The file position it moves is never used for
+    // I/O: all reads and writes are positional.
+    let ret = unsafe { libc::lseek(fd.as_raw_fd(), offset as libc::off_t, whence) };
+    if ret < 0 {
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::ENXIO) {
+            return Ok(None);
+        }
+        return Err(err);
+    }
+    Ok(Some(ret as u64))
+}
+
+/// Size of a block device in bytes (`BLKGETSIZE64`).
+pub fn block_size_bytes(fd: BorrowedFd) -> io::Result<u64> {
+    let mut size: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64 into `size`, which lives for the call.
+    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), BLKGETSIZE64, &mut size as *mut u64) };
+    check(ret as libc::c_long)?;
+    Ok(size)
+}
+
+/// Logical block size of a block device (`BLKSSZGET`).
+pub fn block_logical_size(fd: BorrowedFd) -> io::Result<u32> {
+    let mut size: libc::c_int = 0;
+    // SAFETY: BLKSSZGET writes one int into `size`, which lives for the call.
+    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), BLKSSZGET, &mut size as *mut libc::c_int) };
+    check(ret as libc::c_long)?;
+    Ok(size as u32)
+}
+
+/// `BLKZEROOUT`: the device writes (or unmaps, where that reads back as zeroes) a range.
+pub fn block_zeroout(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<()> {
+    block_range_ioctl(fd, BLKZEROOUT, offset, len)
+}
+
+/// `BLKDISCARD`: the device may forget a range.
+pub fn block_discard(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<()> {
+    block_range_ioctl(fd, BLKDISCARD, offset, len)
+}
+
+fn block_range_ioctl(
+    fd: BorrowedFd,
+    request: libc::c_ulong,
+    offset: u64,
+    len: u64,
+) -> io::Result<()> {
+    let range: [u64; 2] = [offset, len];
+    retry(|| {
+        // SAFETY: the ioctl reads two u64 from `range`, which lives for the call.
+        let ret = unsafe { libc::ioctl(fd.as_raw_fd(), request, range.as_ptr()) };
+        check(ret as libc::c_long).map(drop)
+    })
+}
+
+/// O_DIRECT alignment from `statx(STATX_DIOALIGN)`: (memory, offset), or None where the kernel
+/// or filesystem does not say.
+pub fn dio_alignment(fd: BorrowedFd) -> Option<(u32, u32)> {
+    const STATX_DIOALIGN: u32 = 0x2000;
+    // SAFETY: statx fills the zero-initialised struct; the empty path with AT_EMPTY_PATH means
+    // "this fd".
+    unsafe {
+        let mut stx: libc::statx = std::mem::zeroed();
+        let ret = libc::statx(
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            STATX_DIOALIGN,
+            &mut stx,
+        );
+        if ret != 0 || stx.stx_mask & STATX_DIOALIGN == 0 || stx.stx_dio_offset_align == 0 {
+            return None;
+        }
+        Some((stx.stx_dio_mem_align, stx.stx_dio_offset_align))
+    }
+}
+
+/// Whether the calling user may write the file at `path` (`access(W_OK)` with the real ids).
+pub fn can_write(path: &std::ffi::CStr) -> bool {
+    // SAFETY: `path` is a valid NUL-terminated string for the call.
+    unsafe { libc::access(path.as_ptr(), libc::W_OK) == 0 }
+}
+
+/// A heap buffer aligned for O_DIRECT (4 KiB covers every logical block size we meet).
+pub struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared references only give out `&[u8]`.
+unsafe impl Sync for AlignedBuf {}
+
+pub const BUF_ALIGN: usize = 4096;
+
+impl AlignedBuf {
+    /// A zeroed buffer of `len` bytes (rounded up to the alignment, at least one block).
+    pub fn new(len: usize) -> AlignedBuf {
+        let cap = len.max(1).div_ceil(BUF_ALIGN) * BUF_ALIGN;
+        let layout = std::alloc::Layout::from_size_align(cap, BUF_ALIGN).expect("buffer layout");
+        // SAFETY: layout has non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr =
+            std::ptr::NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, len: cap }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        let layout =
+            std::alloc::Layout::from_size_align(self.len, BUF_ALIGN).expect("buffer layout");
+        // SAFETY: allocated in `new` with this exact layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
+    }
+}
+
+impl std::ops::Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len initialised (zeroed) bytes while self lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self guarantees exclusivity.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+/// Resident pages of `[offset, offset+len)` by `mmap` + `mincore`: the fallback for `cache stat`
+/// on kernels without cachestat. Only meaningful for files the caller may write (KERNEL-NOTES:
+/// since 5.2 mincore reports every page of other files as resident).
+pub fn mincore_cached_pages(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<u64> {
+    let page = page_size() as u64;
+    let start = offset / page * page;
+    let end = offset + len;
+    let mut cached = 0u64;
+    // Map in 1 GiB pieces to keep the residency vector small.
+    let piece = 1u64 << 30;
+    let mut at = start;
+    while at < end {
+        let n = piece.min(end - at) as usize;
+        // SAFETY: a fresh read-only shared mapping of the fd; unmapped below; never dereferenced.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                n,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                at as libc::off_t,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let mut vec = vec![0u8; n.div_ceil(page as usize)];
+        // SAFETY: `addr` maps `n` bytes; `vec` has one byte per page of it.
+        let ret = unsafe { libc::mincore(addr, n, vec.as_mut_ptr()) };
+        let err = io::Error::last_os_error();
+        // SAFETY: unmapping exactly what was mapped above.
+        unsafe { libc::munmap(addr, n) };
+        if ret != 0 {
+            return Err(err);
+        }
+        cached += vec.iter().filter(|&&b| b & 1 != 0).count() as u64;
+        at += n as u64;
+    }
+    Ok(cached)
+}
+
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory effects.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 {
+        size as usize
+    } else {
+        4096
+    }
+}

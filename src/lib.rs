@@ -1,0 +1,24 @@
+//! lightfoot: copy and serve disk images without trampling the host's page cache.
+//!
+//! The crate is layered; dependencies run one way, down this list:
+//!
+//! - [`copy`]: the copy engine, a driver that moves requests between two backends with
+//!   parallel workers, skipping holes and zeroes ([`copy::copy`]).
+//! - [`filters`]: backends that wrap a backend ([`filters::FaultInjector`] for tests).
+//! - [`backend`]: the [`backend::Backend`] trait and where bytes live: files and block
+//!   devices, memory, `null:`, pipes.
+//! - [`io`]: the cache policy (`--cache=neutral|keep|drop|direct`) and every system call that
+//!   touches the page cache ([`io::PolicyFile`], [`io::policy::choose`]).
+//! - [`error`]: one error type with a kind, the operation and its context.
+//!
+//! [`testing`] holds the conformance suite every backend and filter stack must pass.
+//! The binary (`src/main.rs`, `src/cli/`) is the only place that prints and exits.
+
+pub mod backend;
+pub mod copy;
+pub mod error;
+pub mod filters;
+pub mod io;
+pub mod testing;
+
+pub use error::{Error, ErrorKind, Result};

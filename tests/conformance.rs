@@ -1,0 +1,159 @@
+//! Every backend and filter stack against the same conformance suite (`lightfoot::testing`).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use lightfoot::backend::{Backend, FileBackend, MemoryBackend, NullBackend};
+use lightfoot::filters::FaultInjector;
+use lightfoot::io::{CacheMode, OpenOptions, ReadMech, Tuning, WriteMech};
+use lightfoot::testing::conformance::{run, run_parallel, Expect};
+
+/// Not a multiple of any block size, so the last block is partial.
+const SIZE: u64 = (3 << 20) + 4097;
+
+fn new_file(dir: &Path, name: &str, mode: CacheMode, tuning: &Tuning) -> FileBackend {
+    let path = dir.join(name);
+    let opts = OpenOptions {
+        write: true,
+        create: true,
+        truncate: true,
+    };
+    let fb = FileBackend::open(&path, opts, mode, tuning).expect("open test file");
+    fb.set_len(SIZE).unwrap();
+    fb
+}
+
+#[test]
+fn memory() {
+    run(&MemoryBackend::new(SIZE), Expect::Store, 1).unwrap();
+    run_parallel(Arc::new(MemoryBackend::new(SIZE)), 4, 2).unwrap();
+}
+
+#[test]
+fn null() {
+    run(&NullBackend::new(Some(SIZE)), Expect::Zeroes, 3).unwrap();
+}
+
+#[test]
+fn file_in_every_cache_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    for mode in [
+        CacheMode::Neutral,
+        CacheMode::Keep,
+        CacheMode::Drop,
+        CacheMode::Direct,
+    ] {
+        let fb = new_file(dir.path(), mode.name(), mode, &Tuning::default());
+        run(&fb, Expect::Store, 10).unwrap_or_else(|e| panic!("--cache={mode}: {e}"));
+        fb.finish().unwrap();
+        let fb = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
+        run_parallel(fb, 4, 11).unwrap_or_else(|e| panic!("--cache={mode}, parallel: {e}"));
+    }
+}
+
+#[test]
+fn file_with_every_mechanism_forced() {
+    let dir = tempfile::tempdir().unwrap();
+    let reads = [
+        ReadMech::Buffered,
+        ReadMech::DontCache,
+        ReadMech::Direct,
+        ReadMech::EvictBehind,
+    ];
+    let writes = [
+        WriteMech::Buffered,
+        WriteMech::DontCache,
+        WriteMech::WriteBehind,
+        WriteMech::Direct,
+    ];
+    for (r, w) in reads.into_iter().zip(writes) {
+        for no_dontcache in [false, true] {
+            let tuning = Tuning {
+                read: Some(r),
+                write: Some(w),
+                no_dontcache,
+                ..Tuning::default()
+            };
+            let fb = new_file(dir.path(), "forced", CacheMode::Neutral, &tuning);
+            let mech = fb.policy().mechanism();
+            run(&fb, Expect::Store, 20).unwrap_or_else(|e| {
+                panic!("{r}/{w} (no_dontcache {no_dontcache}, got {mech:?}): {e}")
+            });
+            fb.finish().unwrap();
+        }
+    }
+}
+
+#[test]
+fn file_without_cachestat() {
+    let dir = tempfile::tempdir().unwrap();
+    let tuning = Tuning {
+        no_cachestat: true,
+        no_dontcache: true,
+        read: Some(ReadMech::EvictBehind),
+        ..Tuning::default()
+    };
+    let fb = new_file(dir.path(), "nocachestat", CacheMode::Neutral, &tuning);
+    // Without residency, evict-behind must not run in neutral mode.
+    assert_eq!(fb.policy().mechanism().read, ReadMech::Direct);
+    run(&fb, Expect::Store, 30).unwrap();
+}
+
+#[test]
+fn fault_injector_without_rules_is_transparent() {
+    let inner: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
+    run(&FaultInjector::new(inner, vec![]), Expect::Store, 40).unwrap();
+}
+
+/// A loop device over a file: the block-device paths (BLKGETSIZE64, BLKZEROOUT, BLKDISCARD).
+#[test]
+fn block_device() {
+    if unsafe_free_euid() != 0 {
+        eprintln!("SKIPPED block_device: needs root for losetup");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("loop.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(4 << 20)
+        .unwrap();
+    let out = std::process::Command::new("losetup")
+        .args(["-f", "--show"])
+        .arg(&img)
+        .output()
+        .expect("run losetup");
+    assert!(
+        out.status.success(),
+        "losetup failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dev = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let result = std::panic::catch_unwind(|| {
+        for mode in [CacheMode::Neutral, CacheMode::Keep, CacheMode::Direct] {
+            let opts = OpenOptions {
+                write: true,
+                create: false,
+                truncate: false,
+            };
+            let fb = FileBackend::open(Path::new(&dev), opts, mode, &Tuning::default()).unwrap();
+            assert!(fb.is_block());
+            assert_eq!(fb.size(), Some(4 << 20));
+            // A fresh device reads as zeroes: zero it first.
+            fb.zero(0, 4 << 20, Default::default()).unwrap();
+            run(&fb, Expect::Store, 50).unwrap_or_else(|e| panic!("{dev} --cache={mode}: {e}"));
+            fb.finish().unwrap();
+        }
+    });
+    let _ = std::process::Command::new("losetup")
+        .args(["-d", &dev])
+        .status();
+    result.unwrap();
+}
+
+fn unsafe_free_euid() -> u32 {
+    // /proc/self/status has "Uid: real effective saved fs".
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    line.split_whitespace().nth(2).unwrap().parse().unwrap()
+}
