@@ -80,27 +80,13 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// A new error of `kind` while doing `op` ("read", "open", "flush", ...).
     pub fn new(kind: ErrorKind, op: &'static str) -> Error {
-        Error {
-            kind,
-            op,
-            path: None,
-            range: None,
-            detail: None,
-            source: None,
-        }
+        Error { kind, op, path: None, range: None, detail: None, source: None }
     }
 
     /// An error from an OS call; the kind is derived from the errno.
     pub fn io(op: &'static str, source: io::Error) -> Error {
         let kind = ErrorKind::from_io(&source);
-        Error {
-            kind,
-            op,
-            path: None,
-            range: None,
-            detail: None,
-            source: Some(source),
-        }
+        Error { kind, op, path: None, range: None, detail: None, source: Some(source) }
     }
 
     /// The file, device or URI the operation was on.
@@ -190,26 +176,15 @@ mod tests {
 
     #[test]
     fn message_names_what_and_where() {
-        let e = Error::io("write", io::Error::from_raw_os_error(libc::ENOSPC))
-            .path("/tmp/x")
-            .at(4096, 512);
+        let e = Error::io("write", io::Error::from_raw_os_error(libc::ENOSPC)).path("/tmp/x").at(4096, 512);
         assert_eq!(e.kind(), ErrorKind::NoSpace);
-        assert_eq!(
-            e.to_string(),
-            "write /tmp/x at offset 4096 (length 512): no space left on device"
-        );
+        assert_eq!(e.to_string(), "write /tmp/x at offset 4096 (length 512): no space left on device");
     }
 
     #[test]
     fn kinds_map_to_nbd_errnos() {
-        assert_eq!(
-            ErrorKind::from_io(&io::Error::from_raw_os_error(libc::EROFS)).errno(),
-            libc::EPERM
-        );
-        assert_eq!(
-            ErrorKind::from_io(&io::Error::from_raw_os_error(libc::EIO)).errno(),
-            libc::EIO
-        );
+        assert_eq!(ErrorKind::from_io(&io::Error::from_raw_os_error(libc::EROFS)).errno(), libc::EPERM);
+        assert_eq!(ErrorKind::from_io(&io::Error::from_raw_os_error(libc::EIO)).errno(), libc::EIO);
         assert_eq!(ErrorKind::Interrupted.errno(), libc::ESHUTDOWN);
     }
 }

@@ -13,11 +13,7 @@ const SIZE: u64 = (3 << 20) + 4097;
 
 fn new_file(dir: &Path, name: &str, mode: CacheMode, tuning: &Tuning) -> FileBackend {
     let path = dir.join(name);
-    let opts = OpenOptions {
-        write: true,
-        create: true,
-        truncate: true,
-    };
+    let opts = OpenOptions { write: true, create: true, truncate: true };
     let fb = FileBackend::open(&path, opts, mode, tuning).expect("open test file");
     fb.set_len(SIZE).unwrap();
     fb
@@ -37,12 +33,7 @@ fn null() {
 #[test]
 fn file_in_every_cache_mode() {
     let dir = tempfile::tempdir().unwrap();
-    for mode in [
-        CacheMode::Neutral,
-        CacheMode::Keep,
-        CacheMode::Drop,
-        CacheMode::Direct,
-    ] {
+    for mode in [CacheMode::Neutral, CacheMode::Keep, CacheMode::Drop, CacheMode::Direct] {
         let fb = new_file(dir.path(), mode.name(), mode, &Tuning::default());
         run(&fb, Expect::Store, 10).unwrap_or_else(|e| panic!("--cache={mode}: {e}"));
         fb.finish().unwrap();
@@ -54,31 +45,15 @@ fn file_in_every_cache_mode() {
 #[test]
 fn file_with_every_mechanism_forced() {
     let dir = tempfile::tempdir().unwrap();
-    let reads = [
-        ReadMech::Buffered,
-        ReadMech::DontCache,
-        ReadMech::Direct,
-        ReadMech::EvictBehind,
-    ];
-    let writes = [
-        WriteMech::Buffered,
-        WriteMech::DontCache,
-        WriteMech::WriteBehind,
-        WriteMech::Direct,
-    ];
+    let reads = [ReadMech::Buffered, ReadMech::DontCache, ReadMech::Direct, ReadMech::EvictBehind];
+    let writes = [WriteMech::Buffered, WriteMech::DontCache, WriteMech::WriteBehind, WriteMech::Direct];
     for (r, w) in reads.into_iter().zip(writes) {
         for no_dontcache in [false, true] {
-            let tuning = Tuning {
-                read: Some(r),
-                write: Some(w),
-                no_dontcache,
-                ..Tuning::default()
-            };
+            let tuning = Tuning { read: Some(r), write: Some(w), no_dontcache, ..Tuning::default() };
             let fb = new_file(dir.path(), "forced", CacheMode::Neutral, &tuning);
             let mech = fb.policy().mechanism();
-            run(&fb, Expect::Store, 20).unwrap_or_else(|e| {
-                panic!("{r}/{w} (no_dontcache {no_dontcache}, got {mech:?}): {e}")
-            });
+            run(&fb, Expect::Store, 20)
+                .unwrap_or_else(|e| panic!("{r}/{w} (no_dontcache {no_dontcache}, got {mech:?}): {e}"));
             fb.finish().unwrap();
         }
     }
@@ -114,28 +89,14 @@ fn block_device() {
     }
     let dir = tempfile::tempdir().unwrap();
     let img = dir.path().join("loop.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(4 << 20)
-        .unwrap();
-    let out = std::process::Command::new("losetup")
-        .args(["-f", "--show"])
-        .arg(&img)
-        .output()
-        .expect("run losetup");
-    assert!(
-        out.status.success(),
-        "losetup failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    std::fs::File::create(&img).unwrap().set_len(4 << 20).unwrap();
+    let out =
+        std::process::Command::new("losetup").args(["-f", "--show"]).arg(&img).output().expect("run losetup");
+    assert!(out.status.success(), "losetup failed: {}", String::from_utf8_lossy(&out.stderr));
     let dev = String::from_utf8(out.stdout).unwrap().trim().to_string();
     let result = std::panic::catch_unwind(|| {
         for mode in [CacheMode::Neutral, CacheMode::Keep, CacheMode::Direct] {
-            let opts = OpenOptions {
-                write: true,
-                create: false,
-                truncate: false,
-            };
+            let opts = OpenOptions { write: true, create: false, truncate: false };
             let fb = FileBackend::open(Path::new(&dev), opts, mode, &Tuning::default()).unwrap();
             assert!(fb.is_block());
             assert_eq!(fb.size(), Some(4 << 20));
@@ -145,9 +106,7 @@ fn block_device() {
             fb.finish().unwrap();
         }
     });
-    let _ = std::process::Command::new("losetup")
-        .args(["-d", &dev])
-        .status();
+    let _ = std::process::Command::new("losetup").args(["-d", &dev]).status();
     result.unwrap();
 }
 

@@ -25,21 +25,12 @@ pub struct FileBackend {
 }
 
 impl FileBackend {
-    pub fn open(
-        path: &Path,
-        opts: OpenOptions,
-        mode: CacheMode,
-        tuning: &Tuning,
-    ) -> Result<FileBackend> {
+    pub fn open(path: &Path, opts: OpenOptions, mode: CacheMode, tuning: &Tuning) -> Result<FileBackend> {
         let file = PolicyFile::open(path, opts, mode, tuning)?;
         let size = file.size()?;
-        let meta = file
-            .file()
-            .metadata()
-            .map_err(|e| Error::io("stat", e).path(path))?;
+        let meta = file.file().metadata().map_err(|e| Error::io("stat", e).path(path))?;
         let (rotational, logical_block) = if file.is_block() {
-            let lbs =
-                sys::block_logical_size(file.fd()).map_err(|e| Error::io("ioctl", e).path(path))?;
+            let lbs = sys::block_logical_size(file.fd()).map_err(|e| Error::io("ioctl", e).path(path))?;
             (rotational(meta.rdev()), lbs)
         } else {
             (rotational(meta.dev()), 1)
@@ -77,21 +68,13 @@ impl FileBackend {
         if len == 0 {
             return Ok(());
         }
-        sys::fallocate(self.file.fd(), 0, 0, len).map_err(|e| {
-            Error::io("preallocate", e)
-                .path(self.file.path())
-                .at(0, len)
-        })?;
+        sys::fallocate(self.file.fd(), 0, 0, len)
+            .map_err(|e| Error::io("preallocate", e).path(self.file.path()).at(0, len))?;
         self.size.fetch_max(len, Ordering::Relaxed);
         Ok(())
     }
 
-    fn err(
-        &self,
-        op: &'static str,
-        offset: u64,
-        len: u64,
-    ) -> impl Fn(std::io::Error) -> Error + '_ {
+    fn err(&self, op: &'static str, offset: u64, len: u64) -> impl Fn(std::io::Error) -> Error + '_ {
         move |e| Error::io(op, e).path(self.file.path()).at(offset, len)
     }
 
@@ -114,10 +97,7 @@ impl FileBackend {
 fn rotational(dev: u64) -> bool {
     let (major, minor) = (libc::major(dev), libc::minor(dev));
     let base = format!("/sys/dev/block/{major}:{minor}");
-    for p in [
-        format!("{base}/queue/rotational"),
-        format!("{base}/../queue/rotational"),
-    ] {
+    for p in [format!("{base}/queue/rotational"), format!("{base}/../queue/rotational")] {
         if let Ok(s) = std::fs::read_to_string(p) {
             return s.trim() == "1";
         }
@@ -153,12 +133,9 @@ impl Backend for FileBackend {
             can_fast_zero: !self.read_only && !block,
             can_extents: !block,
             sequential: false,
+            growable: !block,
             rotational: self.rotational,
-            block: BlockSizes {
-                minimum,
-                preferred: 4096.max(minimum),
-                maximum: 32 << 20,
-            },
+            block: BlockSizes { minimum, preferred: 4096.max(minimum), maximum: 32 << 20 },
         }
     }
 
@@ -193,28 +170,13 @@ impl Backend for FileBackend {
             super::write_zeroes(self, end, offset + len - end, false)?;
             sys::block_zeroout(fd, start, end - start)
         } else if flags.may_trim {
-            sys::fallocate(
-                fd,
-                sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE,
-                offset,
-                len,
-            )
+            sys::fallocate(fd, sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE, offset, len)
         } else {
-            sys::fallocate(
-                fd,
-                sys::FALLOC_ZERO_RANGE | sys::FALLOC_KEEP_SIZE,
-                offset,
-                len,
-            )
+            sys::fallocate(fd, sys::FALLOC_ZERO_RANGE | sys::FALLOC_KEEP_SIZE, offset, len)
         };
         match res {
             Ok(()) => self.fua(flags.fua),
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EOPNOTSUPP) | Some(libc::EINVAL)
-                ) =>
-            {
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::EINVAL)) => {
                 if flags.fast {
                     return Err(Error::io("zero", e).path(self.file.path()).at(offset, len));
                 }
@@ -238,12 +200,7 @@ impl Backend for FileBackend {
             }
             sys::block_discard(fd, start, end - start)
         } else {
-            sys::fallocate(
-                fd,
-                sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE,
-                offset,
-                len,
-            )
+            sys::fallocate(fd, sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE, offset, len)
         };
         match res {
             // Trimming is advisory: where it is unsupported the data simply stays.
@@ -269,12 +226,7 @@ impl Backend for FileBackend {
             let data = match sys::seek_data(fd, at) {
                 Ok(d) => d,
                 // Filesystems without SEEK_DATA: everything is data.
-                Err(e)
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(libc::EINVAL) | Some(libc::EOPNOTSUPP)
-                    ) =>
-                {
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::EOPNOTSUPP)) => {
                     out.push(Extent::data(end - at));
                     break;
                 }
@@ -307,11 +259,7 @@ impl Backend for FileBackend {
 
     fn cache_info(&self) -> Option<CacheInfo> {
         let stat = sys::cachestat(self.file.fd(), 0, 0).ok()?;
-        Some(CacheInfo {
-            page_size: sys::page_size() as u64,
-            stat,
-            mechanism: self.file.mechanism(),
-        })
+        Some(CacheInfo { page_size: sys::page_size() as u64, stat, mechanism: self.file.mechanism() })
     }
 
     fn finish(&self) -> Result<()> {

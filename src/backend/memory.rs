@@ -61,10 +61,7 @@ impl MemoryBackend {
 
     /// Bytes of pages allocated (for tests of sparseness).
     pub fn allocated(&self) -> u64 {
-        self.shards
-            .iter()
-            .map(|s| s.read().unwrap().len() as u64 * PAGE)
-            .sum()
+        self.shards.iter().map(|s| s.read().unwrap().len() as u64 * PAGE).sum()
     }
 }
 
@@ -87,12 +84,9 @@ impl Backend for MemoryBackend {
             can_fast_zero: true,
             can_extents: true,
             sequential: false,
+            growable: false,
             rotational: false,
-            block: BlockSizes {
-                minimum: 1,
-                preferred: 4096,
-                maximum: 32 << 20,
-            },
+            block: BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 },
         }
     }
 
@@ -112,9 +106,7 @@ impl Backend for MemoryBackend {
         debug_assert!(offset + buf.len() as u64 <= self.size);
         Self::pieces(offset, buf.len() as u64, |page, in_page, r| {
             let mut shard = self.shard(page).write().unwrap();
-            let p = shard
-                .entry(page)
-                .or_insert_with(|| vec![0u8; PAGE as usize].into_boxed_slice());
+            let p = shard.entry(page).or_insert_with(|| vec![0u8; PAGE as usize].into_boxed_slice());
             p[in_page..in_page + r.len()].copy_from_slice(&buf[r]);
         });
         Ok(())
@@ -140,11 +132,7 @@ impl Backend for MemoryBackend {
             let hole = !self.shard(page).read().unwrap().contains_key(&page);
             match out.last_mut() {
                 Some(last) if last.hole == hole => last.len += r.len() as u64,
-                _ => out.push(if hole {
-                    Extent::hole(r.len() as u64)
-                } else {
-                    Extent::data(r.len() as u64)
-                }),
+                _ => out.push(if hole { Extent::hole(r.len() as u64) } else { Extent::data(r.len() as u64) }),
             }
         });
         if out.is_empty() {

@@ -33,20 +33,12 @@ pub struct Extent {
 
 impl Extent {
     pub fn data(len: u64) -> Extent {
-        Extent {
-            len,
-            hole: false,
-            zero: false,
-        }
+        Extent { len, hole: false, zero: false }
     }
 
     /// Unallocated and reading as zeroes.
     pub fn hole(len: u64) -> Extent {
-        Extent {
-            len,
-            hole: true,
-            zero: true,
-        }
+        Extent { len, hole: true, zero: true }
     }
 }
 
@@ -83,6 +75,8 @@ pub struct Caps {
     pub can_extents: bool,
     /// Only sequential access at the current position (pipes).
     pub sequential: bool,
+    /// Writes past the end extend it (regular files, pipes): `size` is no limit for writing.
+    pub growable: bool,
     pub rotational: bool,
     pub block: BlockSizes,
 }
@@ -166,6 +160,5 @@ pub fn write_zeroes(b: &dyn Backend, offset: u64, len: u64, fua: bool) -> Result
 /// registers; a non-zero piece stops the scan.
 pub fn is_zero(buf: &[u8]) -> bool {
     let mut pieces = buf.chunks_exact(64);
-    pieces.all(|p| p.iter().fold(0u8, |acc, &b| acc | b) == 0)
-        && pieces.remainder().iter().all(|&b| b == 0)
+    pieces.all(|p| p.iter().fold(0u8, |acc, &b| acc | b) == 0) && pieces.remainder().iter().all(|&b| b == 0)
 }

@@ -19,10 +19,7 @@ impl NullBackend {
             Some(s) => format!("null:{s}"),
             None => "null:".to_string(),
         };
-        NullBackend {
-            name,
-            size: size.unwrap_or(UNBOUNDED),
-        }
+        NullBackend { name, size: size.unwrap_or(UNBOUNDED) }
     }
 }
 
@@ -45,12 +42,9 @@ impl Backend for NullBackend {
             can_fast_zero: true,
             can_extents: true,
             sequential: false,
+            growable: false,
             rotational: false,
-            block: BlockSizes {
-                minimum: 1,
-                preferred: 4096,
-                maximum: 32 << 20,
-            },
+            block: BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 },
         }
     }
 

@@ -20,46 +20,27 @@ pub struct PipeBackend {
 impl PipeBackend {
     /// Standard input, for reading.
     pub fn stdin() -> Result<PipeBackend> {
-        let fd = std::io::stdin()
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|e| Error::io("open", e).path("-"))?;
-        Ok(PipeBackend {
-            name: "-".into(),
-            writable: false,
-            state: Mutex::new((File::from(fd), 0)),
-        })
+        let fd = std::io::stdin().as_fd().try_clone_to_owned().map_err(|e| Error::io("open", e).path("-"))?;
+        Ok(PipeBackend { name: "-".into(), writable: false, state: Mutex::new((File::from(fd), 0)) })
     }
 
     /// Standard output, for writing.
     pub fn stdout() -> Result<PipeBackend> {
-        let fd = std::io::stdout()
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|e| Error::io("open", e).path("-"))?;
-        Ok(PipeBackend {
-            name: "-".into(),
-            writable: true,
-            state: Mutex::new((File::from(fd), 0)),
-        })
+        let fd =
+            std::io::stdout().as_fd().try_clone_to_owned().map_err(|e| Error::io("open", e).path("-"))?;
+        Ok(PipeBackend { name: "-".into(), writable: true, state: Mutex::new((File::from(fd), 0)) })
     }
 
     /// Any file opened for sequential use (tests use a file or one end of a pipe).
     pub fn from_file(name: &str, file: File, writable: bool) -> PipeBackend {
-        PipeBackend {
-            name: name.into(),
-            writable,
-            state: Mutex::new((file, 0)),
-        }
+        PipeBackend { name: name.into(), writable, state: Mutex::new((file, 0)) }
     }
 
     fn out_of_order(&self, op: &'static str, offset: u64, len: u64, pos: u64) -> Error {
         Error::new(ErrorKind::InvalidInput, op)
             .path(&self.name)
             .at(offset, len)
-            .detail(format!(
-                "a pipe is sequential: the next byte is at offset {pos}"
-            ))
+            .detail(format!("a pipe is sequential: the next byte is at offset {pos}"))
     }
 
     fn write_zeroes_at(&self, offset: u64, len: u64) -> Result<()> {
@@ -93,12 +74,9 @@ impl Backend for PipeBackend {
             can_fast_zero: false,
             can_extents: false,
             sequential: true,
+            growable: true,
             rotational: false,
-            block: BlockSizes {
-                minimum: 1,
-                preferred: 1 << 20,
-                maximum: 32 << 20,
-            },
+            block: BlockSizes { minimum: 1, preferred: 1 << 20, maximum: 32 << 20 },
         }
     }
 
@@ -131,11 +109,8 @@ impl Backend for PipeBackend {
         if offset != *pos {
             return Err(self.out_of_order("write", offset, buf.len() as u64, *pos));
         }
-        file.write_all(buf).map_err(|e| {
-            Error::io("write", e)
-                .path(&self.name)
-                .at(offset, buf.len() as u64)
-        })?;
+        file.write_all(buf)
+            .map_err(|e| Error::io("write", e).path(&self.name).at(offset, buf.len() as u64))?;
         *pos += buf.len() as u64;
         Ok(())
     }
@@ -156,10 +131,7 @@ impl Backend for PipeBackend {
 
     fn flush(&self) -> Result<()> {
         let mut state = self.state.lock().unwrap();
-        state
-            .0
-            .flush()
-            .map_err(|e| Error::io("flush", e).path(&self.name))
+        state.0.flush().map_err(|e| Error::io("flush", e).path(&self.name))
     }
 
     fn extents(&self, _offset: u64, len: u64) -> Result<Vec<Extent>> {

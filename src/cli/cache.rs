@@ -74,11 +74,7 @@ pub struct EvictArgs {
 fn parse_range(s: &str) -> Result<(u64, Option<u64>), String> {
     let (off, len) = s.split_once(':').ok_or("expected OFFSET:LENGTH")?;
     let off = if off.is_empty() { 0 } else { parse_size(off)? };
-    let len = if len.is_empty() {
-        None
-    } else {
-        Some(parse_size(len)?)
-    };
+    let len = if len.is_empty() { None } else { Some(parse_size(len)?) };
     Ok((off, len))
 }
 
@@ -127,36 +123,21 @@ fn stat(a: StatArgs) -> i32 {
         }
     }
     if a.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&rows).expect("rows serialise")
-        );
+        println!("{}", serde_json::to_string_pretty(&rows).expect("rows serialise"));
         return status;
     }
-    let ok: Vec<_> = rows
-        .iter()
-        .filter_map(|r| r.residency.as_ref().map(|res| (r, res)))
-        .collect();
+    let ok: Vec<_> = rows.iter().filter_map(|r| r.residency.as_ref().map(|res| (r, res))).collect();
     if ok.is_empty() {
         return status;
     }
-    let width = ok
-        .iter()
-        .map(|(r, _)| r.file.len())
-        .max()
-        .unwrap_or(4)
-        .max(4);
+    let width = ok.iter().map(|(r, _)| r.file.len()).max().unwrap_or(4).max(4);
     println!(
         "{:<width$}  {:>10}  {:>18}  {:>10}  {:>10}  {:>10}  {:>10}",
         "FILE", "SIZE", "CACHED", "DIRTY", "WRITEBACK", "EVICTED", "RECENT"
     );
     for (row, r) in ok {
         let page = |n: u64| human::bytes(n * r.page_size);
-        let share = if r.pages > 0 {
-            100.0 * r.stat.cached as f64 / r.pages as f64
-        } else {
-            0.0
-        };
+        let share = if r.pages > 0 { 100.0 * r.stat.cached as f64 / r.pages as f64 } else { 0.0 };
         let cached = format!("{} ({share:.1}%)", page(r.stat.cached));
         let na = |n: u64| {
             if r.source == lightfoot::io::inspect::Source::Mincore {
@@ -216,16 +197,10 @@ fn evict_files(a: EvictArgs) -> i32 {
                 super::report(e);
             }
             Ok(()) if !a.json => match (before, after) {
-                (Some(b), Some(af)) => println!(
-                    "{}: {} → {} cached",
-                    path.display(),
-                    human::bytes(b),
-                    human::bytes(af)
-                ),
-                _ => println!(
-                    "{}: evicted (residency not visible to this user)",
-                    path.display()
-                ),
+                (Some(b), Some(af)) => {
+                    println!("{}: {} → {} cached", path.display(), human::bytes(b), human::bytes(af))
+                }
+                _ => println!("{}: evicted (residency not visible to this user)", path.display()),
             },
             Ok(()) => {}
         }
@@ -237,10 +212,7 @@ fn evict_files(a: EvictArgs) -> i32 {
         });
     }
     if a.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&rows).expect("rows serialise")
-        );
+        println!("{}", serde_json::to_string_pretty(&rows).expect("rows serialise"));
     }
     status
 }

@@ -116,9 +116,7 @@ pub fn parse_enum<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, Stri
 fn parse_request_size(s: &str) -> Result<usize, String> {
     let n = parse_size(s)?;
     if !(64 << 10..=256 << 20).contains(&n) {
-        return Err(format!(
-            "request size must be between 64K and 256M, not {s}"
-        ));
+        return Err(format!("request size must be between 64K and 256M, not {s}"));
     }
     Ok(n as usize)
 }
@@ -164,16 +162,8 @@ fn cached_now(ep: &Endpoint) -> Option<u64> {
 
 fn cached_of(opened: &Opened) -> (Option<u64>, Option<CacheStat>, Option<Mechanism>) {
     match opened.backend.cache_info() {
-        Some(ci) => (
-            Some(ci.stat.cached * ci.page_size),
-            Some(ci.stat),
-            Some(ci.mechanism),
-        ),
-        None => (
-            None,
-            None,
-            opened.file.as_ref().map(|f| f.policy().mechanism()),
-        ),
+        Some(ci) => (Some(ci.stat.cached * ci.page_size), Some(ci.stat), Some(ci.mechanism)),
+        None => (None, None, opened.file.as_ref().map(|f| f.policy().mechanism())),
     }
 }
 
@@ -203,10 +193,8 @@ pub fn run(args: CopyArgs) -> i32 {
         }
     };
     let size = src.backend.size();
-    let dest_opts = DestOptions {
-        preallocate: args.preallocate,
-        destination_is_zero: args.destination_is_zero,
-    };
+    let dest_opts =
+        DestOptions { preallocate: args.preallocate, destination_is_zero: args.destination_is_zero };
     let dst = match open_destination(&args.dst, &src, size, args.cache, &tuning, dest_opts) {
         Ok(d) => d,
         Err(e) => {
@@ -222,8 +210,8 @@ pub fn run(args: CopyArgs) -> i32 {
         flush: !args.no_flush,
     };
     let progress = Arc::new(Progress::default());
-    let bar = (args.progress && std::io::stderr().is_terminal())
-        .then(|| progress_bar(size, progress.clone()));
+    let bar =
+        (args.progress && std::io::stderr().is_terminal()).then(|| progress_bar(size, progress.clone()));
     let result = copy(&*src.backend, &*dst.backend, &opts, &progress, &CANCEL);
     if let Some((bar, stop, handle)) = bar {
         stop.store(true, Ordering::Relaxed);
@@ -232,11 +220,7 @@ pub fn run(args: CopyArgs) -> i32 {
     }
     let result = result.and_then(|stats| {
         if opts.flush {
-            dst.sync_parent()
-                .map_err(|error| lightfoot::copy::Failure {
-                    error,
-                    done: stats.bytes,
-                })?;
+            dst.sync_parent().map_err(|error| lightfoot::copy::Failure { error, done: stats.bytes })?;
         }
         Ok(stats)
     });
@@ -254,11 +238,7 @@ pub fn run(args: CopyArgs) -> i32 {
         written,
         zero,
         seconds,
-        mib_per_second: if seconds > 0.0 {
-            bytes as f64 / seconds / 1048576.0
-        } else {
-            0.0
-        },
+        mib_per_second: if seconds > 0.0 { bytes as f64 / seconds / 1048576.0 } else { 0.0 },
         cache: args.cache,
         workers: args.workers,
         request_size: args.request_size,
@@ -307,9 +287,7 @@ pub fn run(args: CopyArgs) -> i32 {
             }
             super::report(&f.error);
             if !matches!(args.dst, Endpoint::Null(_)) {
-                let total = size
-                    .map(|s| format!(" of {}", human::bytes(s)))
-                    .unwrap_or_default();
+                let total = size.map(|s| format!(" of {}", human::bytes(s))).unwrap_or_default();
                 eprintln!(
                     "lightfoot: {} is incomplete: {} copied{total} before the failure",
                     summary.destination.name,
@@ -342,12 +320,12 @@ fn print_summary(s: &Summary, verbose: bool, to_stderr: bool) {
         cache(s.destination.cached_before, s.destination.cached_after),
     );
     if verbose {
-        for (what, side) in [("source", &s.source), ("destination", &s.destination)] {
+        for (what, side, reads) in [("source", &s.source, true), ("destination", &s.destination, false)] {
             if let Some(m) = &side.mechanism {
-                text += &format!(
-                    "{what}: read {}, write {}, fadvise {}",
-                    m.read, m.write, m.fadvise
-                );
+                text += &match reads {
+                    true => format!("{what}: read {}, fadvise {}", m.read, m.fadvise),
+                    false => format!("{what}: write {}", m.write),
+                };
                 for n in &m.notes {
                     text += &format!("; {n}");
                 }
@@ -362,11 +340,7 @@ fn print_summary(s: &Summary, verbose: bool, to_stderr: bool) {
     }
 }
 
-type Bar = (
-    indicatif::ProgressBar,
-    Arc<AtomicBool>,
-    std::thread::JoinHandle<()>,
-);
+type Bar = (indicatif::ProgressBar, Arc<AtomicBool>, std::thread::JoinHandle<()>);
 
 fn progress_bar(size: Option<u64>, progress: Arc<Progress>) -> Bar {
     let bar = match size {

@@ -49,14 +49,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "m" | "mib" | "mb" => 20,
         "g" | "gib" | "gb" => 30,
         "t" | "tib" | "tb" => 40,
-        _ => {
-            return Err(format!(
-                "invalid size '{s}' (use a number with an optional K, M, G or T suffix)"
-            ))
-        }
+        _ => return Err(format!("invalid size '{s}' (use a number with an optional K, M, G or T suffix)")),
     };
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("size '{s}' is too large"))
+    n.checked_mul(1u64 << shift).ok_or_else(|| format!("size '{s}' is too large"))
 }
 
 /// An endpoint opened for a copy.
@@ -72,22 +67,12 @@ pub struct Opened {
 
 impl Opened {
     fn plain(backend: Arc<dyn Backend>, zeroed: bool) -> Opened {
-        Opened {
-            backend,
-            file: None,
-            created: false,
-            zeroed,
-        }
+        Opened { backend, file: None, created: false, zeroed }
     }
 
     fn file(file: FileBackend, created: bool, zeroed: bool) -> Opened {
         let file = Arc::new(file);
-        Opened {
-            backend: file.clone(),
-            file: Some(file),
-            created,
-            zeroed,
-        }
+        Opened { backend: file.clone(), file: Some(file), created, zeroed }
     }
 
     /// After a new file was made durable: makes its directory entry durable too.
@@ -102,24 +87,18 @@ impl Opened {
             _ => Path::new("."),
         };
         let dir = std::fs::File::open(parent).map_err(|e| Error::io("open", e).path(parent))?;
-        dir.sync_all()
-            .map_err(|e| Error::io("flush", e).path(parent))
+        dir.sync_all().map_err(|e| Error::io("flush", e).path(parent))
     }
 }
 
 pub fn open_source(ep: &Endpoint, mode: CacheMode, tuning: &Tuning) -> Result<Opened> {
     match ep {
         Endpoint::Stdio => Ok(Opened::plain(Arc::new(PipeBackend::stdin()?), false)),
-        Endpoint::Null(size) => Ok(Opened::plain(
-            Arc::new(NullBackend::new(Some(size.unwrap_or(0)))),
-            false,
-        )),
+        Endpoint::Null(size) => Ok(Opened::plain(Arc::new(NullBackend::new(Some(size.unwrap_or(0)))), false)),
         Endpoint::Path(p) => {
             let meta = std::fs::metadata(p).map_err(|e| Error::io("open", e).path(p))?;
             if meta.is_dir() {
-                return Err(Error::new(ErrorKind::InvalidInput, "open")
-                    .path(p)
-                    .detail("is a directory"));
+                return Err(Error::new(ErrorKind::InvalidInput, "open").path(p).detail("is a directory"));
             }
             if meta.file_type().is_fifo() || meta.file_type().is_char_device() {
                 let f = std::fs::File::open(p).map_err(|e| Error::io("open", e).path(p))?;
@@ -176,16 +155,10 @@ pub fn open_destination(
             }
             match &existing {
                 Some(m) if m.is_dir() => {
-                    return Err(Error::new(ErrorKind::InvalidInput, "open")
-                        .path(p)
-                        .detail("is a directory"))
+                    return Err(Error::new(ErrorKind::InvalidInput, "open").path(p).detail("is a directory"))
                 }
                 Some(m) if m.file_type().is_block_device() => {
-                    let opts_o = OpenOptions {
-                        write: true,
-                        create: false,
-                        truncate: false,
-                    };
+                    let opts_o = OpenOptions { write: true, create: false, truncate: false };
                     let fb = FileBackend::open(p, opts_o, mode, tuning)?;
                     return Ok(Opened::file(fb, false, opts.destination_is_zero));
                 }
@@ -201,11 +174,7 @@ pub fn open_destination(
                 }
                 _ => {}
             }
-            let opts_o = OpenOptions {
-                write: true,
-                create: true,
-                truncate: true,
-            };
+            let opts_o = OpenOptions { write: true, create: true, truncate: true };
             let fb = FileBackend::open(p, opts_o, mode, tuning)?;
             if let Some(size) = size {
                 if opts.preallocate {
@@ -226,14 +195,8 @@ mod tests {
     fn parses_endpoints_and_sizes() {
         assert_eq!("-".parse::<Endpoint>().unwrap(), Endpoint::Stdio);
         assert_eq!("null:".parse::<Endpoint>().unwrap(), Endpoint::Null(None));
-        assert_eq!(
-            "null:1G".parse::<Endpoint>().unwrap(),
-            Endpoint::Null(Some(1 << 30))
-        );
-        assert_eq!(
-            "a/b".parse::<Endpoint>().unwrap(),
-            Endpoint::Path("a/b".into())
-        );
+        assert_eq!("null:1G".parse::<Endpoint>().unwrap(), Endpoint::Null(Some(1 << 30)));
+        assert_eq!("a/b".parse::<Endpoint>().unwrap(), Endpoint::Path("a/b".into()));
         assert_eq!(parse_size("4M").unwrap(), 4 << 20);
         assert_eq!(parse_size("64KiB").unwrap(), 64 << 10);
         assert!(parse_size("4Q").is_err());

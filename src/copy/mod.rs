@@ -117,9 +117,7 @@ fn check_room(dst: &dyn Backend, size: u64) -> Result<()> {
     match dst.size() {
         Some(room) if room < size => Err(Error::new(ErrorKind::NoSpace, "copy")
             .path(dst.name())
-            .detail(format!(
-                "destination is smaller than the source ({room} < {size} bytes)"
-            ))),
+            .detail(format!("destination is smaller than the source ({room} < {size} bytes)"))),
         _ => Ok(()),
     }
 }
@@ -141,12 +139,7 @@ fn copy_sized(
     let req = opts.request_size.max(ZERO_BLOCK) as u64;
     let chunks = size.div_ceil(req);
     let sequential = src.caps().sequential || dst.caps().sequential;
-    let workers = if sequential {
-        1
-    } else {
-        opts.workers.clamp(1, 64) as u64
-    }
-    .min(chunks.max(1));
+    let workers = if sequential { 1 } else { opts.workers.clamp(1, 64) as u64 }.min(chunks.max(1));
     let next = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
     let first_error: std::sync::Mutex<Option<Error>> = Default::default();
@@ -160,9 +153,10 @@ fn copy_sized(
                         return;
                     }
                     if cancel.load(Ordering::Relaxed) {
-                        first_error.lock().unwrap().get_or_insert(
-                            Error::new(ErrorKind::Interrupted, "copy").detail("interrupted"),
-                        );
+                        first_error
+                            .lock()
+                            .unwrap()
+                            .get_or_insert(Error::new(ErrorKind::Interrupted, "copy").detail("interrupted"));
                         stop.store(true, Ordering::Relaxed);
                         return;
                     }
@@ -232,15 +226,7 @@ fn zero_range(dst: &dyn Backend, at: u64, n: u64, opts: &CopyOptions) -> Result<
     if opts.destination_is_zero && opts.sparse {
         return Ok(());
     }
-    dst.zero(
-        at,
-        n,
-        ZeroFlags {
-            may_trim: opts.sparse,
-            fast: false,
-            fua: false,
-        },
-    )
+    dst.zero(at, n, ZeroFlags { may_trim: opts.sparse, fast: false, fua: false })
 }
 
 /// Writes a data buffer, leaving out aligned zero blocks where the destination is zero.
@@ -253,9 +239,7 @@ fn write_data(
 ) -> Result<()> {
     if !(opts.sparse && opts.destination_is_zero) {
         dst.write(data, at, false)?;
-        progress
-            .written
-            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        progress.written.fetch_add(data.len() as u64, Ordering::Relaxed);
         return Ok(());
     }
     // Runs of non-zero blocks are written in one request each.
@@ -268,17 +252,13 @@ fn write_data(
             (false, None) => run_start = Some(i),
             (true, Some(s)) => {
                 dst.write(&data[s..i], at + s as u64, false)?;
-                progress
-                    .written
-                    .fetch_add((i - s) as u64, Ordering::Relaxed);
+                progress.written.fetch_add((i - s) as u64, Ordering::Relaxed);
                 run_start = None;
             }
             _ => {}
         }
         if zero && i < data.len() {
-            progress
-                .zero
-                .fetch_add((block_end - i) as u64, Ordering::Relaxed);
+            progress.zero.fetch_add((block_end - i) as u64, Ordering::Relaxed);
         }
         if i == data.len() {
             break;
@@ -298,7 +278,7 @@ fn copy_stream(
 ) -> Result<()> {
     let req = opts.request_size.max(ZERO_BLOCK);
     let mut buf = AlignedBuf::new(req);
-    let room = dst.size();
+    let room = if dst.caps().growable { None } else { dst.size() };
     let mut at = 0u64;
     loop {
         if cancel.load(Ordering::Relaxed) {

@@ -1,1 +1,238 @@
+//! Copy engine tests over memory backends, with faults injected where the error paths are.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::*;
+use crate::backend::{Backend, CacheInfo, Caps, Extent, MemoryBackend};
+use crate::filters::fault::{Fault, FaultInjector, Op, Rule};
+use crate::testing::conformance::Rng;
+
+const SIZE: u64 = (20 << 20) + 12345;
+
+/// A source with data, holes and an all-zero data region.
+fn source() -> Arc<MemoryBackend> {
+    let m = Arc::new(MemoryBackend::new(SIZE));
+    let mut rng = Rng::new(7);
+    for (off, len) in [(0u64, 1 << 20), ((5 << 20) + 17, 3 << 20), (SIZE - 5000, 5000)] {
+        let mut buf = vec![0u8; len as usize];
+        rng.fill(&mut buf);
+        m.write(&buf, off, false).unwrap();
+    }
+    // Allocated but zero: must be detected and skipped.
+    m.write(&vec![0u8; 2 << 20], 12 << 20, false).unwrap();
+    m
+}
+
+fn contents(b: &dyn Backend) -> Vec<u8> {
+    let mut buf = vec![0u8; b.size().unwrap() as usize];
+    b.read(&mut buf, 0).unwrap();
+    buf
+}
+
+fn opts(workers: usize) -> CopyOptions {
+    CopyOptions { workers, request_size: 1 << 20, destination_is_zero: true, sparse: true, flush: true }
+}
+
+fn run(src: &dyn Backend, dst: &dyn Backend, o: &CopyOptions) -> Result<Stats, Failure> {
+    copy(src, dst, o, &Progress::default(), &AtomicBool::new(false))
+}
+
+#[test]
+fn copies_identically_and_sparsely() {
+    for workers in [1, 2, 8] {
+        let src = source();
+        let dst = MemoryBackend::new(SIZE);
+        let stats = run(&*src, &dst, &opts(workers)).unwrap();
+        assert_eq!(stats.bytes, SIZE);
+        assert_eq!(contents(&*src), contents(&dst), "workers {workers}");
+        // Only the non-zero data was written: holes and the zero region were skipped.
+        assert!(dst.allocated() < src.allocated(), "{} vs {}", dst.allocated(), src.allocated());
+        assert!(stats.written <= (4 << 20) + 5000 + (128 << 10), "wrote {}", stats.written);
+    }
+}
+
+#[test]
+fn zeroes_holes_on_a_destination_that_is_not_zero() {
+    let src = source();
+    let dst = MemoryBackend::new(SIZE);
+    let mut junk = vec![0u8; SIZE as usize];
+    Rng::new(9).fill(&mut junk);
+    dst.write(&junk, 0, false).unwrap();
+    let o = CopyOptions { destination_is_zero: false, ..opts(2) };
+    run(&*src, &dst, &o).unwrap();
+    assert_eq!(contents(&*src), contents(&dst));
+}
+
+#[test]
+fn destination_too_small_is_refused_before_writing() {
+    let src = source();
+    let dst = MemoryBackend::new(SIZE - 1);
+    let f = run(&*src, &dst, &opts(2)).unwrap_err();
+    assert_eq!(f.error.kind(), ErrorKind::NoSpace);
+    assert!(f.error.to_string().contains("smaller than the source"), "{}", f.error);
+    assert_eq!(dst.allocated(), 0);
+}
+
+fn faulty(inner: Arc<dyn Backend>, rule: Rule) -> FaultInjector {
+    FaultInjector::new(inner, vec![rule])
+}
+
+#[test]
+fn read_error_names_the_offset() {
+    let src = faulty(source(), Rule::new(Op::Read, Fault::Fail(ErrorKind::Io)).at(5 << 20, 1));
+    let dst = MemoryBackend::new(SIZE);
+    let f = run(&src, &dst, &opts(2)).unwrap_err();
+    assert_eq!(f.error.kind(), ErrorKind::Io);
+    let msg = f.error.to_string();
+    assert!(
+        msg.starts_with("read memory:") && msg.contains("at offset 5") && msg.contains("input/output error"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn enospc_on_write_is_reported_as_such() {
+    let src = source();
+    let dst = faulty(
+        Arc::new(MemoryBackend::new(SIZE)),
+        Rule::new(Op::Write, Fault::Fail(ErrorKind::NoSpace)).every(1, 2),
+    );
+    let f = run(&*src, &dst, &opts(2)).unwrap_err();
+    assert_eq!(f.error.kind(), ErrorKind::NoSpace);
+    assert!(f.error.to_string().contains("no space left"), "{}", f.error);
+}
+
+#[test]
+fn short_read_is_an_unexpected_end() {
+    let src = faulty(source(), Rule::new(Op::Read, Fault::Short).times(1));
+    let dst = MemoryBackend::new(SIZE);
+    let f = run(&src, &dst, &opts(1)).unwrap_err();
+    assert_eq!(f.error.kind(), ErrorKind::UnexpectedEof);
+}
+
+#[test]
+fn torn_write_fails_the_copy() {
+    let src = source();
+    let dst = faulty(Arc::new(MemoryBackend::new(SIZE)), Rule::new(Op::Write, Fault::Short).times(1));
+    assert_eq!(run(&*src, &dst, &opts(2)).unwrap_err().error.kind(), ErrorKind::Io);
+}
+
+#[test]
+fn flush_error_fails_the_copy() {
+    let src = source();
+    let dst = faulty(Arc::new(MemoryBackend::new(SIZE)), Rule::new(Op::Flush, Fault::Fail(ErrorKind::Io)));
+    let f = run(&*src, &dst, &opts(2)).unwrap_err();
+    assert_eq!(f.error.op(), "flush");
+    // Without a flush requested, the same destination succeeds.
+    let o = CopyOptions { flush: false, ..opts(2) };
+    run(&*src, &dst, &o).unwrap();
+}
+
+#[test]
+fn extents_error_fails_the_copy() {
+    let src = faulty(source(), Rule::new(Op::Extents, Fault::Fail(ErrorKind::Io)).every(3, 1));
+    let dst = MemoryBackend::new(SIZE);
+    assert_eq!(run(&src, &dst, &opts(2)).unwrap_err().error.op(), "extents");
+}
+
+#[test]
+fn slow_operations_still_copy_correctly() {
+    let src = faulty(source(), Rule::new(Op::Read, Fault::Slow(Duration::from_millis(5))).every(2, 0));
+    let dst = MemoryBackend::new(SIZE);
+    run(&src, &dst, &opts(4)).unwrap();
+    assert_eq!(contents(&src), contents(&dst));
+}
+
+#[test]
+fn cancel_stops_with_interrupted() {
+    let src = faulty(source(), Rule::new(Op::Read, Fault::Slow(Duration::from_millis(20))));
+    let dst = MemoryBackend::new(SIZE);
+    let cancel = AtomicBool::new(false);
+    let f = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(30));
+            cancel.store(true, Ordering::Relaxed);
+        });
+        copy(&src, &dst, &opts(2), &Progress::default(), &cancel).unwrap_err()
+    });
+    assert_eq!(f.error.kind(), ErrorKind::Interrupted);
+    assert!(f.done < SIZE);
+}
+
+/// Counts `finish` calls, to show clean-up runs on failure too.
+struct CountFinish(Arc<dyn Backend>, AtomicUsize);
+
+impl Backend for CountFinish {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn size(&self) -> Option<u64> {
+        self.0.size()
+    }
+    fn caps(&self) -> Caps {
+        self.0.caps()
+    }
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.0.read(buf, offset)
+    }
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.0.write(buf, offset, fua)
+    }
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        self.0.zero(offset, len, flags)
+    }
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.0.trim(offset, len, fua)
+    }
+    fn flush(&self) -> Result<()> {
+        self.0.flush()
+    }
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.0.extents(offset, len)
+    }
+    fn cache_info(&self) -> Option<CacheInfo> {
+        None
+    }
+    fn finish(&self) -> Result<()> {
+        self.1.fetch_add(1, Ordering::Relaxed);
+        self.0.finish()
+    }
+}
+
+#[test]
+fn finish_runs_on_both_sides_after_an_error() {
+    let src = CountFinish(
+        Arc::new(faulty(source(), Rule::new(Op::Read, Fault::Fail(ErrorKind::Io)))),
+        AtomicUsize::new(0),
+    );
+    let dst = CountFinish(Arc::new(MemoryBackend::new(SIZE)), AtomicUsize::new(0));
+    run(&src, &dst, &opts(2)).unwrap_err();
+    assert_eq!(src.1.load(Ordering::Relaxed), 1);
+    assert_eq!(dst.1.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn stream_source_is_read_to_its_end() {
+    use crate::backend::PipeBackend;
+    let mut data = vec![0u8; (3 << 20) + 99];
+    Rng::new(3).fill(&mut data);
+    let src = PipeBackend::from_file("pipe", tempfile_with(&data), false);
+    let dst = MemoryBackend::new(4 << 20);
+    let stats = run(&src, &dst, &opts(2)).unwrap();
+    assert_eq!(stats.bytes, data.len() as u64);
+    assert_eq!(&contents(&dst)[..data.len()], &data[..]);
+    // Too small a destination fails once the stream passes its end.
+    let src = PipeBackend::from_file("pipe", tempfile_with(&data), false);
+    let small = MemoryBackend::new(1 << 20);
+    assert_eq!(run(&src, &small, &opts(1)).unwrap_err().error.kind(), ErrorKind::NoSpace);
+}
+
+fn tempfile_with(data: &[u8]) -> std::fs::File {
+    use std::io::{Seek, Write};
+    let mut f = tempfile::tempfile().unwrap();
+    f.write_all(data).unwrap();
+    f.rewind().unwrap();
+    f
+}

@@ -46,14 +46,7 @@ pub struct Rule {
 impl Rule {
     /// `fault` on every request of `op`.
     pub fn new(op: Op, fault: Fault) -> Rule {
-        Rule {
-            ops: vec![op],
-            range: None,
-            skip: 0,
-            every: 1,
-            times: None,
-            fault,
-        }
+        Rule { ops: vec![op], range: None, skip: 0, every: 1, times: None, fault }
     }
 
     /// Only requests overlapping `[offset, offset+len)`.
@@ -83,19 +76,13 @@ pub struct FaultInjector {
 
 impl FaultInjector {
     pub fn new(inner: Arc<dyn Backend>, rules: Vec<Rule>) -> FaultInjector {
-        let rules = rules
-            .into_iter()
-            .map(|r| (r, AtomicU64::new(0), AtomicU64::new(0)))
-            .collect();
+        let rules = rules.into_iter().map(|r| (r, AtomicU64::new(0), AtomicU64::new(0))).collect();
         FaultInjector { inner, rules }
     }
 
     /// How many times the rules fired, in order.
     pub fn fired(&self) -> Vec<u64> {
-        self.rules
-            .iter()
-            .map(|(_, _, f)| f.load(Ordering::Relaxed))
-            .collect()
+        self.rules.iter().map(|(_, _, f)| f.load(Ordering::Relaxed)).collect()
     }
 
     /// The fault to inject for this request, if any (sleeps for `Slow` itself).
@@ -114,10 +101,7 @@ impl FaultInjector {
             if n < rule.skip || (n - rule.skip) % rule.every != 0 {
                 continue;
             }
-            if rule
-                .times
-                .is_some_and(|t| fired.load(Ordering::Relaxed) >= t)
-            {
+            if rule.times.is_some_and(|t| fired.load(Ordering::Relaxed) >= t) {
                 continue;
             }
             fired.fetch_add(1, Ordering::Relaxed);
@@ -174,12 +158,7 @@ impl Backend for FaultInjector {
             Some(Fault::Short) => {
                 let half = buf.len() / 2;
                 self.inner.write(&buf[..half], offset, fua)?;
-                Err(self.fail(
-                    ErrorKind::Io,
-                    "write",
-                    offset + half as u64,
-                    (buf.len() - half) as u64,
-                ))
+                Err(self.fail(ErrorKind::Io, "write", offset + half as u64, (buf.len() - half) as u64))
             }
             _ => self.inner.write(buf, offset, fua),
         }

@@ -6,7 +6,7 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,8 +17,9 @@ use super::sys::{self, Advice, AlignedBuf};
 use super::writebehind::WriteBehind;
 use crate::error::{Error, ErrorKind, Result};
 
-/// Most bytes evict-behind keeps cached for readers that never finish a block.
-const EVICT_BEHIND_MAX: u64 = 32 << 20;
+/// Most bytes of blocks the evict-behind tracker holds before evicting the least recently
+/// used (readers that never finish a block, readahead spill): the neutral footprint bound.
+const EVICT_BEHIND_MAX: u64 = 96 << 20;
 
 /// How to open a `PolicyFile`.
 #[derive(Debug, Clone, Copy, Default)]
@@ -46,9 +47,7 @@ impl WriteLatch {
             None => Ok(()),
             Some(first) => Err(Error::new(ErrorKind::Io, "flush")
                 .path(path)
-                .detail(format!(
-                    "an earlier write failed ({first}); data may be lost"
-                ))),
+                .detail(format!("an earlier write failed ({first}); data may be lost"))),
         }
     }
 }
@@ -75,6 +74,8 @@ pub struct PolicyFile {
     write_mech: AtomicU8,
     fadvise: Fadvise,
     evict: EvictBehind,
+    /// Reads go through `evict` (evict-behind, or DONTCACHE with its readahead-spill guard).
+    guard_reads: bool,
     write_behind: WriteBehind,
     latch: Arc<WriteLatch>,
     rmw_locks: Vec<Mutex<()>>,
@@ -86,12 +87,7 @@ pub struct PolicyFile {
 }
 
 impl PolicyFile {
-    pub fn open(
-        path: &Path,
-        opts: OpenOptions,
-        mode: CacheMode,
-        tuning: &Tuning,
-    ) -> Result<PolicyFile> {
+    pub fn open(path: &Path, opts: OpenOptions, mode: CacheMode, tuning: &Tuning) -> Result<PolicyFile> {
         let open_err = |e: io::Error| Error::io("open", e).path(path);
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -108,23 +104,20 @@ impl PolicyFile {
                 .detail("not a regular file or block device"));
         }
         let fd = file.as_fd();
+        // Readahead off while probing: a one-byte read would otherwise load a readahead
+        // window that the evict-behind residency check would then take for pre-cached pages.
+        let _ = sys::fadvise(fd, 0, 0, Advice::Random);
         let dontcache = match sys::pread(fd, &mut [0u8; 1], 0, sys::RWF_DONTCACHE) {
             Ok(_) => true,
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => false,
-            Err(e) => {
-                return Err(Error::io("read", e)
-                    .path(path)
-                    .at(0, 1)
-                    .detail("probing RWF_DONTCACHE"))
-            }
+            Err(e) => return Err(Error::io("read", e).path(path).at(0, 1).detail("probing RWF_DONTCACHE")),
         };
         let mut pre_notes = Vec::new();
         let cachestat = match sys::cachestat(fd, 0, 4096) {
             Ok(_) => true,
             Err(e) => {
                 let why = if e.raw_os_error() == Some(libc::EPERM) {
-                    "cachestat denied (the file is not writable by this user): residency unknown"
-                        .to_string()
+                    "cachestat denied (the file is not writable by this user): residency unknown".to_string()
                 } else {
                     format!("cachestat unavailable ({e}): residency unknown")
                 };
@@ -133,17 +126,8 @@ impl PolicyFile {
                 false
             }
         };
-        let probe = Probe {
-            is_block,
-            dontcache,
-            cachestat,
-        };
-        let Choice {
-            read,
-            write,
-            fadvise,
-            mut notes,
-        } = choose(mode, probe, tuning);
+        let probe = Probe { is_block, dontcache, cachestat };
+        let Choice { read, write, fadvise, mut notes } = choose(mode, probe, tuning);
         notes.splice(0..0, pre_notes);
 
         let wants_direct =
@@ -157,9 +141,7 @@ impl PolicyFile {
             {
                 Ok(f) => Some(f),
                 Err(e) if read == ReadMech::DontCache && write != WriteMech::Direct => {
-                    notes.push(format!(
-                        "O_DIRECT unavailable ({e}): no fallback if DONTCACHE fails"
-                    ));
+                    notes.push(format!("O_DIRECT unavailable ({e}): no fallback if DONTCACHE fails"));
                     None
                 }
                 Err(e) => return Err(Error::io("open", e).path(path).detail("O_DIRECT")),
@@ -179,10 +161,18 @@ impl PolicyFile {
             Fadvise::Random => Advice::Random,
         };
         let _ = sys::fadvise(fd, 0, 0, advice);
-        tracing::debug!(
-            "{}: read {read}, write {write}, fadvise {fadvise}",
-            path.display()
-        );
+        tracing::debug!("{}: read {read}, write {write}, fadvise {fadvise}", path.display());
+        let guard_reads = match read {
+            ReadMech::EvictBehind => true,
+            ReadMech::DontCache if cachestat && !tuning.no_cachestat => true,
+            ReadMech::DontCache => {
+                notes.push("readahead spill past the last read cannot be checked without cachestat".into());
+                false
+            }
+            _ => false,
+        };
+        let meta_dev = if is_block { meta.rdev() } else { meta.dev() };
+        let lookahead = (2 * read_ahead_bytes(meta_dev)).clamp(evict::BLOCK, 64 << 20);
 
         Ok(PolicyFile {
             path: path.to_path_buf(),
@@ -193,7 +183,8 @@ impl PolicyFile {
             read_mech: AtomicU8::new(read as u8),
             write_mech: AtomicU8::new(write as u8),
             fadvise,
-            evict: EvictBehind::new(mode == CacheMode::Drop, EVICT_BEHIND_MAX),
+            evict: EvictBehind::new(mode == CacheMode::Drop, EVICT_BEHIND_MAX, lookahead),
+            guard_reads,
             write_behind: WriteBehind::new(write == WriteMech::DontCache),
             latch: Arc::new(WriteLatch::default()),
             rmw_locks: (0..64).map(|_| Mutex::new(())).collect(),
@@ -280,20 +271,20 @@ impl PolicyFile {
             let mech = self.read_mech();
             let res = match mech {
                 ReadMech::Buffered => read_full(self.fd(), buf, offset, 0),
-                ReadMech::DontCache => read_full(self.fd(), buf, offset, sys::RWF_DONTCACHE),
                 ReadMech::Direct => self.read_direct(buf, offset),
-                ReadMech::EvictBehind => {
-                    if let Err(e) = self.evict.before_read(self.fd(), offset, len) {
-                        self.read_mech
-                            .store(ReadMech::Direct as u8, Ordering::Relaxed);
-                        self.note(format!(
-                            "cachestat failed ({e}): switching reads to O_DIRECT"
-                        ));
+                ReadMech::DontCache | ReadMech::EvictBehind => {
+                    let flags = if mech == ReadMech::DontCache { sys::RWF_DONTCACHE } else { 0 };
+                    if !self.guard_reads {
+                        read_full(self.fd(), buf, offset, flags)
+                    } else if let Err(e) = self.evict.before_read(self.fd(), offset, len) {
+                        self.read_mech.store(ReadMech::Direct as u8, Ordering::Relaxed);
+                        self.note(format!("cachestat failed ({e}): switching reads to O_DIRECT"));
                         continue;
+                    } else {
+                        let res = read_full(self.fd(), buf, offset, flags);
+                        self.evict.after_read(self.fd(), offset, len);
+                        res
                     }
-                    let res = read_full(self.fd(), buf, offset, 0);
-                    self.evict.after_read(self.fd(), offset, len);
-                    res
                 }
             };
             match res {
@@ -302,8 +293,7 @@ impl PolicyFile {
                         && e.raw_os_error() == Some(libc::EOPNOTSUPP)
                         && self.direct.is_some() =>
                 {
-                    self.read_mech
-                        .store(ReadMech::Direct as u8, Ordering::Relaxed);
+                    self.read_mech.store(ReadMech::Direct as u8, Ordering::Relaxed);
                     self.note("DONTCACHE read refused: switching reads to O_DIRECT".into());
                 }
                 other => return other.map_err(err),
@@ -312,10 +302,7 @@ impl PolicyFile {
     }
 
     fn direct_fd(&self) -> io::Result<BorrowedFd<'_>> {
-        self.direct
-            .as_ref()
-            .map(|f| f.as_fd())
-            .ok_or_else(|| io::Error::from_raw_os_error(libc::EOPNOTSUPP))
+        self.direct.as_ref().map(|f| f.as_fd()).ok_or_else(|| io::Error::from_raw_os_error(libc::EOPNOTSUPP))
     }
 
     fn is_aligned(&self, ptr: *const u8, offset: u64, len: usize) -> bool {
@@ -349,17 +336,12 @@ impl PolicyFile {
             let mech = self.write_mech();
             let res = match mech {
                 WriteMech::Buffered => write_full(self.fd(), buf, offset, dsync),
-                WriteMech::DontCache => {
-                    write_full(self.fd(), buf, offset, dsync | sys::RWF_DONTCACHE)
-                }
+                WriteMech::DontCache => write_full(self.fd(), buf, offset, dsync | sys::RWF_DONTCACHE),
                 WriteMech::WriteBehind => write_full(self.fd(), buf, offset, dsync),
                 WriteMech::Direct => self.write_direct(buf, offset, dsync),
             };
             match res {
-                Err(e)
-                    if mech == WriteMech::DontCache
-                        && e.raw_os_error() == Some(libc::EOPNOTSUPP) =>
-                {
+                Err(e) if mech == WriteMech::DontCache && e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
                     self.switch_to_write_behind("DONTCACHE write refused");
                     continue;
                 }
@@ -369,9 +351,7 @@ impl PolicyFile {
             if matches!(mech, WriteMech::DontCache | WriteMech::WriteBehind) {
                 match self.write_behind.after_write(self.fd(), offset, len) {
                     Ok(o) if o.pages_left && self.write_mech() == WriteMech::DontCache => {
-                        self.switch_to_write_behind(
-                            "DONTCACHE writes left pages cached after writeback",
-                        );
+                        self.switch_to_write_behind("DONTCACHE writes left pages cached after writeback");
                     }
                     Ok(_) => {}
                     Err(e) => {
@@ -386,8 +366,7 @@ impl PolicyFile {
     }
 
     fn switch_to_write_behind(&self, why: &str) {
-        self.write_mech
-            .store(WriteMech::WriteBehind as u8, Ordering::Relaxed);
+        self.write_mech.store(WriteMech::WriteBehind as u8, Ordering::Relaxed);
         self.write_behind.stop_verifying();
         self.note(format!("{why}: switching writes to write-behind"));
     }
@@ -419,11 +398,7 @@ impl PolicyFile {
         let tail = (end - 1) / a;
         let (i, j) = ((head % 64) as usize, (tail % 64) as usize);
         let _g1 = self.rmw_locks[i.min(j)].lock().unwrap();
-        let _g2 = if i != j {
-            Some(self.rmw_locks[i.max(j)].lock().unwrap())
-        } else {
-            None
-        };
+        let _g2 = if i != j { Some(self.rmw_locks[i.max(j)].lock().unwrap()) } else { None };
         let mut bounce = AlignedBuf::new((end - start) as usize);
         let bounce = &mut bounce[..(end - start) as usize];
         if offset != start {
@@ -492,11 +467,7 @@ impl PolicyFile {
         if self.is_block {
             sys::block_size_bytes(self.fd()).map_err(|e| Error::io("size", e).path(&self.path))
         } else {
-            Ok(self
-                .file
-                .metadata()
-                .map_err(|e| Error::io("stat", e).path(&self.path))?
-                .len())
+            Ok(self.file.metadata().map_err(|e| Error::io("stat", e).path(&self.path))?.len())
         }
     }
 }
@@ -505,6 +476,17 @@ impl Drop for PolicyFile {
     fn drop(&mut self) {
         let _ = self.finish();
     }
+}
+
+/// The readahead window of the device behind `dev` (`queue/read_ahead_kb`), 8 MiB if unknown.
+fn read_ahead_bytes(dev: u64) -> u64 {
+    let base = format!("/sys/dev/block/{}:{}", libc::major(dev), libc::minor(dev));
+    for p in [format!("{base}/queue/read_ahead_kb"), format!("{base}/../queue/read_ahead_kb")] {
+        if let Some(kb) = std::fs::read_to_string(p).ok().and_then(|s| s.trim().parse::<u64>().ok()) {
+            return kb << 10;
+        }
+    }
+    8 << 20
 }
 
 /// Reads until `buf` is full or end of file.

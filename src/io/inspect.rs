@@ -39,11 +39,7 @@ impl Residency {
 /// Opens `path` the way `cache stat|evict` need it: for writing when allowed (cachestat wants
 /// write access), otherwise read-only.
 pub fn open_for_inspection(path: &Path) -> Result<File> {
-    match std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-    {
+    match std::fs::OpenOptions::new().read(true).write(true).open(path) {
         Ok(f) => Ok(f),
         Err(_) => File::open(path).map_err(|e| Error::io("open", e).path(path)),
     }
@@ -51,9 +47,7 @@ pub fn open_for_inspection(path: &Path) -> Result<File> {
 
 /// Size of a regular file or block device.
 pub fn file_size(file: &File, path: &Path) -> Result<u64> {
-    let meta = file
-        .metadata()
-        .map_err(|e| Error::io("stat", e).path(path))?;
+    let meta = file.metadata().map_err(|e| Error::io("stat", e).path(path))?;
     if meta.file_type().is_block_device() {
         sys::block_size_bytes(file.as_fd()).map_err(|e| Error::io("size", e).path(path))
     } else {
@@ -106,13 +100,8 @@ pub fn evict(file: &File, path: &Path, offset: u64, len: Option<u64>, sync: bool
     let len = len.unwrap_or(0);
     if sync {
         // Wait for writeback of the range, then for anything already under writeback.
-        sys::sync_file_range(
-            fd,
-            offset,
-            len,
-            sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER,
-        )
-        .map_err(|e| Error::io("writeback", e).path(path))?;
+        sys::sync_file_range(fd, offset, len, sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER)
+            .map_err(|e| Error::io("writeback", e).path(path))?;
     }
     sys::fadvise(fd, offset, len, Advice::DontNeed).map_err(|e| Error::io("evict", e).path(path))
 }

@@ -73,11 +73,7 @@ impl Tuning {
     /// Applies `LIGHTFOOT_NO_DONTCACHE=1` and `LIGHTFOOT_NO_CACHESTAT=1` from the environment.
     /// Only the binary calls this; the library never reads the environment by itself.
     pub fn with_env(mut self) -> Tuning {
-        let set = |name: &str| {
-            std::env::var(name)
-                .map(|v| v != "0" && !v.is_empty())
-                .unwrap_or(false)
-        };
+        let set = |name: &str| std::env::var(name).map(|v| v != "0" && !v.is_empty()).unwrap_or(false);
         self.no_dontcache |= set("LIGHTFOOT_NO_DONTCACHE");
         self.no_cachestat |= set("LIGHTFOOT_NO_CACHESTAT");
         self
@@ -134,11 +130,7 @@ pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Choice {
         CacheMode::Direct => (ReadMech::Direct, WriteMech::Direct),
         CacheMode::Drop => (ReadMech::EvictBehind, WriteMech::WriteBehind),
         CacheMode::Neutral => {
-            let read = if dontcache {
-                ReadMech::DontCache
-            } else {
-                ReadMech::Direct
-            };
+            let read = if dontcache { ReadMech::DontCache } else { ReadMech::Direct };
             (read, WriteMech::WriteBehind)
         }
     };
@@ -160,11 +152,7 @@ pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Choice {
     // what was cached before, so it must not run in neutral mode (drop mode evicts all).
     if read == ReadMech::EvictBehind && mode != CacheMode::Drop && !cachestat {
         notes.push("residency unknown (cachestat unavailable or EPERM): reading with O_DIRECT instead of evict-behind".to_string());
-        read = if dontcache {
-            ReadMech::DontCache
-        } else {
-            ReadMech::Direct
-        };
+        read = if dontcache { ReadMech::DontCache } else { ReadMech::Direct };
     }
     let fadvise = tuning.fadvise.unwrap_or(match read {
         // Our own requests are large; kernel readahead would only leave a tail window behind
@@ -173,12 +161,7 @@ pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Choice {
         ReadMech::DontCache | ReadMech::EvictBehind => Fadvise::Random,
         ReadMech::Buffered | ReadMech::Direct => Fadvise::Normal,
     });
-    Choice {
-        read,
-        write,
-        fadvise,
-        notes,
-    }
+    Choice { read, write, fadvise, notes }
 }
 
 macro_rules! names {
@@ -215,11 +198,7 @@ names!(Fadvise { Normal = "normal", Sequential = "sequential", Random = "random"
 mod tests {
     use super::*;
 
-    const ALL: Probe = Probe {
-        is_block: false,
-        dontcache: true,
-        cachestat: true,
-    };
+    const ALL: Probe = Probe { is_block: false, dontcache: true, cachestat: true };
 
     #[test]
     fn neutral_prefers_dontcache_reads_and_write_behind() {
@@ -232,70 +211,35 @@ mod tests {
 
     #[test]
     fn neutral_without_dontcache_reads_direct() {
-        let probe = Probe {
-            dontcache: false,
-            ..ALL
-        };
+        let probe = Probe { dontcache: false, ..ALL };
         let c = choose(CacheMode::Neutral, probe, &Tuning::default());
         assert_eq!(c.read, ReadMech::Direct);
-        let forced = Tuning {
-            no_dontcache: true,
-            ..Tuning::default()
-        };
-        assert_eq!(
-            choose(CacheMode::Neutral, ALL, &forced).read,
-            ReadMech::Direct
-        );
+        let forced = Tuning { no_dontcache: true, ..Tuning::default() };
+        assert_eq!(choose(CacheMode::Neutral, ALL, &forced).read, ReadMech::Direct);
     }
 
     #[test]
     fn forced_dontcache_falls_back_where_missing() {
-        let probe = Probe {
-            dontcache: false,
-            ..ALL
-        };
+        let probe = Probe { dontcache: false, ..ALL };
         let t = Tuning {
             read: Some(ReadMech::DontCache),
             write: Some(WriteMech::DontCache),
             ..Tuning::default()
         };
         let c = choose(CacheMode::Neutral, probe, &t);
-        assert_eq!(
-            (c.read, c.write),
-            (ReadMech::Direct, WriteMech::WriteBehind)
-        );
+        assert_eq!((c.read, c.write), (ReadMech::Direct, WriteMech::WriteBehind));
         assert!(c.notes.iter().any(|n| n.contains("unavailable")));
     }
 
     #[test]
     fn evict_behind_needs_cachestat_in_neutral_mode() {
-        let t = Tuning {
-            read: Some(ReadMech::EvictBehind),
-            no_cachestat: true,
-            ..Tuning::default()
-        };
-        let c = choose(
-            CacheMode::Neutral,
-            Probe {
-                dontcache: false,
-                ..ALL
-            },
-            &t,
-        );
+        let t = Tuning { read: Some(ReadMech::EvictBehind), no_cachestat: true, ..Tuning::default() };
+        let c = choose(CacheMode::Neutral, Probe { dontcache: false, ..ALL }, &t);
         assert_eq!(c.read, ReadMech::Direct);
-        let t = Tuning {
-            read: Some(ReadMech::EvictBehind),
-            ..Tuning::default()
-        };
-        assert_eq!(
-            choose(CacheMode::Neutral, ALL, &t).read,
-            ReadMech::EvictBehind
-        );
+        let t = Tuning { read: Some(ReadMech::EvictBehind), ..Tuning::default() };
+        assert_eq!(choose(CacheMode::Neutral, ALL, &t).read, ReadMech::EvictBehind);
         // Drop mode evicts everything, so it needs no residency.
-        let t = Tuning {
-            no_cachestat: true,
-            ..Tuning::default()
-        };
+        let t = Tuning { no_cachestat: true, ..Tuning::default() };
         assert_eq!(choose(CacheMode::Drop, ALL, &t).read, ReadMech::EvictBehind);
     }
 
@@ -312,9 +256,6 @@ mod tests {
         for n in ReadMech::NAMES {
             assert_eq!(n.parse::<ReadMech>().unwrap().name(), *n);
         }
-        assert!("bogus"
-            .parse::<CacheMode>()
-            .unwrap_err()
-            .contains("neutral"));
+        assert!("bogus".parse::<CacheMode>().unwrap_err().contains("neutral"));
     }
 }

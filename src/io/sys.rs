@@ -39,10 +39,7 @@ fn retry<T>(mut f: impl FnMut() -> io::Result<T>) -> io::Result<T> {
 
 /// `preadv2` of one buffer with `flags`; returns the bytes read (0 at end of file).
 pub fn pread(fd: BorrowedFd, buf: &mut [u8], offset: u64, flags: i32) -> io::Result<usize> {
-    let iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
+    let iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     retry(|| {
         // SAFETY: `iov` points into `buf`, which is exclusively borrowed for the whole call.
         let ret = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
@@ -52,10 +49,7 @@ pub fn pread(fd: BorrowedFd, buf: &mut [u8], offset: u64, flags: i32) -> io::Res
 
 /// `pwritev2` of one buffer with `flags`; returns the bytes written.
 pub fn pwrite(fd: BorrowedFd, buf: &[u8], offset: u64, flags: i32) -> io::Result<usize> {
-    let iov = libc::iovec {
-        iov_base: buf.as_ptr() as *mut _,
-        iov_len: buf.len(),
-    };
+    let iov = libc::iovec { iov_base: buf.as_ptr() as *mut _, iov_len: buf.len() };
     retry(|| {
         // SAFETY: `iov` points into `buf`, borrowed for the whole call; the kernel only reads it.
         let ret = unsafe { libc::pwritev2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
@@ -136,14 +130,8 @@ pub fn fadvise(fd: BorrowedFd, offset: u64, len: u64, advice: Advice) -> io::Res
         Advice::DontNeed => libc::POSIX_FADV_DONTNEED,
     };
     // SAFETY: plain syscall on a borrowed fd; no memory is passed.
-    let ret = unsafe {
-        libc::posix_fadvise(
-            fd.as_raw_fd(),
-            offset as libc::off_t,
-            len as libc::off_t,
-            advice,
-        )
-    };
+    let ret =
+        unsafe { libc::posix_fadvise(fd.as_raw_fd(), offset as libc::off_t, len as libc::off_t, advice) };
     // posix_fadvise returns the error number instead of setting errno.
     if ret != 0 {
         return Err(io::Error::from_raw_os_error(ret));
@@ -162,12 +150,7 @@ pub fn sync_file_range(fd: BorrowedFd, offset: u64, len: u64, flags: u32) -> io:
     retry(|| {
         // SAFETY: plain syscall on a borrowed fd; no memory is passed.
         let ret = unsafe {
-            libc::sync_file_range(
-                fd.as_raw_fd(),
-                offset as libc::off64_t,
-                len as libc::off64_t,
-                flags,
-            )
+            libc::sync_file_range(fd.as_raw_fd(), offset as libc::off64_t, len as libc::off64_t, flags)
         };
         check(ret as libc::c_long).map(drop)
     })
@@ -190,14 +173,7 @@ pub const FALLOC_ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE;
 pub fn fallocate(fd: BorrowedFd, mode: i32, offset: u64, len: u64) -> io::Result<()> {
     retry(|| {
         // SAFETY: plain syscall on a borrowed fd.
-        let ret = unsafe {
-            libc::fallocate(
-                fd.as_raw_fd(),
-                mode,
-                offset as libc::off_t,
-                len as libc::off_t,
-            )
-        };
+        let ret = unsafe { libc::fallocate(fd.as_raw_fd(), mode, offset as libc::off_t, len as libc::off_t) };
         check(ret as libc::c_long).map(drop)
     })
 }
@@ -253,12 +229,7 @@ pub fn block_discard(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<()> {
     block_range_ioctl(fd, BLKDISCARD, offset, len)
 }
 
-fn block_range_ioctl(
-    fd: BorrowedFd,
-    request: libc::c_ulong,
-    offset: u64,
-    len: u64,
-) -> io::Result<()> {
+fn block_range_ioctl(fd: BorrowedFd, request: libc::c_ulong, offset: u64, len: u64) -> io::Result<()> {
     let range: [u64; 2] = [offset, len];
     retry(|| {
         // SAFETY: the ioctl reads two u64 from `range`, which lives for the call.
@@ -275,13 +246,7 @@ pub fn dio_alignment(fd: BorrowedFd) -> Option<(u32, u32)> {
     // "this fd".
     unsafe {
         let mut stx: libc::statx = std::mem::zeroed();
-        let ret = libc::statx(
-            fd.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            STATX_DIOALIGN,
-            &mut stx,
-        );
+        let ret = libc::statx(fd.as_raw_fd(), c"".as_ptr(), libc::AT_EMPTY_PATH, STATX_DIOALIGN, &mut stx);
         if ret != 0 || stx.stx_mask & STATX_DIOALIGN == 0 || stx.stx_dio_offset_align == 0 {
             return None;
         }
@@ -315,16 +280,14 @@ impl AlignedBuf {
         let layout = std::alloc::Layout::from_size_align(cap, BUF_ALIGN).expect("buffer layout");
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr =
-            std::ptr::NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        let ptr = std::ptr::NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         AlignedBuf { ptr, len: cap }
     }
 }
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        let layout =
-            std::alloc::Layout::from_size_align(self.len, BUF_ALIGN).expect("buffer layout");
+        let layout = std::alloc::Layout::from_size_align(self.len, BUF_ALIGN).expect("buffer layout");
         // SAFETY: allocated in `new` with this exact layout.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
     }

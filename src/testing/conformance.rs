@@ -28,11 +28,7 @@ pub struct Model {
 
 impl Model {
     pub fn new(size: usize, expect: Expect) -> Model {
-        Model {
-            data: vec![0; size],
-            known: vec![true; size],
-            expect,
-        }
+        Model { data: vec![0; size], known: vec![true; size], expect }
     }
 
     pub fn write(&mut self, buf: &[u8], offset: u64) {
@@ -135,8 +131,7 @@ fn write(
 ) -> Result<(), String> {
     let mut buf = vec![0u8; len];
     rng.fill(&mut buf);
-    b.write(&buf, offset, fua)
-        .map_err(err(&format!("write {offset}+{len}")))?;
+    b.write(&buf, offset, fua).map_err(err(&format!("write {offset}+{len}")))?;
     m.write(&buf, offset);
     Ok(())
 }
@@ -169,12 +164,7 @@ pub fn run(b: &dyn Backend, expect: Expect, seed: u64) -> Result<(), String> {
     check_all(b, &m, "writes at the edges")?;
 
     // Reads at the edges return exactly what was asked.
-    for (off, len) in [
-        (0u64, 1usize),
-        (size - 1, 1),
-        (size - 7777, 7777),
-        (3, 65536 + 5),
-    ] {
+    for (off, len) in [(0u64, 1usize), (size - 1, 1), (size - 7777, 7777), (3, 65536 + 5)] {
         let mut buf = vec![0u8; len];
         let got = b.read(&mut buf, off).map_err(err("edge read"))?;
         if got != len {
@@ -190,22 +180,11 @@ pub fn run(b: &dyn Backend, expect: Expect, seed: u64) -> Result<(), String> {
 
     // Zeroes, with and without permission to deallocate, aligned and not.
     if caps.can_zero {
-        for (off, len, may_trim) in [
-            (0u64, 4096u64, true),
-            (1, 10, false),
-            (65536 - 5, 70_000, true),
-            (size - 3, 3, false),
-        ] {
-            b.zero(
-                off,
-                len,
-                ZeroFlags {
-                    may_trim,
-                    fast: false,
-                    fua: false,
-                },
-            )
-            .map_err(err(&format!("zero {off}+{len}")))?;
+        for (off, len, may_trim) in
+            [(0u64, 4096u64, true), (1, 10, false), (65536 - 5, 70_000, true), (size - 3, 3, false)]
+        {
+            b.zero(off, len, ZeroFlags { may_trim, fast: false, fua: false })
+                .map_err(err(&format!("zero {off}+{len}")))?;
             m.zero(off, len);
         }
         check_all(b, &m, "after zeroes")?;
@@ -215,8 +194,7 @@ pub fn run(b: &dyn Backend, expect: Expect, seed: u64) -> Result<(), String> {
     if caps.can_trim {
         b.trim(128 << 10, 256 << 10, false).map_err(err("trim"))?;
         m.trim(128 << 10, 256 << 10);
-        b.trim(size - 1000, 1000, true)
-            .map_err(err("trim at end"))?;
+        b.trim(size - 1000, 1000, true).map_err(err("trim at end"))?;
         m.trim(size - 1000, 1000);
         check_all(b, &m, "after trims")?;
     }
@@ -234,16 +212,8 @@ pub fn run(b: &dyn Backend, expect: Expect, seed: u64) -> Result<(), String> {
             }
             6 if caps.can_zero => {
                 let may_trim = rng.below(2) == 0;
-                b.zero(
-                    off,
-                    len,
-                    ZeroFlags {
-                        may_trim,
-                        fast: false,
-                        fua: false,
-                    },
-                )
-                .map_err(err("random zero"))?;
+                b.zero(off, len, ZeroFlags { may_trim, fast: false, fua: false })
+                    .map_err(err("random zero"))?;
                 m.zero(off, len);
             }
             7 if caps.can_trim => {
@@ -326,13 +296,10 @@ pub fn run_parallel(b: Arc<dyn Backend>, threads: usize, seed: u64) -> Result<()
     let mut m = Model::new(size as usize, Expect::Store);
     // Untouched tail bytes are whatever they were: only check the written slices.
     for (t, h) in handles.into_iter().enumerate() {
-        let buf = h
-            .join()
-            .map_err(|_| "a writer thread panicked".to_string())??;
+        let buf = h.join().map_err(|_| "a writer thread panicked".to_string())??;
         m.write(&buf, t as u64 * slice);
         let mut got = vec![0u8; buf.len()];
-        b.read(&mut got, t as u64 * slice)
-            .map_err(err("parallel read back"))?;
+        b.read(&mut got, t as u64 * slice).map_err(err("parallel read back"))?;
         m.check(&got, t as u64 * slice, "parallel writes")?;
     }
     Ok(())

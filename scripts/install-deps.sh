@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs what the tests and benchmarks need on a fresh Debian machine: the NBD peers and
+# tools the interop tests and benchmarks run against. Does nothing when all are present.
+set -euo pipefail
+need=()
+command -v qemu-img  >/dev/null || need+=(qemu-utils)
+command -v nbdcopy   >/dev/null || need+=(libnbd-bin)
+command -v nbdkit    >/dev/null || need+=(nbdkit)
+/usr/bin/python3 -c 'import nbd' 2>/dev/null || need+=(python3-libnbd)
+command -v fio       >/dev/null || need+=(fio)
+command -v nocache   >/dev/null || need+=(nocache)
+[ -x /usr/bin/time ] || need+=(time)
+command -v losetup   >/dev/null || need+=(mount)
+command -v setpriv   >/dev/null || need+=(util-linux)
+if [ ${#need[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "installing: ${need[*]}"
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "need root (or sudo) to install: ${need[*]}" >&2; exit 1; }
+  sudo=sudo
+fi
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq "${need[@]}" >/dev/null

@@ -1,0 +1,108 @@
+//! `lightfoot cache stat|evict` end to end.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+fn json(out: &std::process::Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(out)))
+}
+
+#[test]
+fn stat_and_evict_report_what_is_cached() {
+    let dir = scratch();
+    let f = dir.path().join("f");
+    sample(&f, 16 * MIB, MIB);
+    warm(&f, 4 * MIB, 2 * MIB);
+    let p = f.to_str().unwrap();
+
+    let out = lightfoot(&["cache", "stat", "--json", p]);
+    assert!(out.status.success(), "{}", text(&out));
+    let v = json(&out);
+    assert_eq!(v[0]["cached_bytes"], 2 * MIB);
+    assert_eq!(v[0]["len"], 16 * MIB);
+    assert_eq!(v[0]["stat"]["dirty"], 0);
+    assert_eq!(v[0]["source"], "cachestat");
+
+    let out = lightfoot(&["cache", "stat", "--json", "--range", "5M:4M", p]);
+    assert_eq!(json(&out)[0]["cached_bytes"], MIB);
+    let out = lightfoot(&["cache", "stat", "--json", "--range", "8M:", p]);
+    assert_eq!(json(&out)[0]["cached_bytes"], 0);
+
+    let out = lightfoot(&["cache", "stat", p]);
+    let t = text(&out);
+    assert!(t.contains("FILE") && t.contains("2.0 MiB (12.5%)"), "{t}");
+
+    // Evicting a range leaves the rest.
+    let out = lightfoot(&["cache", "evict", "--range", "4M:1M", p]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(cached(&f, 0, None), MIB);
+    let out = lightfoot(&["cache", "evict", "--json", p]);
+    let v = json(&out);
+    assert_eq!(v[0]["cached_before"], MIB);
+    assert_eq!(v[0]["cached_after"], 0);
+}
+
+#[test]
+fn evict_sync_writes_dirty_pages_back_first() {
+    use std::io::Write;
+    let dir = scratch();
+    let f = dir.path().join("dirty");
+    let mut file = std::fs::File::create(&f).unwrap();
+    file.write_all(&vec![7u8; 4 * MIB as usize]).unwrap();
+    let p = f.to_str().unwrap();
+    let v = json(&lightfoot(&["cache", "stat", "--json", p]));
+    assert!(v[0]["stat"]["dirty"].as_u64().unwrap() + v[0]["stat"]["writeback"].as_u64().unwrap() > 0, "{v}");
+    let out = lightfoot(&["cache", "evict", "--sync", p]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(cached(&f, 0, None), 0);
+    assert_eq!(std::fs::read(&f).unwrap(), vec![7u8; 4 * MIB as usize]);
+}
+
+#[test]
+fn errors_name_the_file_and_the_others_are_still_shown() {
+    let dir = scratch();
+    let f = dir.path().join("f");
+    sample(&f, MIB, MIB);
+    let missing = dir.path().join("missing");
+    let out = lightfoot(&["cache", "stat", missing.to_str().unwrap(), f.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let t = text(&out);
+    assert!(t.contains("missing") && t.contains("no such file"), "{t}");
+    assert!(t.lines().any(|l| l.starts_with(f.to_str().unwrap())), "{t}");
+    let out = lightfoot(&["cache", "stat", "--range", "nonsense", f.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+/// cachestat answers EPERM for files the user cannot write: say residency is not visible,
+/// never print a guess.
+#[test]
+fn unprivileged_stat_says_residency_is_not_visible() {
+    if euid() != 0 {
+        eprintln!("SKIPPED unprivileged_stat: needs root to switch to nobody");
+        return;
+    }
+    let dir = scratch();
+    let f = dir.path().join("f");
+    sample(&f, MIB, MIB);
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", bin(), "cache", "stat"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("not visible"), "{}", text(&out));
+    // Eviction needs only read access.
+    warm(&f, 0, MIB);
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", bin(), "cache", "evict"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(cached(&f, 0, None), 0);
+}

@@ -1,0 +1,126 @@
+//! Helpers shared by the integration tests of the binary.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use lightfoot::io::inspect::{open_for_inspection, residency};
+
+pub const MIB: u64 = 1 << 20;
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_lightfoot")
+}
+
+pub fn lightfoot(args: &[&str]) -> Output {
+    Command::new(bin()).args(args).output().expect("run lightfoot")
+}
+
+pub fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+pub fn euid() -> u32 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    line.split_whitespace().nth(2).unwrap().parse().unwrap()
+}
+
+/// A scratch directory on the same filesystem as the build (ext4 here), readable by all.
+pub fn scratch() -> tempfile::TempDir {
+    let base = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let dir = tempfile::tempdir_in(base).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    dir
+}
+
+/// Writes a sample: `size` bytes, data in alternate `piece`s (pseudo-random), holes between,
+/// plus one allocated all-zero piece. Evicted from the cache afterwards.
+pub fn sample(path: &Path, size: u64, piece: u64) {
+    use std::io::{Seek, SeekFrom, Write};
+    let mut f = std::fs::File::create(path).unwrap();
+    f.set_len(size).unwrap();
+    let mut rng = lightfoot::testing::conformance::Rng::new(size ^ piece);
+    let mut buf = vec![0u8; piece as usize];
+    let mut at = 0;
+    let mut i = 0;
+    while at < size {
+        let n = piece.min(size - at) as usize;
+        if i % 2 == 0 {
+            rng.fill(&mut buf[..n]);
+            if i == 2 {
+                buf[..n].fill(0);
+            }
+            f.seek(SeekFrom::Start(at)).unwrap();
+            f.write_all(&buf[..n]).unwrap();
+        }
+        at += n as u64;
+        i += 1;
+    }
+    f.sync_all().unwrap();
+    evict(path);
+}
+
+pub fn evict(path: &Path) {
+    let f = open_for_inspection(path).unwrap();
+    lightfoot::io::inspect::evict(&f, path, 0, None, true).unwrap();
+    assert_eq!(cached(path, 0, None), 0, "could not evict {}", path.display());
+}
+
+/// Bytes of `[off, off+len)` in the page cache.
+pub fn cached(path: &Path, off: u64, len: Option<u64>) -> u64 {
+    let f = open_for_inspection(path).unwrap();
+    residency(&f, path, off, len).unwrap().cached_bytes()
+}
+
+/// Brings exactly `[off, off+len)` into the cache: buffered reads with readahead off, so
+/// nothing past the range is loaded.
+pub fn warm(path: &Path, off: u64, len: u64) {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(path).unwrap();
+    lightfoot::io::sys::fadvise(f.as_fd(), 0, 0, lightfoot::io::sys::Advice::Random).unwrap();
+    let mut buf = vec![0u8; MIB as usize];
+    let mut at = off;
+    while at < off + len {
+        let n = MIB.min(off + len - at) as usize;
+        f.read_exact_at(&mut buf[..n], at).unwrap();
+        at += n as u64;
+    }
+}
+
+pub fn same_contents(a: &Path, b: &Path) -> bool {
+    // Compared through O_DIRECT-free plain reads after the measurements: callers check the
+    // cache before calling this.
+    std::fs::read(a).unwrap() == std::fs::read(b).unwrap()
+}
+
+/// Allocated bytes of a file (st_blocks × 512).
+pub fn allocated(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+/// A loop device over a new file of `size` bytes; detached on drop.
+pub struct Loop {
+    pub dev: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Loop {
+    pub fn new(size: u64) -> Loop {
+        let dir = scratch();
+        let img = dir.path().join("loop.img");
+        std::fs::File::create(&img).unwrap().set_len(size).unwrap();
+        let out = Command::new("losetup").args(["-f", "--show"]).arg(&img).output().expect("run losetup");
+        assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
+        Loop { dev: String::from_utf8(out.stdout).unwrap().trim().to_string(), _dir: dir }
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.dev]).status();
+    }
+}
