@@ -327,7 +327,8 @@ fn readahead_left_by_another_reader_does_not_spill() {
             .output()
             .unwrap();
         assert!(out.status.success());
-        let blocks = |p: &Path| -> Vec<u64> { (0..64).map(|b| cached(p, b * 2 * MIB, Some(2 * MIB))).collect() };
+        let blocks =
+            |p: &Path| -> Vec<u64> { (0..64).map(|b| cached(p, b * 2 * MIB, Some(2 * MIB))).collect() };
         let before = blocks(&src);
         assert!(before.iter().sum::<u64>() > 16 * MIB, "dd should have read ahead: {before:?}");
         let mut all = vec!["copy"];

@@ -103,8 +103,9 @@ pub struct CopyArgs {
     #[arg(long, value_name = "MECH", help_heading = "Advanced", value_parser = parse_enum::<WriteMech>)]
     write_mechanism: Option<WriteMech>,
 
-    /// Readahead advice for SRC: normal, sequential or random (default: chosen with the
-    /// mechanism; random for DONTCACHE, whose readahead past the last read would stay cached).
+    /// Readahead advice for SRC: normal, sequential or random (default: normal, or random
+    /// where readahead would defeat the mechanism: evict-behind, or DONTCACHE without
+    /// cachestat to clean up the readahead past the last read).
     #[arg(long, value_name = "ADVICE", help_heading = "Advanced", value_parser = parse_enum::<Fadvise>)]
     fadvise: Option<Fadvise>,
 }

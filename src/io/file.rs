@@ -172,7 +172,9 @@ impl PolicyFile {
             _ => false,
         };
         let meta_dev = if is_block { meta.rdev() } else { meta.dev() };
-        let lookahead = (2 * read_ahead_bytes(meta_dev)).clamp(evict::BLOCK, 64 << 20);
+        // Readahead runs at most two windows ahead of the reader (the async window starts inside
+        // the current one); twice that leaves a margin for the other workers' requests.
+        let lookahead = (4 * read_ahead_bytes(meta_dev)).clamp(evict::BLOCK, 64 << 20);
 
         Ok(PolicyFile {
             path: path.to_path_buf(),
