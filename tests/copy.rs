@@ -43,7 +43,7 @@ fn neutral_leaves_the_cache_as_found() {
         ("default", &[], &[]),
         ("no dontcache (O_DIRECT reads)", &[], &[("LIGHTFOOT_NO_DONTCACHE", "1")]),
         ("evict-behind reads", &["--read-mechanism", "evict-behind", "--no-dontcache"], &[]),
-        ("dontcache writes", &["--write-mechanism", "dontcache"], &[]),
+        ("write-behind writes", &["--write-mechanism", "write-behind"], &[]),
         ("one worker, small requests", &["-j", "1", "--request-size", "256K"], &[]),
     ];
     let dir = scratch();

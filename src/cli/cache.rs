@@ -21,9 +21,9 @@ pub enum CacheCommand {
 
 const STAT_HELP: &str = "\
 Columns: the size of the range, then bytes cached (and the share of the range), dirty (not yet
-written back), under writeback, evicted (pages of this file the cache has dropped since the
-file was opened by anyone) and recently evicted (of those, dropped recently enough that a
-re-read would count as thrashing).
+written back), under writeback, evicted (pages of the range the cache dropped and still keeps
+a trace of) and recently evicted (of those, dropped recently enough that reading them again
+would count as thrashing).
 
 Reading residency needs cachestat(2) (Linux 6.5) and, since 2025, write access to the file
 (or ownership, or root). For other files the figures are not visible: lightfoot says so rather

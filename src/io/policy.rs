@@ -110,12 +110,13 @@ pub struct Choice {
 
 /// Chooses the mechanisms for `mode` given what the probe found.
 ///
-/// Neutral reads: DONTCACHE where it works (fastest here, and the kernel keeps pre-cached
-/// pages); otherwise O_DIRECT, which is neutral by construction and needs no residency
-/// information; evict-behind only when forced (it needs cachestat, and measured slower than
-/// O_DIRECT on ext4: see docs/cache-policy.md). Neutral writes: write-behind windows, which
-/// work on every kernel and filesystem and measured fastest with two workers (KERNEL-NOTES:
-/// concurrent DONTCACHE writers slow down).
+/// Neutral: RWF_DONTCACHE for reads and writes where a one-byte probe read accepts it (with
+/// two workers, DONTCACHE writes beat write-behind in 7 of 7 paired 4 GiB runs, by 2-15 %; at
+/// four workers they were even). Without it: O_DIRECT reads, which are neutral by construction
+/// and need no residency information, and write-behind windows, which work on every kernel
+/// and filesystem. Evict-behind only when forced: it needs cachestat and measured slower than
+/// O_DIRECT (docs/cache-policy.md). DONTCACHE writes that leave pages cached after writeback
+/// are caught at run time and switched to write-behind (`PolicyFile::write_at`).
 pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Choice {
     let mut notes = Vec::new();
     let dontcache = probe.dontcache && !tuning.no_dontcache;
@@ -130,8 +131,11 @@ pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Choice {
         CacheMode::Direct => (ReadMech::Direct, WriteMech::Direct),
         CacheMode::Drop => (ReadMech::EvictBehind, WriteMech::WriteBehind),
         CacheMode::Neutral => {
-            let read = if dontcache { ReadMech::DontCache } else { ReadMech::Direct };
-            (read, WriteMech::WriteBehind)
+            if dontcache {
+                (ReadMech::DontCache, WriteMech::DontCache)
+            } else {
+                (ReadMech::Direct, WriteMech::WriteBehind)
+            }
         }
     };
     if let Some(r) = tuning.read {
@@ -205,22 +209,20 @@ mod tests {
     const ALL: Probe = Probe { is_block: false, dontcache: true, cachestat: true };
 
     #[test]
-    fn neutral_prefers_dontcache_reads_and_write_behind() {
+    fn neutral_prefers_dontcache() {
         let c = choose(CacheMode::Neutral, ALL, &Tuning::default());
-        assert_eq!(
-            (c.read, c.write, c.fadvise),
-            (ReadMech::DontCache, WriteMech::WriteBehind, Fadvise::Normal)
-        );
+        let want = (ReadMech::DontCache, WriteMech::DontCache, Fadvise::Normal);
+        assert_eq!((c.read, c.write, c.fadvise), want);
         // Without cachestat the readahead spill cannot be cleaned up: readahead goes off.
         let c = choose(CacheMode::Neutral, Probe { cachestat: false, ..ALL }, &Tuning::default());
         assert_eq!((c.read, c.fadvise), (ReadMech::DontCache, Fadvise::Random));
     }
 
     #[test]
-    fn neutral_without_dontcache_reads_direct() {
+    fn neutral_without_dontcache_reads_direct_and_writes_behind() {
         let probe = Probe { dontcache: false, ..ALL };
         let c = choose(CacheMode::Neutral, probe, &Tuning::default());
-        assert_eq!(c.read, ReadMech::Direct);
+        assert_eq!((c.read, c.write), (ReadMech::Direct, WriteMech::WriteBehind));
         let forced = Tuning { no_dontcache: true, ..Tuning::default() };
         assert_eq!(choose(CacheMode::Neutral, ALL, &forced).read, ReadMech::Direct);
     }
