@@ -2,6 +2,7 @@
 //!
 //! The crate is layered; dependencies run one way, down this list:
 //!
+//! - [`server`]: the NBD server, a driver that serves one backend to many connections.
 //! - [`copy`]: the copy engine, a driver that moves requests between two backends with
 //!   parallel workers, skipping holes and zeroes ([`copy::copy`]).
 //! - [`filters`]: backends that wrap a backend ([`filters::FaultInjector`] for tests).
@@ -9,6 +10,7 @@
 //!   devices, memory, `null:`, pipes.
 //! - [`io`]: the cache policy (`--cache=neutral|keep|drop|direct`) and every system call that
 //!   touches the page cache ([`io::PolicyFile`], [`io::policy::choose`]).
+//! - [`proto`]: the NBD wire format only (no sockets, no threads, no policy).
 //! - [`error`]: one error type with a kind, the operation and its context.
 //!
 //! [`testing`] holds the conformance suite every backend and filter stack must pass.
@@ -19,6 +21,8 @@ pub mod copy;
 pub mod error;
 pub mod filters;
 pub mod io;
+pub mod proto;
+pub mod server;
 pub mod testing;
 
 pub use error::{Error, ErrorKind, Result};

@@ -39,7 +39,8 @@ fn copies_content_and_keeps_holes() {
 /// stay, pages the job brought in are gone (source and destination).
 #[test]
 fn neutral_leaves_the_cache_as_found() {
-    let cases: &[(&str, &[&str], &[(&str, &str)])] = &[
+    type Case<'a> = (&'a str, &'a [&'a str], &'a [(&'a str, &'a str)]);
+    let cases: &[Case] = &[
         ("default", &[], &[]),
         ("no dontcache (O_DIRECT reads)", &[], &[("LIGHTFOOT_NO_DONTCACHE", "1")]),
         ("evict-behind reads", &["--read-mechanism", "evict-behind", "--no-dontcache"], &[]),

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
 use crate::error::{Error, ErrorKind, Result};
-use crate::io::{sys, CacheMode, OpenOptions, PolicyFile, Tuning};
+use crate::io::{sys, CacheMode, OpenOptions, PolicyFile, Shared, Tuning};
 
 /// Extents reported by one call at most; callers ask again for the rest.
 const MAX_EXTENTS: usize = 1024;
@@ -26,7 +26,19 @@ pub struct FileBackend {
 
 impl FileBackend {
     pub fn open(path: &Path, opts: OpenOptions, mode: CacheMode, tuning: &Tuning) -> Result<FileBackend> {
-        let file = PolicyFile::open(path, opts, mode, tuning)?;
+        Self::open_shared(path, opts, mode, tuning, Default::default())
+    }
+
+    /// Another open of the same file for another connection: its own fd (readahead state is
+    /// per open file), the export's shared error latch and block locks.
+    pub fn open_shared(
+        path: &Path,
+        opts: OpenOptions,
+        mode: CacheMode,
+        tuning: &Tuning,
+        shared: std::sync::Arc<Shared>,
+    ) -> Result<FileBackend> {
+        let file = PolicyFile::open_shared(path, opts, mode, tuning, shared)?;
         let size = file.size()?;
         let meta = file.file().metadata().map_err(|e| Error::io("stat", e).path(path))?;
         let (rotational, logical_block) = if file.is_block() {
@@ -212,6 +224,16 @@ impl Backend for FileBackend {
 
     fn flush(&self) -> Result<()> {
         self.file.sync()
+    }
+
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        // Only `keep` may leave pages behind. The prefetch filter gives CACHE a meaning in
+        // the other modes (its bounded buffer).
+        if self.file.mode() == CacheMode::Keep {
+            sys::fadvise(self.file.fd(), offset, len, sys::Advice::WillNeed)
+                .map_err(self.err("cache", offset, len))?;
+        }
+        Ok(())
     }
 
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {

@@ -126,6 +126,10 @@ impl Backend for MemoryBackend {
         Ok(())
     }
 
+    fn cache(&self, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
+
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         let mut out: Vec<Extent> = Vec::new();
         Self::pieces(offset, len, |page, _, r| {

@@ -117,6 +117,10 @@ pub trait Backend: Send + Sync {
     /// Makes every completed write durable.
     fn flush(&self) -> Result<()>;
 
+    /// Advises that `[offset, offset+len)` will be read soon (NBD `CACHE`). Never changes
+    /// data; must not leave pages behind in neutral mode.
+    fn cache(&self, offset: u64, len: u64) -> Result<()>;
+
     /// The allocation map of `[offset, offset+len)`: contiguous extents starting at
     /// `offset`, at least one, together no longer than `len`.
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>>;

@@ -69,6 +69,10 @@ impl Backend for NullBackend {
         Ok(())
     }
 
+    fn cache(&self, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
+
     fn extents(&self, _offset: u64, len: u64) -> Result<Vec<Extent>> {
         Ok(vec![Extent::hole(len)])
     }

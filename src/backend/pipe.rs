@@ -134,6 +134,10 @@ impl Backend for PipeBackend {
         state.0.flush().map_err(|e| Error::io("flush", e).path(&self.name))
     }
 
+    fn cache(&self, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
+
     fn extents(&self, _offset: u64, len: u64) -> Result<Vec<Extent>> {
         Ok(vec![Extent::data(len)])
     }

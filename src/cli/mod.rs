@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 mod cache;
 mod copy;
 mod human;
+mod serve;
 
 #[derive(Parser)]
 #[command(
@@ -26,6 +27,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     Copy(copy::CopyArgs),
+    Serve(serve::ServeArgs),
     #[command(subcommand)]
     Cache(cache::CacheCommand),
 }
@@ -37,6 +39,7 @@ pub fn run() -> i32 {
     let cli = Cli::parse();
     match cli.command {
         Command::Copy(args) => copy::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Cache(cmd) => cache::run(cmd),
     }
 }

@@ -189,6 +189,9 @@ impl Backend for CountFinish {
     fn flush(&self) -> Result<()> {
         self.0.flush()
     }
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        self.0.cache(offset, len)
+    }
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         self.0.extents(offset, len)
     }

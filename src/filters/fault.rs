@@ -189,6 +189,10 @@ impl Backend for FaultInjector {
         }
     }
 
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.cache(offset, len)
+    }
+
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         match self.check(Op::Extents, offset, len) {
             Some(Fault::Fail(k)) => Err(self.fail(k, "extents", offset, len)),

@@ -52,6 +52,20 @@ impl WriteLatch {
     }
 }
 
+/// What every open of one file in one job shares: the latched write error, and the locks
+/// that serialise read-modify-write of a block (a server opens one fd per connection; these
+/// must still be one per export).
+pub struct Shared {
+    latch: WriteLatch,
+    rmw_locks: Vec<Mutex<()>>,
+}
+
+impl Default for Shared {
+    fn default() -> Shared {
+        Shared { latch: WriteLatch::default(), rmw_locks: (0..64).map(|_| Mutex::new(())).collect() }
+    }
+}
+
 /// Which mechanisms a file ended up using, and why (for `--verbose` and JSON output).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Mechanism {
@@ -77,8 +91,7 @@ pub struct PolicyFile {
     /// Reads go through `evict` (evict-behind, or DONTCACHE with its readahead-spill guard).
     guard_reads: bool,
     write_behind: WriteBehind,
-    latch: Arc<WriteLatch>,
-    rmw_locks: Vec<Mutex<()>>,
+    shared: Arc<Shared>,
     notes: Mutex<Vec<String>>,
     /// Lowest and highest byte touched (for `drop` mode's final eviction).
     touched_lo: AtomicU64,
@@ -88,6 +101,18 @@ pub struct PolicyFile {
 
 impl PolicyFile {
     pub fn open(path: &Path, opts: OpenOptions, mode: CacheMode, tuning: &Tuning) -> Result<PolicyFile> {
+        Self::open_shared(path, opts, mode, tuning, Arc::default())
+    }
+
+    /// Opens another fd on a file, sharing the error latch and block locks with the other
+    /// opens that got the same `shared`.
+    pub fn open_shared(
+        path: &Path,
+        opts: OpenOptions,
+        mode: CacheMode,
+        tuning: &Tuning,
+        shared: Arc<Shared>,
+    ) -> Result<PolicyFile> {
         let open_err = |e: io::Error| Error::io("open", e).path(path);
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -188,8 +213,7 @@ impl PolicyFile {
             evict: EvictBehind::new(mode == CacheMode::Drop, EVICT_BEHIND_MAX, lookahead),
             guard_reads,
             write_behind: WriteBehind::new(write == WriteMech::DontCache),
-            latch: Arc::new(WriteLatch::default()),
-            rmw_locks: (0..64).map(|_| Mutex::new(())).collect(),
+            shared,
             notes: Mutex::new(notes),
             touched_lo: AtomicU64::new(u64::MAX),
             touched_hi: AtomicU64::new(0),
@@ -224,7 +248,7 @@ impl PolicyFile {
     }
 
     pub fn latch(&self) -> &WriteLatch {
-        &self.latch
+        &self.shared.latch
     }
 
     pub fn mechanism(&self) -> Mechanism {
@@ -309,7 +333,7 @@ impl PolicyFile {
 
     fn is_aligned(&self, ptr: *const u8, offset: u64, len: usize) -> bool {
         let a = self.align;
-        offset % a == 0 && len as u64 % a == 0 && ptr as u64 % a == 0
+        offset.is_multiple_of(a) && (len as u64).is_multiple_of(a) && (ptr as u64).is_multiple_of(a)
     }
 
     fn read_direct(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
@@ -358,7 +382,7 @@ impl PolicyFile {
                     Ok(_) => {}
                     Err(e) => {
                         let e = Error::io("writeback", e).path(&self.path);
-                        self.latch.set(&e);
+                        self.shared.latch.set(&e);
                         return Err(e);
                     }
                 }
@@ -399,15 +423,15 @@ impl PolicyFile {
         let head = offset / a;
         let tail = (end - 1) / a;
         let (i, j) = ((head % 64) as usize, (tail % 64) as usize);
-        let _g1 = self.rmw_locks[i.min(j)].lock().unwrap();
-        let _g2 = if i != j { Some(self.rmw_locks[i.max(j)].lock().unwrap()) } else { None };
+        let _g1 = self.shared.rmw_locks[i.min(j)].lock().unwrap();
+        let _g2 = if i != j { Some(self.shared.rmw_locks[i.max(j)].lock().unwrap()) } else { None };
         let mut bounce = AlignedBuf::new((end - start) as usize);
         let bounce = &mut bounce[..(end - start) as usize];
         if offset != start {
             read_full(fd, &mut bounce[..a as usize], start, 0)?;
         }
         let last = bounce.len() - a as usize;
-        if (offset + buf.len() as u64) % a != 0 && (last > 0 || offset == start) {
+        if !(offset + buf.len() as u64).is_multiple_of(a) && (last > 0 || offset == start) {
             read_full(fd, &mut bounce[last..], end - a, 0)?;
         }
         let skip = (offset - start) as usize;
@@ -419,15 +443,15 @@ impl PolicyFile {
     pub fn sync(&self) -> Result<()> {
         if let Err(e) = sys::fdatasync(self.fd()) {
             let e = Error::io("flush", e).path(&self.path);
-            self.latch.set(&e);
+            self.shared.latch.set(&e);
             return Err(e);
         }
-        self.latch.check(&self.path)?;
+        self.shared.latch.check(&self.path)?;
         // Everything is clean now: evicting the windows costs nothing and keeps the footprint
         // low between flushes.
         if let Err(e) = self.write_behind.drain(self.fd()) {
             let e = Error::io("writeback", e).path(&self.path);
-            self.latch.set(&e);
+            self.shared.latch.set(&e);
             return Err(e);
         }
         Ok(())
@@ -459,7 +483,7 @@ impl PolicyFile {
         }
         drained.map(drop).map_err(|e| {
             let e = Error::io("writeback", e).path(&self.path);
-            self.latch.set(&e);
+            self.shared.latch.set(&e);
             e
         })
     }

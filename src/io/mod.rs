@@ -20,6 +20,6 @@ pub mod policy;
 pub mod sys;
 pub mod writebehind;
 
-pub use file::{Mechanism, OpenOptions, PolicyFile, WriteLatch};
+pub use file::{Mechanism, OpenOptions, PolicyFile, Shared, WriteLatch};
 pub use policy::{CacheMode, Fadvise, ReadMech, Tuning, WriteMech};
 pub use sys::{AlignedBuf, CacheStat};

@@ -76,7 +76,7 @@ impl Rng {
         Rng(seed.max(1))
     }
 
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -87,13 +87,13 @@ impl Rng {
         if n == 0 {
             0
         } else {
-            self.next() % n
+            self.next_u64() % n
         }
     }
 
     pub fn fill(&mut self, buf: &mut [u8]) {
         for chunk in buf.chunks_mut(8) {
-            let v = self.next().to_le_bytes();
+            let v = self.next_u64().to_le_bytes();
             chunk.copy_from_slice(&v[..chunk.len()]);
         }
     }
@@ -200,6 +200,11 @@ pub fn run(b: &dyn Backend, expect: Expect, seed: u64) -> Result<(), String> {
     }
 
     check_extents(b, &m)?;
+
+    // CACHE is advice: it succeeds and changes nothing.
+    b.cache(0, size).map_err(err("cache"))?;
+    b.cache(size - 1, 1).map_err(err("cache at end"))?;
+    check_all(b, &m, "after cache")?;
 
     // A random mix, checked against the model every few operations.
     for i in 0..300 {

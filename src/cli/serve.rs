@@ -1,0 +1,175 @@
+//! `lightfoot serve FILE|DEVICE`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Args;
+use lightfoot::backend::{Backend, FileBackend};
+use lightfoot::io::{CacheMode, Fadvise, OpenOptions, ReadMech, Shared, Tuning, WriteMech};
+use lightfoot::server::{Export, Listener, Server};
+
+use super::copy::parse_enum;
+
+const AFTER_HELP: &str = "\
+Serves FILE (a raw image: for qcow2, put qemu-nbd in front) or a block device over NBD, with
+the fixed newstyle handshake, structured replies, base:allocation block status, and several
+requests in flight per connection. Each connection opens FILE itself (readahead state is per
+open file); write errors and block locks are shared by all connections, so the export
+advertises CAN_MULTI_CONN.
+
+URIs: nbd://127.0.0.1:10809/NAME over TCP, nbd+unix:///NAME?socket=PATH over a Unix socket.
+The empty export name always reaches the export too.
+
+--run 'CMD' runs CMD through sh with $uri, $unixsocket (for --unix) and $port (for TCP) set,
+stops serving when it exits and exits with its status. Example:
+  lightfoot serve --unix /tmp/s disk.img --run 'nbdcopy \"$uri\" backup.img'
+
+Exit status: 0 after a clean shutdown (Ctrl-C, SIGTERM), 1 on failure, 2 usage error; with
+--run, the status of CMD. See docs/serve.md and docs/cache-policy.md.";
+
+/// Serve a file or block device over NBD, leaving the page cache as it was.
+#[derive(Args)]
+#[command(after_long_help = AFTER_HELP)]
+pub struct ServeArgs {
+    /// The file or block device to export.
+    #[arg(value_name = "FILE")]
+    file: PathBuf,
+
+    /// Listen on this Unix socket instead of TCP.
+    #[arg(long, value_name = "PATH", conflicts_with = "listen")]
+    unix: Option<PathBuf>,
+
+    /// TCP address and port to listen on.
+    #[arg(long, value_name = "ADDR:PORT", default_value = "127.0.0.1:10809")]
+    listen: String,
+
+    /// The export's name (clients may also ask for the empty name).
+    #[arg(long, value_name = "NAME", default_value = "")]
+    export_name: String,
+
+    /// A description sent to clients that ask (NBD_INFO_DESCRIPTION).
+    #[arg(long, value_name = "TEXT")]
+    description: Option<String>,
+
+    /// Refuse writes, trims and zeroes (EPERM); FILE is opened read-only.
+    #[arg(short, long)]
+    read_only: bool,
+
+    /// Page-cache policy: neutral, keep, drop or direct.
+    #[arg(long, value_name = "MODE", default_value = "neutral", value_parser = parse_enum::<CacheMode>)]
+    cache: CacheMode,
+
+    /// Readahead advice for FILE: normal, sequential or random (default: chosen with the
+    /// read mechanism).
+    #[arg(long, value_name = "ADVICE", value_parser = parse_enum::<Fadvise>)]
+    fadvise: Option<Fadvise>,
+
+    /// Worker threads per connection (requests carried out in parallel).
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
+    threads: u16,
+
+    /// Connections served at once; more are closed at once.
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: u32,
+
+    /// Run CMD (with $uri, $unixsocket, $port set) and stop serving when it exits.
+    #[arg(long, value_name = "CMD")]
+    run: Option<String>,
+
+    /// Log connections and the mechanisms chosen (-vv: more).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+
+    /// Never use RWF_DONTCACHE.
+    #[arg(long, help_heading = "Advanced")]
+    no_dontcache: bool,
+
+    /// Force the read mechanism: buffered, dontcache, direct or evict-behind.
+    #[arg(long, value_name = "MECH", help_heading = "Advanced", value_parser = parse_enum::<ReadMech>)]
+    read_mechanism: Option<ReadMech>,
+
+    /// Force the write mechanism: buffered, dontcache, write-behind or direct.
+    #[arg(long, value_name = "MECH", help_heading = "Advanced", value_parser = parse_enum::<WriteMech>)]
+    write_mechanism: Option<WriteMech>,
+}
+
+pub fn run(a: ServeArgs) -> i32 {
+    super::init_logging(a.verbose);
+    let tuning = Tuning {
+        no_dontcache: a.no_dontcache,
+        no_cachestat: false,
+        read: a.read_mechanism,
+        write: a.write_mechanism,
+        fadvise: a.fadvise,
+    }
+    .with_env();
+    let shared = Arc::new(Shared::default());
+    let (path, mode, ro) = (a.file.clone(), a.cache, a.read_only);
+    let opener = move || -> lightfoot::Result<Arc<dyn Backend>> {
+        let opts = OpenOptions { write: !ro, create: false, truncate: false };
+        Ok(Arc::new(FileBackend::open_shared(&path, opts, mode, &tuning, shared.clone())?))
+    };
+    let export = match Export::new(&a.export_name, a.description.clone(), true, opener) {
+        Ok(e) => e,
+        Err(e) => {
+            super::report(&e);
+            return 1;
+        }
+    };
+    let listener = match &a.unix {
+        Some(p) => Listener::unix(p),
+        None => Listener::tcp(&a.listen),
+    };
+    let listener = match listener {
+        Ok(l) => l,
+        Err(e) => {
+            let wher = a.unix.as_ref().map(|p| p.display().to_string()).unwrap_or(a.listen.clone());
+            super::report(&format!("listen on {wher}: {e}"));
+            return 1;
+        }
+    };
+    let server = Arc::new(Server::new(export, a.threads as usize, a.max_connections as usize));
+    let uri = listener.uri(&a.export_name);
+    tracing::info!("serving {} at {uri}", a.file.display());
+    {
+        let s = server.clone();
+        let _ = ctrlc::set_handler(move || s.shutdown());
+    }
+    let status = Arc::new(std::sync::Mutex::new(0));
+    if let Some(cmd) = &a.run {
+        let mut c = std::process::Command::new("sh");
+        c.arg("-c").arg(cmd).env("uri", &uri);
+        match &listener {
+            Listener::Unix(_, p) => {
+                c.env("unixsocket", p);
+            }
+            Listener::Tcp(l) => {
+                if let Ok(addr) = l.local_addr() {
+                    c.env("port", addr.port().to_string());
+                }
+            }
+        }
+        let mut child = match c.spawn() {
+            Ok(ch) => ch,
+            Err(e) => {
+                super::report(&format!("run '{cmd}': {e}"));
+                return 1;
+            }
+        };
+        let (s, st) = (server.clone(), status.clone());
+        std::thread::spawn(move || {
+            let code = match child.wait() {
+                Ok(es) => es.code().unwrap_or(1),
+                Err(_) => 1,
+            };
+            *st.lock().unwrap() = code;
+            s.shutdown();
+        });
+    }
+    if let Err(e) = server.serve(&listener) {
+        super::report(&format!("serve: {e}"));
+        return 1;
+    }
+    let code = *status.lock().unwrap();
+    code
+}

@@ -1,0 +1,185 @@
+//! Option haggling: parsing option requests and building option reply payloads.
+
+use super::*;
+
+/// The 16-byte header of an option request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionHeader {
+    pub option: u32,
+    pub len: u32,
+}
+
+/// `None` when the magic is not `IHAVEOPT` (the client is not speaking NBD).
+pub fn parse_option_header(b: &[u8; 16]) -> Option<OptionHeader> {
+    if be64(&b[0..8]) != IHAVEOPT {
+        return None;
+    }
+    Some(OptionHeader { option: be32(&b[8..12]), len: be32(&b[12..16]) })
+}
+
+/// A malformed option payload: answered with `NBD_REP_ERR_INVALID`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid(pub &'static str);
+
+/// Reads length-prefixed fields from an option payload.
+struct Fields<'a>(&'a [u8]);
+
+impl<'a> Fields<'a> {
+    fn u16(&mut self) -> Result<u16, Invalid> {
+        let b = self.take(2)?;
+        Ok(be16(b))
+    }
+
+    fn u32(&mut self) -> Result<u32, Invalid> {
+        let b = self.take(4)?;
+        Ok(be32(b))
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], Invalid> {
+        if self.0.len() < n {
+            return Err(Invalid("option data shorter than its fields"));
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+
+    fn string(&mut self) -> Result<String, Invalid> {
+        let n = self.u32()? as usize;
+        let b = self.take(n)?;
+        String::from_utf8(b.to_vec()).map_err(|_| Invalid("string is not UTF-8"))
+    }
+
+    fn done(&self) -> Result<(), Invalid> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err(Invalid("option data longer than its fields"))
+        }
+    }
+}
+
+/// `NBD_OPT_INFO` / `NBD_OPT_GO` data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GoRequest {
+    pub name: String,
+    pub infos: Vec<u16>,
+}
+
+pub fn parse_go(data: &[u8]) -> Result<GoRequest, Invalid> {
+    let mut f = Fields(data);
+    let name = f.string()?;
+    let n = f.u16()?;
+    let infos = (0..n).map(|_| f.u16()).collect::<Result<Vec<_>, _>>()?;
+    f.done()?;
+    Ok(GoRequest { name, infos })
+}
+
+/// `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT` data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetaRequest {
+    pub export: String,
+    pub queries: Vec<String>,
+}
+
+pub fn parse_meta(data: &[u8]) -> Result<MetaRequest, Invalid> {
+    let mut f = Fields(data);
+    let export = f.string()?;
+    let n = f.u32()?;
+    if n as usize > data.len() / 4 {
+        return Err(Invalid("more queries than the data can hold"));
+    }
+    let queries = (0..n).map(|_| f.string()).collect::<Result<Vec<_>, _>>()?;
+    f.done()?;
+    Ok(MetaRequest { export, queries })
+}
+
+/// `NBD_INFO_EXPORT`: size and transmission flags.
+pub fn info_export(size: u64, flags: u16) -> Vec<u8> {
+    let mut v = INFO_EXPORT.to_be_bytes().to_vec();
+    v.extend_from_slice(&size.to_be_bytes());
+    v.extend_from_slice(&flags.to_be_bytes());
+    v
+}
+
+/// `NBD_INFO_BLOCK_SIZE`: minimum, preferred and maximum block sizes.
+pub fn info_block_size(min: u32, preferred: u32, max: u32) -> Vec<u8> {
+    let mut v = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+    for x in [min, preferred, max] {
+        v.extend_from_slice(&x.to_be_bytes());
+    }
+    v
+}
+
+/// `NBD_INFO_NAME` or `NBD_INFO_DESCRIPTION`: a string without a length prefix.
+pub fn info_string(ty: u16, s: &str) -> Vec<u8> {
+    let mut v = ty.to_be_bytes().to_vec();
+    v.extend_from_slice(s.as_bytes());
+    v
+}
+
+/// `NBD_REP_SERVER` data: a length-prefixed export name.
+pub fn rep_server(name: &str) -> Vec<u8> {
+    let mut v = (name.len() as u32).to_be_bytes().to_vec();
+    v.extend_from_slice(name.as_bytes());
+    v
+}
+
+/// `NBD_REP_META_CONTEXT` data: the context id and its name.
+pub fn rep_meta_context(id: u32, name: &str) -> Vec<u8> {
+    let mut v = id.to_be_bytes().to_vec();
+    v.extend_from_slice(name.as_bytes());
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn go_data(name: &str, infos: &[u16]) -> Vec<u8> {
+        let mut v = rep_server(name);
+        v.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+        for i in infos {
+            v.extend_from_slice(&i.to_be_bytes());
+        }
+        v
+    }
+
+    #[test]
+    fn go_parses_and_rejects_bad_lengths() {
+        let d = go_data("disk", &[INFO_BLOCK_SIZE, INFO_NAME]);
+        assert_eq!(parse_go(&d).unwrap(), GoRequest { name: "disk".into(), infos: vec![3, 1] });
+        assert!(parse_go(&d[..d.len() - 1]).is_err());
+        let mut long = d.clone();
+        long.push(0);
+        assert!(parse_go(&long).is_err());
+        // A name length past the end of the data.
+        let mut bad = d.clone();
+        bad[3] = 200;
+        assert!(parse_go(&bad).is_err());
+    }
+
+    #[test]
+    fn meta_parses_queries() {
+        let mut d = rep_server("");
+        d.extend_from_slice(&2u32.to_be_bytes());
+        d.extend_from_slice(&rep_server("base:allocation"));
+        d.extend_from_slice(&rep_server("qemu:dirty-bitmap:x"));
+        let m = parse_meta(&d).unwrap();
+        assert_eq!(m.queries, vec!["base:allocation".to_string(), "qemu:dirty-bitmap:x".to_string()]);
+        let mut huge = rep_server("");
+        huge.extend_from_slice(&u32::MAX.to_be_bytes());
+        assert!(parse_meta(&huge).is_err());
+    }
+
+    #[test]
+    fn option_header_checks_magic() {
+        let mut b = [0u8; 16];
+        b[0..8].copy_from_slice(&IHAVEOPT.to_be_bytes());
+        b[8..12].copy_from_slice(&OPT_GO.to_be_bytes());
+        b[12..16].copy_from_slice(&10u32.to_be_bytes());
+        assert_eq!(parse_option_header(&b), Some(OptionHeader { option: OPT_GO, len: 10 }));
+        b[0] = 0;
+        assert_eq!(parse_option_header(&b), None);
+    }
+}

@@ -1,0 +1,267 @@
+//! The NBD server: one export, served over TCP or a Unix socket to many connections.
+//!
+//! - [`Server`] holds the export and the shared state (shutdown flag, connection count) and
+//!   runs the accept loop ([`Server::serve`]); each connection gets a thread.
+//! - [`negotiate`]: the fixed newstyle handshake, over any [`stream::Stream`].
+//! - [`transmission`]: requests read and validated ([`validate`]) by one thread, carried out
+//!   by `threads` workers against the connection's own backend, replies out of order.
+//! - [`Export`]: what is served, and how to open one backend per connection (one fd each:
+//!   readahead state belongs to the open file; errors and block locks are shared).
+//!
+//! A malformed handshake or garbage on the wire ends that connection only.
+
+use std::io;
+use std::net::TcpListener;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::backend::{Backend, Caps};
+use crate::proto::*;
+
+pub mod negotiate;
+pub mod stream;
+pub mod transmission;
+pub mod validate;
+
+type Opener = Box<dyn Fn() -> crate::Result<Arc<dyn Backend>> + Send + Sync>;
+
+/// What is served.
+pub struct Export {
+    pub name: String,
+    pub description: Option<String>,
+    pub read_only: bool,
+    pub size: u64,
+    pub caps: Caps,
+    /// Everything the export holds is shared by its connections (one page cache, one error
+    /// latch, flushes are per inode), so `CAN_MULTI_CONN` is true.
+    pub multi_conn: bool,
+    open: Opener,
+}
+
+impl Export {
+    /// `open` is called once now (to learn the size and capabilities) and once per
+    /// connection.
+    pub fn new(
+        name: &str,
+        description: Option<String>,
+        multi_conn: bool,
+        open: impl Fn() -> crate::Result<Arc<dyn Backend>> + Send + Sync + 'static,
+    ) -> crate::Result<Export> {
+        let probe = open()?;
+        let size = probe.size().ok_or_else(|| {
+            crate::Error::new(crate::ErrorKind::InvalidInput, "serve")
+                .path(probe.name())
+                .detail("size unknown: only files, devices and memory can be served")
+        })?;
+        let caps = probe.caps();
+        probe.finish()?;
+        Ok(Export {
+            name: name.to_string(),
+            description,
+            read_only: caps.read_only,
+            size,
+            caps,
+            multi_conn,
+            open: Box::new(open),
+        })
+    }
+
+    /// A backend for one more connection.
+    pub fn open(&self) -> crate::Result<Arc<dyn Backend>> {
+        (self.open)()
+    }
+
+    /// The client's name for it: its own, or the empty "default export" name.
+    pub fn matches(&self, name: &str) -> bool {
+        name == self.name || name.is_empty()
+    }
+
+    /// Transmission flags.
+    pub fn flags(&self) -> u16 {
+        let c = &self.caps;
+        let mut f = TF_HAS_FLAGS | TF_SEND_FUA | TF_SEND_CACHE;
+        let set = |f: &mut u16, cond: bool, bit: u16| {
+            if cond {
+                *f |= bit
+            }
+        };
+        set(&mut f, self.read_only, TF_READ_ONLY);
+        set(&mut f, c.can_flush, TF_SEND_FLUSH);
+        set(&mut f, c.rotational, TF_ROTATIONAL);
+        set(&mut f, !self.read_only && c.can_trim, TF_SEND_TRIM);
+        set(&mut f, !self.read_only && c.can_zero, TF_SEND_WRITE_ZEROES);
+        set(&mut f, !self.read_only && c.can_zero && c.can_fast_zero, TF_SEND_FAST_ZERO);
+        set(&mut f, self.multi_conn, TF_CAN_MULTI_CONN);
+        f
+    }
+}
+
+/// Where to listen.
+pub enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+impl Listener {
+    /// Binds a Unix socket; a stale socket file nobody listens on is replaced.
+    pub fn unix(path: &std::path::Path) -> io::Result<Listener> {
+        if path.exists() && std::os::unix::net::UnixStream::connect(path).is_err() {
+            use std::os::unix::fs::FileTypeExt;
+            if std::fs::symlink_metadata(path)?.file_type().is_socket() {
+                std::fs::remove_file(path)?;
+            }
+        }
+        Ok(Listener::Unix(UnixListener::bind(path)?, path.to_path_buf()))
+    }
+
+    pub fn tcp(addr: &str) -> io::Result<Listener> {
+        Ok(Listener::Tcp(TcpListener::bind(addr)?))
+    }
+
+    /// The NBD URI clients use to reach the export.
+    pub fn uri(&self, export: &str) -> String {
+        match self {
+            Listener::Tcp(l) => match l.local_addr() {
+                Ok(a) if a.is_ipv6() => format!("nbd://[{}]:{}/{}", a.ip(), a.port(), export),
+                Ok(a) => format!("nbd://{}:{}/{}", a.ip(), a.port(), export),
+                Err(_) => String::new(),
+            },
+            Listener::Unix(_, p) => format!("nbd+unix:///{}?socket={}", export, p.display()),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, p) = self {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+pub struct Server {
+    pub export: Export,
+    /// Workers per connection.
+    pub threads: usize,
+    pub max_connections: usize,
+    shutdown: AtomicBool,
+    active: AtomicUsize,
+    /// Closers of the open connections, by connection number.
+    closers: std::sync::Mutex<std::collections::HashMap<u64, stream::Closer>>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+/// How long a shutdown lets clients finish (new requests get ESHUTDOWN meanwhile) before
+/// their connections are cut.
+const GRACE: Duration = Duration::from_secs(5);
+/// How long cut connections get to run their cache clean-up.
+const CLEANUP: Duration = Duration::from_secs(5);
+
+impl Server {
+    pub fn new(export: Export, threads: usize, max_connections: usize) -> Server {
+        Server {
+            export,
+            threads: threads.max(1),
+            max_connections,
+            shutdown: AtomicBool::new(false),
+            active: AtomicUsize::new(0),
+            closers: Default::default(),
+            next_id: Default::default(),
+        }
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutdown.load(Ordering::Relaxed)
+    }
+
+    /// Stops accepting; negotiating clients get `NBD_REP_ERR_SHUTDOWN`, new requests
+    /// `ESHUTDOWN`, requests in flight complete.
+    pub fn shutdown(&self) {
+        self.shutdown.store(true, Ordering::Relaxed);
+    }
+
+    pub fn active_connections(&self) -> usize {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    /// Accepts connections until [`Server::shutdown`], then waits (up to a few seconds) for
+    /// the open ones to finish.
+    pub fn serve(self: &Arc<Self>, listener: &Listener) -> io::Result<()> {
+        match listener {
+            Listener::Tcp(l) => l.set_nonblocking(true)?,
+            Listener::Unix(l, _) => l.set_nonblocking(true)?,
+        }
+        while !self.is_shutting_down() {
+            let accepted: io::Result<Box<dyn stream::Stream>> = match listener {
+                Listener::Tcp(l) => l.accept().and_then(|(s, _)| {
+                    s.set_nonblocking(false)?;
+                    s.set_nodelay(true)?;
+                    Ok(Box::new(s) as Box<dyn stream::Stream>)
+                }),
+                Listener::Unix(l, _) => l.accept().and_then(|(s, _)| {
+                    s.set_nonblocking(false)?;
+                    Ok(Box::new(s) as Box<dyn stream::Stream>)
+                }),
+            };
+            match accepted {
+                Ok(s) => self.spawn_connection(s),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // EMFILE and friends: keep serving the others.
+                    tracing::warn!("accept: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+        self.wait_idle(GRACE);
+        // Cut whoever is left, so their threads end and run the cache clean-up.
+        for close in self.closers.lock().unwrap().values() {
+            close();
+        }
+        self.wait_idle(CLEANUP);
+        Ok(())
+    }
+
+    fn wait_idle(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.active_connections() > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn spawn_connection(self: &Arc<Self>, s: Box<dyn stream::Stream>) {
+        if self.active.fetch_add(1, Ordering::SeqCst) >= self.max_connections {
+            self.active.fetch_sub(1, Ordering::SeqCst);
+            tracing::warn!("connection refused: {} connections already", self.max_connections);
+            return;
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        if let Ok(c) = s.closer() {
+            self.closers.lock().unwrap().insert(id, c);
+        }
+        let server = self.clone();
+        std::thread::spawn(move || {
+            if let Err(e) = server.connection(s) {
+                tracing::info!("connection ended: {e}");
+            }
+            server.closers.lock().unwrap().remove(&id);
+            server.active.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+
+    /// Serves one connection from handshake to disconnect.
+    pub fn connection(&self, mut s: Box<dyn stream::Stream>) -> io::Result<()> {
+        let (agreed, backend) = match negotiate::negotiate(self, &mut *s)? {
+            negotiate::Outcome::Go(a, b) => (a, b),
+            negotiate::Outcome::Close => return Ok(()),
+        };
+        let (r, w) = s.split()?;
+        transmission::run(self, backend, agreed, r, w)
+    }
+}

@@ -1,0 +1,211 @@
+//! The fixed newstyle handshake: greeting, client flags, option haggling until the client
+//! picks the export (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`), aborts or breaks the protocol.
+
+use std::io::{self, Write};
+
+use std::sync::Arc;
+
+use super::{Export, Server};
+use crate::backend::Backend;
+use crate::proto::handshake::*;
+use crate::proto::*;
+
+/// Option data larger than this ends the connection (no option we know needs more than a
+/// few KiB; the spec lets servers set such a limit).
+const MAX_OPTION_LEN: u32 = 64 << 10;
+
+/// What the client agreed to, carried into transmission.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Agreed {
+    pub structured: bool,
+    /// `base:allocation` selected (context id [`BASE_ALLOCATION_ID`]).
+    pub meta_context: bool,
+    pub block_sizes: bool,
+}
+
+/// The id lightfoot gives `base:allocation`.
+pub const BASE_ALLOCATION_ID: u32 = 1;
+
+/// How negotiation ended.
+pub enum Outcome {
+    /// Enter transmission with these agreements, on this connection's own backend.
+    Go(Agreed, Arc<dyn Backend>),
+    /// The client aborted or disconnected, or the server is shutting down.
+    Close,
+}
+
+fn reply(s: &mut dyn Write, option: u32, ty: u32, data: &[u8]) -> io::Result<()> {
+    let header = option_reply_header(option, ty, data.len() as u32);
+    super::stream::write_all_vectored(s, &[&header, data])
+}
+
+/// Runs the handshake on `s`. `Err` is an I/O error or a protocol violation that ends the
+/// connection (the caller logs it; other connections are not affected).
+pub fn negotiate(server: &Server, s: &mut dyn super::stream::Stream) -> io::Result<Outcome> {
+    let mut greeting = Vec::with_capacity(18);
+    greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
+    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    s.write_all(&greeting)?;
+    let mut flags = [0u8; 4];
+    s.read_exact(&mut flags)?;
+    let client_flags = u32::from_be_bytes(flags);
+    if client_flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+        return Err(invalid(format!("unknown client flags {client_flags:#x}")));
+    }
+    let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
+    let export = &server.export;
+    let mut agreed = Agreed::default();
+
+    loop {
+        let mut h = [0u8; 16];
+        s.read_exact(&mut h)?;
+        let Some(OptionHeader { option, len }) = parse_option_header(&h) else {
+            return Err(invalid("bad option magic".into()));
+        };
+        if len > MAX_OPTION_LEN {
+            return Err(invalid(format!("option {option} with {len} bytes of data")));
+        }
+        let mut data = vec![0u8; len as usize];
+        s.read_exact(&mut data)?;
+        if server.is_shutting_down() {
+            reply(s, option, REP_ERR_SHUTDOWN, b"server is shutting down")?;
+            return Ok(Outcome::Close);
+        }
+        match option {
+            OPT_EXPORT_NAME => {
+                let name = String::from_utf8_lossy(&data);
+                if !export.matches(&name) {
+                    // No way to answer with an error here: the spec says to hang up.
+                    return Err(invalid(format!("unknown export '{name}'")));
+                }
+                let backend = export.open().map_err(|e| invalid(e.to_string()))?;
+                let mut out = Vec::with_capacity(134);
+                out.extend_from_slice(&export.size.to_be_bytes());
+                out.extend_from_slice(&export.flags().to_be_bytes());
+                if !no_zeroes {
+                    out.extend_from_slice(&[0u8; 124]);
+                }
+                s.write_all(&out)?;
+                return Ok(Outcome::Go(agreed, backend));
+            }
+            OPT_ABORT => {
+                let _ = reply(s, option, REP_ACK, &[]);
+                return Ok(Outcome::Close);
+            }
+            OPT_LIST => {
+                if !data.is_empty() {
+                    reply(s, option, REP_ERR_INVALID, b"LIST takes no data")?;
+                    continue;
+                }
+                reply(s, option, REP_SERVER, &rep_server(&export.name))?;
+                reply(s, option, REP_ACK, &[])?;
+            }
+            OPT_INFO | OPT_GO => {
+                let go = match parse_go(&data) {
+                    Ok(go) => go,
+                    Err(Invalid(why)) => {
+                        reply(s, option, REP_ERR_INVALID, why.as_bytes())?;
+                        continue;
+                    }
+                };
+                if !export.matches(&go.name) {
+                    reply(s, option, REP_ERR_UNKNOWN, format!("no export named '{}'", go.name).as_bytes())?;
+                    continue;
+                }
+                // The connection's backend is opened before the final ACK, so a failure can
+                // still be reported.
+                let backend = match option {
+                    OPT_GO => match export.open() {
+                        Ok(b) => Some(b),
+                        Err(e) => {
+                            tracing::warn!("{e}");
+                            reply(
+                                s,
+                                option,
+                                REP_ERR_UNKNOWN,
+                                format!("export not available: {e}").as_bytes(),
+                            )?;
+                            continue;
+                        }
+                    },
+                    _ => None,
+                };
+                send_info(s, option, export, &go.infos)?;
+                reply(s, option, REP_ACK, &[])?;
+                if let Some(backend) = backend {
+                    agreed.block_sizes = go.infos.contains(&INFO_BLOCK_SIZE);
+                    return Ok(Outcome::Go(agreed, backend));
+                }
+            }
+            OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    reply(s, option, REP_ERR_INVALID, b"STRUCTURED_REPLY takes no data")?;
+                    continue;
+                }
+                agreed.structured = true;
+                reply(s, option, REP_ACK, &[])?;
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                meta_context(s, option, export, &data, &mut agreed)?;
+            }
+            // STARTTLS included: this server does not do TLS yet (NOTLS mode answers UNSUP).
+            _ => reply(s, option, REP_ERR_UNSUP, b"option not supported")?,
+        }
+    }
+}
+
+fn send_info(s: &mut dyn Write, option: u32, export: &Export, infos: &[u16]) -> io::Result<()> {
+    reply(s, option, REP_INFO, &info_export(export.size, export.flags()))?;
+    // Block sizes are sent whether asked for or not (clients ignore what they did not ask
+    // for); they are only enforced for clients that asked.
+    let b = export.caps.block;
+    reply(s, option, REP_INFO, &info_block_size(b.minimum, b.preferred, b.maximum))?;
+    if infos.contains(&INFO_NAME) {
+        reply(s, option, REP_INFO, &info_string(INFO_NAME, &export.name))?;
+    }
+    if infos.contains(&INFO_DESCRIPTION) {
+        if let Some(d) = &export.description {
+            reply(s, option, REP_INFO, &info_string(INFO_DESCRIPTION, d))?;
+        }
+    }
+    Ok(())
+}
+
+fn meta_context(
+    s: &mut dyn Write,
+    option: u32,
+    export: &Export,
+    data: &[u8],
+    agreed: &mut Agreed,
+) -> io::Result<()> {
+    if !agreed.structured {
+        return reply(s, option, REP_ERR_INVALID, b"negotiate structured replies first");
+    }
+    let m = match parse_meta(data) {
+        Ok(m) => m,
+        Err(Invalid(why)) => return reply(s, option, REP_ERR_INVALID, why.as_bytes()),
+    };
+    if !export.matches(&m.export) {
+        return reply(s, option, REP_ERR_UNKNOWN, format!("no export named '{}'", m.export).as_bytes());
+    }
+    let listing = option == OPT_LIST_META_CONTEXT;
+    // Queries of unknown namespaces are ignored; "base:" lists what base has.
+    let wanted = if listing && m.queries.is_empty() {
+        true
+    } else {
+        m.queries.iter().any(|q| q == BASE_ALLOCATION || (listing && q == "base:"))
+    };
+    if !listing {
+        agreed.meta_context = wanted;
+    }
+    if wanted {
+        let id = if listing { 0 } else { BASE_ALLOCATION_ID };
+        reply(s, option, REP_META_CONTEXT, &rep_meta_context(id, BASE_ALLOCATION))?;
+    }
+    reply(s, option, REP_ACK, &[])
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}

@@ -1,0 +1,58 @@
+//! The byte stream a connection runs over. Negotiation uses it whole; transmission splits it
+//! into a reading half (the request loop) and a writing half (shared by the workers). TLS
+//! (STARTTLS, a later issue) will be one more implementation of [`Stream`].
+
+use std::io::{self, IoSlice, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+
+pub trait Stream: Read + Write + Send + 'static {
+    /// Splits into independently usable reading and writing halves.
+    fn split(self: Box<Self>) -> io::Result<(Box<dyn Read + Send>, Box<dyn Write + Send>)>;
+
+    /// Something that ends the connection from another thread (server shutdown).
+    fn closer(&self) -> io::Result<Closer>;
+}
+
+/// Shuts a connection down from outside its threads.
+pub type Closer = Box<dyn Fn() + Send + Sync>;
+
+impl Stream for TcpStream {
+    fn split(self: Box<Self>) -> io::Result<(Box<dyn Read + Send>, Box<dyn Write + Send>)> {
+        let w = self.try_clone()?;
+        Ok((self, Box::new(w)))
+    }
+
+    fn closer(&self) -> io::Result<Closer> {
+        let s = self.try_clone()?;
+        Ok(Box::new(move || drop(s.shutdown(std::net::Shutdown::Both))))
+    }
+}
+
+impl Stream for UnixStream {
+    fn split(self: Box<Self>) -> io::Result<(Box<dyn Read + Send>, Box<dyn Write + Send>)> {
+        let w = self.try_clone()?;
+        Ok((self, Box::new(w)))
+    }
+
+    fn closer(&self) -> io::Result<Closer> {
+        let s = self.try_clone()?;
+        Ok(Box::new(move || drop(s.shutdown(std::net::Shutdown::Both))))
+    }
+}
+
+/// Writes every byte of `bufs` with as few `writev` calls as the kernel allows, so a reply
+/// (header and data) normally leaves in one system call.
+pub fn write_all_vectored(w: &mut dyn Write, bufs: &[&[u8]]) -> io::Result<()> {
+    let mut slices: Vec<IoSlice> = bufs.iter().filter(|b| !b.is_empty()).map(|b| IoSlice::new(b)).collect();
+    let mut slices = &mut slices[..];
+    while !slices.is_empty() {
+        match w.write_vectored(slices) {
+            Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    w.flush()
+}

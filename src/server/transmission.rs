@@ -1,0 +1,294 @@
+//! The transmission phase of one connection: a reader that parses and validates requests,
+//! a few workers that carry them out in parallel against the connection's backend, and
+//! replies written whole (one `writev`) under a lock, in whatever order they complete.
+
+use std::io::{self, Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use super::negotiate::{Agreed, BASE_ALLOCATION_ID};
+use super::stream::write_all_vectored;
+use super::validate::{check, Limits, Verdict};
+use super::Server;
+use crate::backend::{Backend, ZeroFlags};
+use crate::error::Error;
+use crate::io::AlignedBuf;
+use crate::proto::*;
+
+/// Most base:allocation descriptors in one reply.
+const MAX_DESCRIPTORS: usize = 1 << 16;
+
+struct Job {
+    req: Request,
+    payload: Option<Vec<u8>>,
+}
+
+pub fn run(
+    server: &Server,
+    backend: Arc<dyn Backend>,
+    agreed: Agreed,
+    mut reader: Box<dyn Read + Send>,
+    writer: Box<dyn Write + Send>,
+) -> io::Result<()> {
+    let caps = backend.caps();
+    let export = &server.export;
+    let limits = Limits {
+        size: export.size,
+        read_only: export.read_only,
+        block_sizes_agreed: agreed.block_sizes,
+        min_block: caps.block.minimum,
+        max_payload: caps.block.maximum,
+        structured: agreed.structured,
+        meta_context: agreed.meta_context,
+        can_trim: caps.can_trim,
+        can_zero: caps.can_zero,
+        can_fast_zero: caps.can_fast_zero,
+        can_flush: caps.can_flush,
+        can_cache: true,
+    };
+    let writer = Mutex::new(writer);
+    let broken = AtomicBool::new(false);
+    let (tx, rx) = mpsc::sync_channel::<Job>(server.threads * 2);
+    let rx = Mutex::new(rx);
+    let conn = Conn { backend: &*backend, agreed, writer: &writer, broken: &broken };
+
+    let result = std::thread::scope(|s| {
+        for _ in 0..server.threads {
+            s.spawn(|| loop {
+                let job = rx.lock().unwrap().recv();
+                match job {
+                    Ok(job) => conn.handle(job),
+                    Err(_) => return,
+                }
+            });
+        }
+        let r = read_requests(server, &limits, &conn, &mut *reader, &tx);
+        drop(tx);
+        r
+    });
+    // Every request has been answered; the clean-up of the cache policy runs now.
+    if let Err(e) = backend.finish() {
+        tracing::warn!("{e}");
+    }
+    result
+}
+
+fn read_requests(
+    server: &Server,
+    limits: &Limits,
+    conn: &Conn,
+    reader: &mut dyn Read,
+    tx: &mpsc::SyncSender<Job>,
+) -> io::Result<()> {
+    loop {
+        let mut h = [0u8; REQUEST_LEN];
+        match reader.read_exact(&mut h) {
+            Ok(()) => {}
+            // A client that vanishes between requests is a normal end.
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let Some(req) = parse_request(&h) else {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "bad request magic"));
+        };
+        if req.cmd == CMD_DISC {
+            return Ok(());
+        }
+        let verdict = check(&req, limits);
+        if verdict == Verdict::Disconnect {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("write of {} bytes", req.len)));
+        }
+        // A WRITE's payload is always read, so the stream stays in step even when refused.
+        let payload = if req.cmd == CMD_WRITE {
+            let mut p = vec![0u8; req.len as usize];
+            reader.read_exact(&mut p)?;
+            Some(p)
+        } else {
+            None
+        };
+        if conn.broken.load(Ordering::Relaxed) {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "client stopped reading"));
+        }
+        let errno = match verdict {
+            Verdict::Error(e) => Some(e),
+            _ if server.is_shutting_down() => Some(ESHUTDOWN),
+            _ => None,
+        };
+        if let Some(e) = errno {
+            conn.reply_error(&req, e, "request refused");
+            continue;
+        }
+        if tx.send(Job { req, payload }).is_err() {
+            return Ok(());
+        }
+    }
+}
+
+struct Conn<'a> {
+    backend: &'a dyn Backend,
+    agreed: Agreed,
+    writer: &'a Mutex<Box<dyn Write + Send>>,
+    /// A reply could not be written: the client is gone.
+    broken: &'a AtomicBool,
+}
+
+impl Conn<'_> {
+    fn send(&self, bufs: &[&[u8]]) {
+        let mut w = self.writer.lock().unwrap();
+        if let Err(e) = write_all_vectored(&mut **w, bufs) {
+            tracing::debug!("reply not sent: {e}");
+            self.broken.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn reply_error(&self, req: &Request, errno: u32, msg: &str) {
+        if self.agreed.structured && matches!(req.cmd, CMD_READ | CMD_BLOCK_STATUS) {
+            self.send(&[&error_chunk(req.cookie, errno, msg)]);
+        } else {
+            self.send(&[&simple_reply(req.cookie, errno)]);
+        }
+    }
+
+    fn reply_ok(&self, req: &Request) {
+        self.send(&[&simple_reply(req.cookie, 0)]);
+    }
+
+    fn handle(&self, job: Job) {
+        let req = job.req;
+        let fua = req.flags & CMD_FLAG_FUA != 0;
+        let b = self.backend;
+        let res = match req.cmd {
+            CMD_READ => return self.read(&req),
+            CMD_BLOCK_STATUS => return self.block_status(&req),
+            CMD_WRITE => b.write(job.payload.as_deref().unwrap_or_default(), req.offset, fua),
+            CMD_FLUSH => b.flush(),
+            CMD_TRIM => b.trim(req.offset, req.len, fua),
+            CMD_CACHE => b.cache(req.offset, req.len),
+            CMD_WRITE_ZEROES => {
+                let flags = ZeroFlags {
+                    may_trim: req.flags & CMD_FLAG_NO_HOLE == 0,
+                    fast: req.flags & CMD_FLAG_FAST_ZERO != 0,
+                    fua,
+                };
+                b.zero(req.offset, req.len, flags)
+            }
+            _ => unreachable!("validated"),
+        };
+        match res {
+            Ok(()) => self.reply_ok(&req),
+            Err(e) => self.fail(&req, &e),
+        }
+    }
+
+    fn fail(&self, req: &Request, e: &Error) {
+        // Fast-zero refusals are part of the protocol, not failures worth a warning.
+        if e.kind() != crate::ErrorKind::NotSupported {
+            tracing::warn!("{e}");
+        }
+        self.reply_error(req, errno(e.kind()), &e.to_string());
+    }
+
+    fn read(&self, req: &Request) {
+        let len = req.len as usize;
+        if !self.agreed.structured {
+            let mut buf = AlignedBuf::new(len);
+            match crate::backend::read_exact(self.backend, &mut buf[..len], req.offset) {
+                Ok(()) => self.send(&[&simple_reply(req.cookie, 0), &buf[..len]]),
+                Err(e) => self.fail(req, &e),
+            }
+            return;
+        }
+        if len == 0 {
+            self.send(&[&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.cookie, 0)]);
+            return;
+        }
+        match self.read_chunks(req) {
+            Ok((headers, buf, pieces)) => {
+                let mut bufs: Vec<&[u8]> = Vec::with_capacity(pieces.len() * 2);
+                for (i, p) in pieces.iter().enumerate() {
+                    bufs.push(&headers[i]);
+                    if let Some(r) = p {
+                        bufs.push(&buf[r.clone()]);
+                    }
+                }
+                self.send(&bufs);
+            }
+            Err(e) => self.fail(req, &e),
+        }
+    }
+
+    /// Builds the chunks of a structured READ reply: holes as `OFFSET_HOLE`, data as
+    /// `OFFSET_DATA`, the last one flagged done.
+    #[allow(clippy::type_complexity)]
+    fn read_chunks(
+        &self,
+        req: &Request,
+    ) -> crate::Result<(Vec<Vec<u8>>, AlignedBuf, Vec<Option<std::ops::Range<usize>>>)> {
+        let len = req.len as usize;
+        let mut buf = AlignedBuf::new(len);
+        let mut headers = Vec::new();
+        let mut pieces = Vec::new();
+        let can_extents = self.backend.caps().can_extents;
+        let mut at = 0usize;
+        while at < len {
+            let off = req.offset + at as u64;
+            let exts = if can_extents {
+                self.backend.extents(off, (len - at) as u64)?
+            } else {
+                vec![crate::backend::Extent::data((len - at) as u64)]
+            };
+            for e in exts {
+                let n = (e.len as usize).min(len - at);
+                if n == 0 {
+                    continue;
+                }
+                let off = req.offset + at as u64;
+                if e.zero {
+                    let mut h = chunk_header(0, REPLY_TYPE_OFFSET_HOLE, req.cookie, 12).to_vec();
+                    h.extend_from_slice(&off.to_be_bytes());
+                    h.extend_from_slice(&(n as u32).to_be_bytes());
+                    headers.push(h);
+                    pieces.push(None);
+                } else {
+                    crate::backend::read_exact(self.backend, &mut buf[at..at + n], off)?;
+                    let mut h = chunk_header(0, REPLY_TYPE_OFFSET_DATA, req.cookie, 8 + n as u32).to_vec();
+                    h.extend_from_slice(&off.to_be_bytes());
+                    headers.push(h);
+                    pieces.push(Some(at..at + n));
+                }
+                at += n;
+            }
+        }
+        if let Some(last) = headers.last_mut() {
+            last[4..6].copy_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
+        }
+        Ok((headers, buf, pieces))
+    }
+
+    fn block_status(&self, req: &Request) {
+        let one = req.flags & CMD_FLAG_REQ_ONE != 0;
+        let exts = match self.backend.extents(req.offset, req.len) {
+            Ok(e) => e,
+            Err(e) => return self.fail(req, &e),
+        };
+        let mut payload = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+        let mut total = 0u64;
+        for e in exts.iter().take(if one { 1 } else { MAX_DESCRIPTORS }) {
+            // Descriptor lengths are 32 bits: a longer extent is reported in part.
+            let n = e.len.min(req.len - total).min(u64::from(u32::MAX) & !0xfff);
+            if n == 0 {
+                break;
+            }
+            let flags = if e.hole { STATE_HOLE } else { 0 } | if e.zero { STATE_ZERO } else { 0 };
+            payload.extend_from_slice(&(n as u32).to_be_bytes());
+            payload.extend_from_slice(&flags.to_be_bytes());
+            total += n;
+            if total >= req.len || n < e.len {
+                break;
+            }
+        }
+        let h = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, req.cookie, payload.len() as u32);
+        self.send(&[&h, &payload]);
+    }
+}

@@ -1,0 +1,361 @@
+//! `lightfoot serve` against real NBD clients: nbdinfo, nbdsh (libnbd's Python), qemu-img,
+//! nbdcopy. The tools come from `make test` (Debian: libnbd-bin, python3-libnbd,
+//! qemu-utils); a missing one fails the test with a message saying which.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A server child process on a Unix socket, stopped on drop.
+struct Served {
+    child: Child,
+    sock: PathBuf,
+}
+
+impl Served {
+    fn start(file: &Path, extra: &[&str]) -> Served {
+        let sock = file.with_extension("sock");
+        let child = Command::new(bin())
+            .arg("serve")
+            .arg("--unix")
+            .arg(&sock)
+            .args(extra)
+            .arg(file)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !sock.exists() {
+            assert!(Instant::now() < deadline, "server did not create {}", sock.display());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Served { child, sock }
+    }
+
+    fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.sock.display())
+    }
+
+    /// Stops the server (SIGTERM) and returns its stderr.
+    fn stop(mut self) -> String {
+        let _ = Command::new("kill").arg(self.child.id().to_string()).status();
+        let mut err = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
+        let _ = self.child.wait();
+        err
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tool(name: &str, package: &str) -> Command {
+    let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().unwrap();
+    assert!(found.status.success(), "{name} is missing: `make test` installs it (Debian package {package})");
+    Command::new(name)
+}
+
+fn ok(out: Output) -> String {
+    assert!(out.status.success(), "{}", text(&out));
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// Runs a Python script with libnbd's module (in the system interpreter).
+fn nbdsh(script: &str, uri: &str) -> Output {
+    let probe = Command::new("/usr/bin/python3").args(["-c", "import nbd"]).output();
+    assert!(
+        probe.map(|o| o.status.success()).unwrap_or(false),
+        "python3-libnbd is missing: `make test` installs it"
+    );
+    Command::new("/usr/bin/python3").arg("-c").arg(script).env("URI", uri).output().unwrap()
+}
+
+#[test]
+fn nbdinfo_sees_the_export() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    sample(&img, 8 * MIB, MIB);
+    let s = Served::start(&img, &["--export-name", "disk", "--description", "a test disk"]);
+    let uri = format!("nbd+unix:///disk?socket={}", s.sock.display());
+    let out = ok(tool("nbdinfo", "libnbd-bin").args(["--json", &uri]).output().unwrap());
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let e = &v["exports"][0];
+    assert_eq!(e["export-size"], 8 * MIB);
+    assert_eq!(e["description"], "a test disk");
+    assert_eq!(e["is_read_only"], false);
+    assert_eq!(e["can_multi_conn"], true);
+    assert_eq!(e["can_flush"], true);
+    assert_eq!(e["can_fua"], true);
+    assert_eq!(e["can_trim"], true);
+    assert_eq!(e["can_zero"], true);
+    assert_eq!(e["can_fast_zero"], true);
+    assert_eq!(e["can_cache"], true);
+    assert_eq!(v["protocol"], "newstyle-fixed");
+    assert!(out.contains("base:allocation"), "{out}");
+    // Listing exports.
+    let out = ok(tool("nbdinfo", "libnbd-bin").args(["--list", "--json", &s.uri()]).output().unwrap());
+    assert!(out.contains("\"disk\""), "{out}");
+    // Block status: holes and data as the file has them.
+    let out = ok(tool("nbdinfo", "libnbd-bin").args(["--map", &uri]).output().unwrap());
+    assert!(out.contains("hole,zero") && out.contains("data"), "{out}");
+    // An unknown export name is an error for that client only.
+    let bad = format!("nbd+unix:///nope?socket={}", s.sock.display());
+    let out = tool("nbdinfo", "libnbd-bin").arg(&bad).output().unwrap();
+    assert!(!out.status.success());
+    ok(tool("nbdinfo", "libnbd-bin").arg(&uri).output().unwrap());
+    s.stop();
+}
+
+#[test]
+fn qemu_img_and_nbdcopy_copy_in_and_out() {
+    let dir = scratch();
+    let (img, src, out1, out2) = (
+        dir.path().join("disk.img"),
+        dir.path().join("src.img"),
+        dir.path().join("o1"),
+        dir.path().join("o2"),
+    );
+    sample(&src, 24 * MIB, 2 * MIB);
+    std::fs::File::create(&img).unwrap().set_len(24 * MIB).unwrap();
+    let s = Served::start(&img, &[]);
+    // Write the export with qemu-img, read it back with nbdcopy and qemu-img.
+    ok(tool("qemu-img", "qemu-utils")
+        .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+        .arg(&src)
+        .arg(s.uri())
+        .output()
+        .unwrap());
+    ok(tool("nbdcopy", "libnbd-bin").args([&s.uri(), out1.to_str().unwrap()]).output().unwrap());
+    ok(tool("qemu-img", "qemu-utils")
+        .args(["convert", "-f", "raw", "-O", "raw", &s.uri()])
+        .arg(&out2)
+        .output()
+        .unwrap());
+    let want = std::fs::read(&src).unwrap();
+    assert!(std::fs::read(&out1).unwrap() == want, "nbdcopy read differs");
+    assert!(std::fs::read(&out2).unwrap() == want, "qemu-img read differs");
+    // And nbdcopy as a writer, with several connections and requests in flight.
+    ok(tool("nbdcopy", "libnbd-bin")
+        .args(["--connections=4", "--requests=16"])
+        .arg(&out1)
+        .arg(s.uri())
+        .output()
+        .unwrap());
+    let err = s.stop();
+    assert!(!err.contains("WARN"), "{err}");
+    // Served neutrally: nothing of the export left in the cache (checked before reading it).
+    assert!(cached(&img, 0, None) <= 24 * MIB / 100 + 2 * MIB, "left {} cached", cached(&img, 0, None));
+    assert!(std::fs::read(&img).unwrap() == want);
+}
+
+/// Protocol edge cases, through libnbd with its client-side checks off.
+const EDGES: &str = r#"
+import errno, os, nbd
+h = nbd.NBD()
+h.set_strict_mode(0)
+h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
+h.connect_uri(os.environ["URI"])
+size = h.get_size()
+def err(f):
+    # libnbd 1.14 gives the errno's name; newer versions may give the number.
+    try:
+        f()
+    except nbd.Error as e:
+        return e.errno if isinstance(e.errno, str) else errno.errorcode.get(e.errno, str(e.errno))
+    return "ok"
+# Out of range: EINVAL for reads, trims, cache, block status; ENOSPC for writes and zeroes.
+assert err(lambda: h.pread(2, size - 1)) == "EINVAL"
+assert err(lambda: h.trim(2, size - 1)) == "EINVAL"
+assert err(lambda: h.cache(2, size - 1)) == "EINVAL"
+assert err(lambda: h.block_status(2, size - 1, lambda *a: 0)) == "EINVAL"
+assert err(lambda: h.pwrite(b"xx", size - 1)) == "ENOSPC"
+assert err(lambda: h.zero(2, size - 1)) == "ENOSPC"
+# Data round trip, FUA, flush, zero, trim, cache.
+h.pwrite(b"\x01" * 5000, 3, nbd.CMD_FLAG_FUA)
+assert h.pread(5000, 3) == b"\x01" * 5000
+h.flush()
+h.zero(4096, 100)
+assert h.pread(100, 200) == b"\x00" * 100
+assert h.pread(100, 4196) == b"\x01" * 100
+h.zero(1 << 20, 0, nbd.CMD_FLAG_NO_HOLE)
+h.trim(1 << 20, 1 << 20)
+h.cache(1 << 20, 0)
+# Huge zero and trim requests (no payload) are served.
+h.zero(size, 0)
+h.trim(size, 0)
+assert h.pread(4096, 0) == b"\x00" * 4096
+# A read spanning data and a hole arrives whole (OFFSET_DATA and OFFSET_HOLE chunks).
+h.pwrite(b"\x07" * 4096, 1 << 20)
+buf = h.pread(3 << 20, 0)
+assert buf[(1 << 20):(1 << 20) + 4096] == b"\x07" * 4096 and buf[:4096] == b"\x00" * 4096
+# Block status, and REQ_ONE.
+entries = []
+h.block_status(size, 0, lambda ctx, off, e, err: entries.extend(e))
+assert sum(entries[0::2]) <= size and len(entries) >= 2, entries
+one = []
+h.block_status(size, 0, lambda ctx, off, e, err: one.extend(e), nbd.CMD_FLAG_REQ_ONE)
+assert len(one) == 2, one
+# Unknown flags are refused.
+assert err(lambda: h.pread(1, 0, nbd.CMD_FLAG_NO_HOLE)) == "EINVAL"
+# Fast zero: a file can punch quickly.
+h.zero(4096, 0, nbd.CMD_FLAG_FAST_ZERO)
+h.shutdown()
+print("ok")
+"#;
+
+#[test]
+fn protocol_edges_through_libnbd() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(4 * MIB).unwrap();
+    let s = Served::start(&img, &[]);
+    let out = nbdsh(EDGES, &s.uri());
+    assert!(out.status.success() && text(&out).contains("ok"), "{}", text(&out));
+    s.stop();
+}
+
+const READ_ONLY: &str = r#"
+import errno, os, nbd
+h = nbd.NBD()
+h.set_strict_mode(0)
+h.connect_uri(os.environ["URI"])
+assert h.is_read_only()
+def err(f):
+    try:
+        f()
+    except nbd.Error as e:
+        return e.errno if isinstance(e.errno, str) else errno.errorcode.get(e.errno, str(e.errno))
+    return "ok"
+for f in (lambda: h.pwrite(b"x", 0), lambda: h.trim(1, 0), lambda: h.zero(1, 0)):
+    assert err(f) == "EPERM", err(f)
+assert len(h.pread(10, 0)) == 10
+print("ok")
+"#;
+
+#[test]
+fn read_only_export_refuses_writes() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    sample(&img, MIB, 64 * 1024);
+    let before = std::fs::read(&img).unwrap();
+    let s = Served::start(&img, &["--read-only"]);
+    let out = nbdsh(READ_ONLY, &s.uri());
+    assert!(out.status.success(), "{}", text(&out));
+    s.stop();
+    assert!(std::fs::read(&img).unwrap() == before);
+}
+
+/// Garbage on the wire, a vanished client and a broken handshake end that connection only.
+#[test]
+fn bad_clients_do_not_disturb_the_others() {
+    use std::os::unix::net::UnixStream;
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    sample(&img, MIB, 64 * 1024);
+    let s = Served::start(&img, &[]);
+    // Garbage instead of client flags and options.
+    let mut c = UnixStream::connect(&s.sock).unwrap();
+    let mut greeting = [0u8; 18];
+    c.read_exact(&mut greeting).unwrap();
+    assert_eq!(&greeting[..8], b"NBDMAGIC");
+    c.write_all(&[0xff; 64]).unwrap();
+    let mut rest = Vec::new();
+    let _ = c.read_to_end(&mut rest);
+    // A client that connects and vanishes mid-handshake.
+    drop(UnixStream::connect(&s.sock).unwrap());
+    // A client in transmission that sends a bad request magic.
+    let script = r#"
+import os, nbd
+h = nbd.NBD()
+h.connect_uri(os.environ["URI"])
+assert len(h.pread(4096, 0)) == 4096
+print("ok")
+"#;
+    let out = nbdsh(script, &s.uri());
+    assert!(out.status.success(), "{}", text(&out));
+    // Raw transmission garbage after a real handshake (EXPORT_NAME, no zeroes).
+    let mut c = UnixStream::connect(&s.sock).unwrap();
+    c.read_exact(&mut greeting).unwrap();
+    c.write_all(&3u32.to_be_bytes()).unwrap();
+    let mut opt = Vec::new();
+    opt.extend_from_slice(b"IHAVEOPT");
+    opt.extend_from_slice(&1u32.to_be_bytes());
+    opt.extend_from_slice(&0u32.to_be_bytes());
+    c.write_all(&opt).unwrap();
+    let mut info = [0u8; 10];
+    c.read_exact(&mut info).unwrap();
+    assert_eq!(u64::from_be_bytes(info[..8].try_into().unwrap()), MIB);
+    c.write_all(&[0x55; 28]).unwrap();
+    let mut rest = Vec::new();
+    let _ = c.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "no reply to garbage");
+    // Still serving.
+    let out = nbdsh(script, &s.uri());
+    assert!(out.status.success(), "{}", text(&out));
+    s.stop();
+}
+
+#[test]
+fn run_option_exits_with_the_commands_status() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    sample(&img, MIB, 64 * 1024);
+    let sock = dir.path().join("s");
+    let out = Command::new(bin())
+        .args([
+            "serve",
+            "--unix",
+            sock.to_str().unwrap(),
+            img.to_str().unwrap(),
+            "--run",
+            "nbdinfo --size \"$uri\"; exit 3",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), MIB.to_string());
+    assert!(!sock.exists(), "socket left behind");
+    // TCP on an ephemeral port, $port set.
+    let out = Command::new(bin())
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            img.to_str().unwrap(),
+            "--run",
+            "test -n \"$port\" && nbdinfo --size \"$uri\"",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), MIB.to_string());
+}
+
+#[test]
+fn bad_input_gets_a_clear_error() {
+    let dir = scratch();
+    let out = lightfoot(&[
+        "serve",
+        "--unix",
+        dir.path().join("s").to_str().unwrap(),
+        dir.path().join("missing").to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("missing") && text(&out).contains("no such file"), "{}", text(&out));
+    let img = dir.path().join("disk.img");
+    sample(&img, MIB, 64 * 1024);
+    let out = lightfoot(&["serve", "--listen", "256.1.1.1:1", img.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("listen on 256.1.1.1:1"), "{}", text(&out));
+}
