@@ -1,0 +1,251 @@
+//! `lightfoot serve` against a raw socket: malformed and hostile input, each answered per
+//! the specification, and the server still serving afterwards.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use lightfoot::proto::*;
+
+struct Server {
+    child: Child,
+    sock: PathBuf,
+}
+
+impl Server {
+    fn start(file: &Path) -> Server {
+        let sock = file.with_extension("sock");
+        let child = Command::new(bin())
+            .args(["serve", "--unix"])
+            .arg(&sock)
+            .arg(file)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !sock.exists() {
+            assert!(Instant::now() < deadline, "no socket");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Server { child, sock }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A raw connection after the greeting and client flags.
+fn connect(sock: &Path) -> UnixStream {
+    let mut c = UnixStream::connect(sock).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut greeting = [0u8; 18];
+    c.read_exact(&mut greeting).unwrap();
+    assert_eq!(be64(&greeting[0..8]), NBDMAGIC);
+    assert_eq!(be64(&greeting[8..16]), IHAVEOPT);
+    c.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes()).unwrap();
+    c
+}
+
+fn send_option(c: &mut UnixStream, option: u32, data: &[u8]) {
+    let mut b = IHAVEOPT.to_be_bytes().to_vec();
+    b.extend_from_slice(&option.to_be_bytes());
+    b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    b.extend_from_slice(data);
+    c.write_all(&b).unwrap();
+}
+
+/// Reads one option reply: (type, data).
+fn option_reply(c: &mut UnixStream) -> (u32, Vec<u8>) {
+    let mut h = [0u8; 20];
+    c.read_exact(&mut h).unwrap();
+    assert_eq!(be64(&h[0..8]), REPLY_MAGIC);
+    let mut data = vec![0u8; be32(&h[16..20]) as usize];
+    c.read_exact(&mut data).unwrap();
+    (be32(&h[12..16]), data)
+}
+
+/// Negotiates with NBD_OPT_GO (no structured replies) and returns the export size.
+fn go(c: &mut UnixStream) -> u64 {
+    let mut data = 0u32.to_be_bytes().to_vec();
+    data.extend_from_slice(&0u16.to_be_bytes());
+    send_option(c, OPT_GO, &data);
+    let mut size = 0;
+    loop {
+        let (ty, d) = option_reply(c);
+        match ty {
+            REP_INFO if be16(&d[0..2]) == INFO_EXPORT => size = be64(&d[2..10]),
+            REP_INFO => {}
+            REP_ACK => return size,
+            other => panic!("GO answered {other:#x}"),
+        }
+    }
+}
+
+fn request(c: &mut UnixStream, cmd: u16, cookie: u64, offset: u64, len: u64) {
+    c.write_all(&encode_request(&Request { flags: 0, cmd, cookie, offset, len })).unwrap();
+}
+
+/// Reads a simple reply: (cookie, error).
+fn simple(c: &mut UnixStream) -> (u64, u32) {
+    let mut h = [0u8; 16];
+    c.read_exact(&mut h).unwrap();
+    assert_eq!(be32(&h[0..4]), SIMPLE_REPLY_MAGIC);
+    (be64(&h[8..16]), be32(&h[4..8]))
+}
+
+/// True when the server has closed the connection.
+fn closed(c: &mut UnixStream) -> bool {
+    let mut b = [0u8; 1];
+    matches!(c.read(&mut b), Ok(0)) || matches!(c.read(&mut b), Err(_))
+}
+
+fn still_serving(sock: &Path) {
+    let mut c = connect(sock);
+    let size = go(&mut c);
+    request(&mut c, CMD_READ, 42, 0, 512);
+    assert_eq!(simple(&mut c), (42, 0));
+    let mut data = vec![0u8; 512];
+    c.read_exact(&mut data).unwrap();
+    assert!(size >= 512);
+}
+
+fn setup() -> (tempfile::TempDir, Server) {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    sample(&img, MIB, 64 * 1024);
+    let s = Server::start(&img);
+    (dir, s)
+}
+
+#[test]
+fn unknown_option_is_unsupported_and_negotiation_goes_on() {
+    let (_d, s) = setup();
+    let mut c = connect(&s.sock);
+    send_option(&mut c, 4242, b"whatever");
+    assert_eq!(option_reply(&mut c).0, REP_ERR_UNSUP);
+    send_option(&mut c, OPT_STARTTLS, &[]);
+    assert_eq!(option_reply(&mut c).0, REP_ERR_UNSUP);
+    send_option(&mut c, OPT_LIST, b"junk");
+    assert_eq!(option_reply(&mut c).0, REP_ERR_INVALID);
+    // Meta contexts need structured replies first.
+    send_option(&mut c, OPT_SET_META_CONTEXT, &[0; 8]);
+    assert_eq!(option_reply(&mut c).0, REP_ERR_INVALID);
+    // GO with a truncated payload.
+    send_option(&mut c, OPT_GO, &[0, 0, 0, 9]);
+    assert_eq!(option_reply(&mut c).0, REP_ERR_INVALID);
+    assert_eq!(go(&mut c), MIB);
+}
+
+#[test]
+fn requests_are_answered_per_spec_and_the_stream_stays_in_step() {
+    let (_d, s) = setup();
+    let mut c = connect(&s.sock);
+    go(&mut c);
+    request(&mut c, CMD_READ, 1, MIB - 1, 2);
+    assert_eq!(simple(&mut c), (1, EINVAL));
+    request(&mut c, 99, 2, 0, 1);
+    assert_eq!(simple(&mut c), (2, EINVAL));
+    // A write past the end: its payload is read and the reply is ENOSPC.
+    request(&mut c, CMD_WRITE, 3, MIB - 1, 4096);
+    c.write_all(&[7u8; 4096]).unwrap();
+    assert_eq!(simple(&mut c), (3, ENOSPC));
+    // Still in step: a good read works.
+    request(&mut c, CMD_READ, 4, 0, 4096);
+    assert_eq!(simple(&mut c), (4, 0));
+    let mut data = vec![0u8; 4096];
+    c.read_exact(&mut data).unwrap();
+    // A zero too large for any payload limit is served.
+    request(&mut c, CMD_WRITE_ZEROES, 5, 0, MIB);
+    assert_eq!(simple(&mut c), (5, 0));
+    request(&mut c, CMD_DISC, 6, 0, 0);
+    assert!(closed(&mut c));
+}
+
+#[test]
+fn hostile_input_closes_only_that_connection() {
+    let (_d, s) = setup();
+    // Bad request magic.
+    let mut c = connect(&s.sock);
+    go(&mut c);
+    c.write_all(&[0xaa; REQUEST_LEN]).unwrap();
+    assert!(closed(&mut c));
+    still_serving(&s.sock);
+    // A write larger than 32 MiB: not read, the connection is closed.
+    let mut c = connect(&s.sock);
+    go(&mut c);
+    request(&mut c, CMD_WRITE, 1, 0, 64 << 20);
+    assert!(closed(&mut c));
+    still_serving(&s.sock);
+    // A truncated payload, then the client vanishes.
+    let mut c = connect(&s.sock);
+    go(&mut c);
+    request(&mut c, CMD_WRITE, 1, 0, 4096);
+    c.write_all(&[1u8; 100]).unwrap();
+    drop(c);
+    still_serving(&s.sock);
+    // Half a request header, then gone.
+    let mut c = connect(&s.sock);
+    go(&mut c);
+    c.write_all(&REQUEST_MAGIC.to_be_bytes()).unwrap();
+    drop(c);
+    // Bad option magic and an absurd option length.
+    let mut c = connect(&s.sock);
+    c.write_all(&[0x11; 16]).unwrap();
+    assert!(closed(&mut c));
+    let mut c = connect(&s.sock);
+    let mut b = IHAVEOPT.to_be_bytes().to_vec();
+    b.extend_from_slice(&OPT_GO.to_be_bytes());
+    b.extend_from_slice(&u32::MAX.to_be_bytes());
+    c.write_all(&b).unwrap();
+    assert!(closed(&mut c));
+    // Unknown client flags.
+    let mut c = UnixStream::connect(&s.sock).unwrap();
+    let mut greeting = [0u8; 18];
+    c.read_exact(&mut greeting).unwrap();
+    c.write_all(&0x8000_0000u32.to_be_bytes()).unwrap();
+    assert!(closed(&mut c));
+    still_serving(&s.sock);
+    // A client that vanishes with requests in flight.
+    let mut c = connect(&s.sock);
+    go(&mut c);
+    for i in 0..64 {
+        request(&mut c, CMD_READ, i, 0, 65536);
+    }
+    drop(c);
+    still_serving(&s.sock);
+}
+
+#[test]
+fn export_name_option_and_unknown_export() {
+    let (_d, s) = setup();
+    let mut c = connect(&s.sock);
+    send_option(&mut c, OPT_EXPORT_NAME, b"");
+    let mut info = [0u8; 10];
+    c.read_exact(&mut info).unwrap();
+    assert_eq!(be64(&info[0..8]), MIB);
+    let flags = be16(&info[8..10]);
+    assert!(flags & TF_HAS_FLAGS != 0 && flags & TF_SEND_FLUSH != 0 && flags & TF_CAN_MULTI_CONN != 0);
+    request(&mut c, CMD_FLUSH, 9, 0, 0);
+    assert_eq!(simple(&mut c), (9, 0));
+    // An unknown name with EXPORT_NAME: the server hangs up (it cannot send an error).
+    let mut c = connect(&s.sock);
+    send_option(&mut c, OPT_EXPORT_NAME, b"nope");
+    assert!(closed(&mut c));
+    // With GO, it is an error reply and negotiation goes on.
+    let mut c = connect(&s.sock);
+    let mut data = 4u32.to_be_bytes().to_vec();
+    data.extend_from_slice(b"nope");
+    data.extend_from_slice(&0u16.to_be_bytes());
+    send_option(&mut c, OPT_GO, &data);
+    assert_eq!(option_reply(&mut c).0, REP_ERR_UNKNOWN);
+    assert_eq!(go(&mut c), MIB);
+}
