@@ -544,3 +544,71 @@ print("ok")
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
 }
+
+#[test]
+fn qemu_io_commands_with_and_without_fua() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(8 * MIB).unwrap();
+    let s = Served::start(&img, &[]);
+    let uri = s.uri();
+    let run = |cmds: &[&str]| {
+        let mut c = tool("qemu-io", "qemu-utils");
+        c.args(["-f", "raw"]);
+        for cmd in cmds {
+            c.args(["-c", cmd]);
+        }
+        let out = c.arg(&uri).output().unwrap();
+        let t = text(&out);
+        assert!(out.status.success() && !t.contains("failed"), "{cmds:?}: {t}");
+        t
+    };
+    run(&["write -P 0x5a 0 1M", "write -f -P 0x6b 1M 64k", "flush"]);
+    run(&["read -P 0x5a 0 1M", "read -P 0x6b 1M 64k"]);
+    run(&["write -z 4k 8k", "read -P 0 4k 8k", "read -P 0x5a 0 4k"]);
+    run(&["write -z -u 2M 1M", "read -P 0 2M 1M"]);
+    run(&["discard 4M 1M", "write -z -f 5M 64k", "read -P 0 5M 64k"]);
+    // Unaligned, small.
+    run(&["write -P 0x11 3 5", "read -P 0x11 3 5", "read -P 0x5a 8 1"]);
+    let out = tool("qemu-img", "qemu-utils").args(["info", "--output=json", &uri]).output().unwrap();
+    assert!(text(&out).contains(&format!("\"virtual-size\": {}", 8 * MIB)), "{}", text(&out));
+    s.stop();
+}
+
+#[test]
+fn qemu_img_compare_and_fio_verify() {
+    let dir = scratch();
+    let (img, src) = (dir.path().join("disk.img"), dir.path().join("src.img"));
+    sample(&src, 16 * MIB, MIB);
+    std::fs::copy(&src, &img).unwrap();
+    let s = Served::start(&img, &[]);
+    let out = tool("qemu-img", "qemu-utils")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(&src)
+        .arg(s.uri())
+        .output()
+        .unwrap();
+    assert!(out.status.success() && text(&out).contains("identical"), "{}", text(&out));
+    // fio's nbd engine: random 4 KiB writes from 4 jobs with verification, then a read pass.
+    let out = tool("fio", "fio")
+        .args([
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri={}", s.uri()),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=16M",
+            "--numjobs=4",
+            "--offset_increment=4M",
+            "--io_size=2M",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--do_verify=1",
+            "--group_reporting",
+        ])
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert!(out.status.success() && t.contains("err= 0") && !t.contains("verify: bad"), "{t}");
+    s.stop();
+}
