@@ -612,3 +612,88 @@ fn qemu_img_compare_and_fio_verify() {
     assert!(out.status.success() && t.contains("err= 0") && !t.contains("verify: bad"), "{t}");
     s.stop();
 }
+
+#[test]
+fn stats_on_sigusr1_and_at_exit() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    sample(&img, 4 * MIB, MIB);
+    let pid_file = dir.path().join("pid");
+    let s = Served::start(&img, &["--stats", "--json", "--pid-file", pid_file.to_str().unwrap()]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !pid_file.exists() {
+        assert!(Instant::now() < deadline, "no pid file");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pid: u32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+    assert_eq!(pid, s.child.id());
+    ok(tool("nbdcopy", "libnbd-bin").args([&s.uri(), "null:"]).output().unwrap());
+    let out = nbdsh("import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\nh.pwrite(b'x' * 4096, 0)\nh.flush()\n", &s.uri());
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(Command::new("kill").args(["-USR1", &pid.to_string()]).status().unwrap().success());
+    std::thread::sleep(Duration::from_millis(400));
+    let err = s.stop();
+    assert!(!pid_file.exists(), "pid file left behind");
+    let snaps: Vec<serde_json::Value> = err.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    assert_eq!(snaps.len(), 2, "one snapshot on SIGUSR1, one at exit: {err}");
+    let last = &snaps[1];
+    let cmd = |name: &str| {
+        last["commands"].as_array().unwrap().iter().find(|c| c["command"] == name).unwrap().clone()
+    };
+    assert!(cmd("read")["requests"].as_u64().unwrap() >= 1);
+    assert_eq!(cmd("write")["requests"], 1);
+    assert_eq!(cmd("write")["bytes"], 4096);
+    assert_eq!(cmd("flush")["requests"], 1);
+    assert!(last["connections"].as_u64().unwrap() >= 2);
+    assert!(cmd("read")["p50_us"].as_u64().unwrap() > 0);
+    assert!(last["cache"].is_u64(), "{last}");
+}
+
+#[test]
+fn exit_with_parent_and_socket_activation() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    sample(&img, MIB, 64 * 1024);
+    let pid_file = dir.path().join("pid");
+    let sock = dir.path().join("s");
+    // The parent shell exits after a moment: the server must follow.
+    let st = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "{} serve --exit-with-parent --pid-file {} --unix {} {} & sleep 0.5",
+            bin(),
+            pid_file.display(),
+            sock.display(),
+            img.display()
+        ))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pid_file.exists() || sock.exists() {
+        assert!(Instant::now() < deadline, "server outlived its parent");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Socket activation: a listening socket on fd 3, LISTEN_PID and LISTEN_FDS set.
+    let activate = format!(
+        r#"
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.bind("{sock}")
+s.listen(8)
+if s.fileno() != 3:
+    os.dup2(s.fileno(), 3)
+os.set_inheritable(3, True)
+os.environ["LISTEN_FDS"] = "1"
+os.environ["LISTEN_PID"] = str(os.getpid())
+os.execv("{bin}", ["lightfoot", "serve", "--listen", "127.0.0.1:1", "{img}", "--run", "nbdinfo --size 'nbd+unix:///?socket={sock}'"])
+"#,
+        sock = sock.display(),
+        bin = bin(),
+        img = img.display()
+    );
+    let out = Command::new("/usr/bin/python3").args(["-c", &activate]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), MIB.to_string());
+    assert!(sock.exists(), "a socket systemd made is not ours to remove");
+}

@@ -76,6 +76,23 @@ pub struct ServeArgs {
     #[arg(long, value_name = "CMD")]
     run: Option<String>,
 
+    /// Print request counts, bytes, errors, latency percentiles and the cache footprint at
+    /// exit and on SIGUSR1 (to stderr).
+    #[arg(long)]
+    stats: bool,
+
+    /// With --stats: print JSON instead of a table.
+    #[arg(long, requires = "stats")]
+    json: bool,
+
+    /// Write the server's process id to PATH once it is listening (removed at exit).
+    #[arg(long, value_name = "PATH")]
+    pid_file: Option<PathBuf>,
+
+    /// Exit when the parent process exits.
+    #[arg(long)]
+    exit_with_parent: bool,
+
     /// Log connections and the mechanisms chosen (-vv: more).
     #[arg(short, long, action = clap::ArgAction::Count)]
     verbose: u8,
@@ -116,9 +133,21 @@ pub fn run(a: ServeArgs) -> i32 {
             return 1;
         }
     };
-    let listener = match &a.unix {
-        Some(p) => Listener::unix(p),
-        None => Listener::tcp(&a.listen),
+    if a.exit_with_parent {
+        match lightfoot::io::sys::exit_with_parent() {
+            Ok(true) => {}
+            Ok(false) => return 0,
+            Err(e) => {
+                super::report(&format!("--exit-with-parent: {e}"));
+                return 1;
+            }
+        }
+    }
+    // systemd socket activation takes precedence over --unix and --listen.
+    let listener = match (Listener::from_activation(), &a.unix) {
+        (Some(l), _) => Ok(l),
+        (None, Some(p)) => Listener::unix(p),
+        (None, None) => Listener::tcp(&a.listen),
     };
     let listener = match listener {
         Ok(l) => l,
@@ -140,7 +169,7 @@ pub fn run(a: ServeArgs) -> i32 {
         let mut c = std::process::Command::new("sh");
         c.arg("-c").arg(cmd).env("uri", &uri);
         match &listener {
-            Listener::Unix(_, p) => {
+            Listener::Unix(_, p, _) => {
                 c.env("unixsocket", p);
             }
             Listener::Tcp(l) => {
@@ -166,10 +195,60 @@ pub fn run(a: ServeArgs) -> i32 {
             s.shutdown();
         });
     }
-    if let Err(e) = server.serve(&listener) {
+    if let Some(p) = &a.pid_file {
+        if let Err(e) = std::fs::write(p, format!("{}\n", std::process::id())) {
+            super::report(&format!("write {}: {e}", p.display()));
+            return 1;
+        }
+    }
+    if a.stats {
+        let _ = lightfoot::io::sys::catch_sigusr1();
+        let (s, json) = (server.clone(), a.json);
+        std::thread::spawn(move || loop {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            if lightfoot::io::sys::take_sigusr1() {
+                print_stats(&s, json);
+            }
+        });
+    }
+    let served = server.serve(&listener);
+    drop(listener);
+    if let Some(p) = &a.pid_file {
+        let _ = std::fs::remove_file(p);
+    }
+    if a.stats {
+        print_stats(&server, a.json);
+    }
+    if let Err(e) = served {
         super::report(&format!("serve: {e}"));
         return 1;
     }
     let code = *status.lock().unwrap();
     code
+}
+
+fn print_stats(server: &Server, json: bool) {
+    let snap = server.stats_snapshot();
+    if json {
+        eprintln!("{}", serde_json::to_string(&snap).expect("stats serialise"));
+        return;
+    }
+    let cache = snap.cache.map(super::human::bytes).unwrap_or_else(|| "not visible".into());
+    let mut t = format!(
+        "lightfoot serve: {:.1} s, {} connections, page cache {cache}\n{:<13} {:>10} {:>7} {:>11} {:>9} {:>9} {:>9}\n",
+        snap.seconds, snap.connections, "command", "requests", "errors", "bytes", "p50 µs", "p90 µs", "p99 µs"
+    );
+    for c in snap.commands.iter().filter(|c| c.requests > 0) {
+        t += &format!(
+            "{:<13} {:>10} {:>7} {:>11} {:>9} {:>9} {:>9}\n",
+            c.command,
+            c.requests,
+            c.errors,
+            super::human::bytes(c.bytes),
+            c.p50_us,
+            c.p90_us,
+            c.p99_us
+        );
+    }
+    eprint!("{t}");
 }

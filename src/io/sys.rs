@@ -359,3 +359,74 @@ pub fn page_size() -> usize {
         4096
     }
 }
+
+/// Asks the kernel to send SIGTERM to this process when its parent exits
+/// (`PR_SET_PDEATHSIG`, for `--exit-with-parent`). Returns false if the parent is already gone.
+pub fn exit_with_parent() -> io::Result<bool> {
+    // SAFETY: prctl with integer arguments only.
+    let ret = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) };
+    check(ret as libc::c_long)?;
+    // The parent may have exited before the call: then we were reparented already.
+    // SAFETY: getppid has no memory effects.
+    Ok(unsafe { libc::getppid() } != 1)
+}
+
+/// The first socket passed by systemd socket activation (`LISTEN_PID` is this process and
+/// `LISTEN_FDS` ≥ 1: fd 3), with its address family (`AF_UNIX` or `AF_INET`/`AF_INET6`).
+pub fn socket_activation() -> Option<(std::os::fd::OwnedFd, i32)> {
+    let pid: u32 = std::env::var("LISTEN_PID").ok()?.parse().ok()?;
+    let fds: u32 = std::env::var("LISTEN_FDS").ok()?.parse().ok()?;
+    if pid != std::process::id() || fds < 1 {
+        return None;
+    }
+    let mut domain: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: SO_DOMAIN writes one int into `domain`; `len` says how large it is.
+    let ret = unsafe {
+        libc::getsockopt(
+            3,
+            libc::SOL_SOCKET,
+            libc::SO_DOMAIN,
+            (&mut domain as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if ret != 0 {
+        return None;
+    }
+    // SAFETY: systemd passed fd 3 to us and nothing else in the process owns it; taking it
+    // once (the variables are removed) keeps it owned exactly once.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(3) };
+    // SAFETY: removing environment variables before any other thread reads them (called at
+    // start-up, before threads are spawned).
+    unsafe {
+        std::env::remove_var("LISTEN_PID");
+        std::env::remove_var("LISTEN_FDS");
+    }
+    Some((fd, domain))
+}
+
+static USR1: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_usr1(_: libc::c_int) {
+    USR1.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Installs a SIGUSR1 handler that only sets a flag (read with [`take_sigusr1`]).
+pub fn catch_sigusr1() -> io::Result<()> {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe; the
+    // sigaction struct is fully initialised before the call.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_usr1 as *const () as libc::sighandler_t;
+        sa.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut sa.sa_mask);
+        check(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()) as libc::c_long)?;
+    }
+    Ok(())
+}
+
+/// True once after each SIGUSR1.
+pub fn take_sigusr1() -> bool {
+    USR1.swap(false, std::sync::atomic::Ordering::Relaxed)
+}

@@ -22,6 +22,7 @@ use crate::backend::{Backend, Caps};
 use crate::proto::*;
 
 pub mod negotiate;
+pub mod stats;
 pub mod stream;
 pub mod transmission;
 pub mod validate;
@@ -102,7 +103,8 @@ impl Export {
 /// Where to listen.
 pub enum Listener {
     Tcp(TcpListener),
-    Unix(UnixListener, PathBuf),
+    /// A Unix socket; `remove` when lightfoot created the socket file (not when systemd did).
+    Unix(UnixListener, PathBuf, bool),
 }
 
 impl Listener {
@@ -114,7 +116,23 @@ impl Listener {
                 std::fs::remove_file(path)?;
             }
         }
-        Ok(Listener::Unix(UnixListener::bind(path)?, path.to_path_buf()))
+        Ok(Listener::Unix(UnixListener::bind(path)?, path.to_path_buf(), true))
+    }
+
+    /// The socket systemd passed (socket activation), if any.
+    pub fn from_activation() -> Option<Listener> {
+        let (fd, domain) = crate::io::sys::socket_activation()?;
+        if domain == libc::AF_UNIX {
+            let l = UnixListener::from(fd);
+            let path = l
+                .local_addr()
+                .ok()
+                .and_then(|a| a.as_pathname().map(|p| p.to_path_buf()))
+                .unwrap_or_default();
+            Some(Listener::Unix(l, path, false))
+        } else {
+            Some(Listener::Tcp(TcpListener::from(fd)))
+        }
     }
 
     pub fn tcp(addr: &str) -> io::Result<Listener> {
@@ -129,14 +147,14 @@ impl Listener {
                 Ok(a) => format!("nbd://{}:{}/{}", a.ip(), a.port(), export),
                 Err(_) => String::new(),
             },
-            Listener::Unix(_, p) => format!("nbd+unix:///{}?socket={}", export, p.display()),
+            Listener::Unix(_, p, _) => format!("nbd+unix:///{}?socket={}", export, p.display()),
         }
     }
 }
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Listener::Unix(_, p) = self {
+        if let Listener::Unix(_, p, true) = self {
             let _ = std::fs::remove_file(p);
         }
     }
@@ -147,6 +165,7 @@ pub struct Server {
     /// Workers per connection.
     pub threads: usize,
     pub max_connections: usize,
+    pub stats: stats::Stats,
     shutdown: AtomicBool,
     active: AtomicUsize,
     /// Closers of the open connections, by connection number.
@@ -166,6 +185,7 @@ impl Server {
             export,
             threads: threads.max(1),
             max_connections,
+            stats: Default::default(),
             shutdown: AtomicBool::new(false),
             active: AtomicUsize::new(0),
             closers: Default::default(),
@@ -183,6 +203,14 @@ impl Server {
         self.shutdown.store(true, Ordering::Relaxed);
     }
 
+    /// The figures of `--stats`, with the export's page-cache footprint.
+    pub fn stats_snapshot(&self) -> stats::Snapshot {
+        let mut snap = self.stats.snapshot();
+        snap.cache =
+            self.export.open().ok().and_then(|b| b.cache_info()).map(|c| c.stat.cached * c.page_size);
+        snap
+    }
+
     pub fn active_connections(&self) -> usize {
         self.active.load(Ordering::Relaxed)
     }
@@ -192,7 +220,7 @@ impl Server {
     pub fn serve(self: &Arc<Self>, listener: &Listener) -> io::Result<()> {
         match listener {
             Listener::Tcp(l) => l.set_nonblocking(true)?,
-            Listener::Unix(l, _) => l.set_nonblocking(true)?,
+            Listener::Unix(l, _, _) => l.set_nonblocking(true)?,
         }
         while !self.is_shutting_down() {
             let accepted: io::Result<Box<dyn stream::Stream>> = match listener {
@@ -201,7 +229,7 @@ impl Server {
                     s.set_nodelay(true)?;
                     Ok(Box::new(s) as Box<dyn stream::Stream>)
                 }),
-                Listener::Unix(l, _) => l.accept().and_then(|(s, _)| {
+                Listener::Unix(l, _, _) => l.accept().and_then(|(s, _)| {
                     s.set_nonblocking(false)?;
                     Ok(Box::new(s) as Box<dyn stream::Stream>)
                 }),
@@ -241,6 +269,7 @@ impl Server {
             tracing::warn!("connection refused: {} connections already", self.max_connections);
             return;
         }
+        self.stats.connections.fetch_add(1, Ordering::Relaxed);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         if let Ok(c) = s.closer() {
             self.closers.lock().unwrap().insert(id, c);

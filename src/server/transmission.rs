@@ -22,6 +22,8 @@ const MAX_DESCRIPTORS: usize = 1 << 16;
 struct Job {
     req: Request,
     payload: Option<Vec<u8>>,
+    /// When the request was read, for the latency figures.
+    arrived: std::time::Instant,
 }
 
 pub fn run(
@@ -58,7 +60,11 @@ pub fn run(
             s.spawn(|| loop {
                 let job = rx.lock().unwrap().recv();
                 match job {
-                    Ok(job) => conn.handle(job),
+                    Ok(job) => {
+                        let (req, arrived) = (job.req, job.arrived);
+                        let ok = conn.handle(job);
+                        server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
+                    }
                     Err(_) => return,
                 }
             });
@@ -89,6 +95,7 @@ fn read_requests(
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         }
+        let arrived = std::time::Instant::now();
         let Some(req) = parse_request(&h) else {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "bad request magic"));
         };
@@ -117,9 +124,10 @@ fn read_requests(
         };
         if let Some(e) = errno {
             conn.reply_error(&req, e, "request refused");
+            server.stats.record(req.cmd, 0, arrived.elapsed(), false);
             continue;
         }
-        if tx.send(Job { req, payload }).is_err() {
+        if tx.send(Job { req, payload, arrived }).is_err() {
             return Ok(());
         }
     }
@@ -154,7 +162,8 @@ impl Conn<'_> {
         self.send(&[&simple_reply(req.cookie, 0)]);
     }
 
-    fn handle(&self, job: Job) {
+    /// Carries out a request and replies; false if the reply was an error.
+    fn handle(&self, job: Job) -> bool {
         let req = job.req;
         let fua = req.flags & CMD_FLAG_FUA != 0;
         let b = self.backend;
@@ -176,32 +185,38 @@ impl Conn<'_> {
             _ => unreachable!("validated"),
         };
         match res {
-            Ok(()) => self.reply_ok(&req),
+            Ok(()) => {
+                self.reply_ok(&req);
+                true
+            }
             Err(e) => self.fail(&req, &e),
         }
     }
 
-    fn fail(&self, req: &Request, e: &Error) {
+    fn fail(&self, req: &Request, e: &Error) -> bool {
         // Fast-zero refusals are part of the protocol, not failures worth a warning.
         if e.kind() != crate::ErrorKind::NotSupported {
             tracing::warn!("{e}");
         }
         self.reply_error(req, errno(e.kind()), &e.to_string());
+        false
     }
 
-    fn read(&self, req: &Request) {
+    fn read(&self, req: &Request) -> bool {
         let len = req.len as usize;
         if !self.agreed.structured {
             let mut buf = AlignedBuf::new(len);
-            match crate::backend::read_exact(self.backend, &mut buf[..len], req.offset) {
-                Ok(()) => self.send(&[&simple_reply(req.cookie, 0), &buf[..len]]),
+            return match crate::backend::read_exact(self.backend, &mut buf[..len], req.offset) {
+                Ok(()) => {
+                    self.send(&[&simple_reply(req.cookie, 0), &buf[..len]]);
+                    true
+                }
                 Err(e) => self.fail(req, &e),
-            }
-            return;
+            };
         }
         if len == 0 {
             self.send(&[&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.cookie, 0)]);
-            return;
+            return true;
         }
         match self.read_chunks(req) {
             Ok((headers, buf, pieces)) => {
@@ -213,6 +228,7 @@ impl Conn<'_> {
                     }
                 }
                 self.send(&bufs);
+                true
             }
             Err(e) => self.fail(req, &e),
         }
@@ -266,7 +282,7 @@ impl Conn<'_> {
         Ok((headers, buf, pieces))
     }
 
-    fn block_status(&self, req: &Request) {
+    fn block_status(&self, req: &Request) -> bool {
         let one = req.flags & CMD_FLAG_REQ_ONE != 0;
         let exts = match self.backend.extents(req.offset, req.len) {
             Ok(e) => e,
@@ -290,5 +306,6 @@ impl Conn<'_> {
         }
         let h = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, req.cookie, payload.len() as u32);
         self.send(&[&h, &payload]);
+        true
     }
 }
