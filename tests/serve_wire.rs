@@ -102,10 +102,18 @@ fn simple(c: &mut UnixStream) -> (u64, u32) {
     (be64(&h[8..16]), be32(&h[4..8]))
 }
 
-/// True when the server has closed the connection.
+/// True when the server closes the connection (anything it still sends first is skipped);
+/// false if it is still open after the read timeout.
 fn closed(c: &mut UnixStream) -> bool {
-    let mut b = [0u8; 1];
-    matches!(c.read(&mut b), Ok(0)) || matches!(c.read(&mut b), Err(_))
+    let mut b = [0u8; 4096];
+    loop {
+        match c.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => return false,
+            Err(_) => return true,
+        }
+    }
 }
 
 fn still_serving(sock: &Path) {
