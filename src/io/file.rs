@@ -132,12 +132,17 @@ impl PolicyFile {
         // Readahead off while probing: a one-byte read would otherwise load a readahead
         // window that the evict-behind residency check would then take for pre-cached pages.
         let _ = sys::fadvise(fd, 0, 0, Advice::Random);
+        let mut pre_notes = Vec::new();
         let dontcache = match sys::pread(fd, &mut [0u8; 1], 0, sys::RWF_DONTCACHE) {
             Ok(_) => true,
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => false,
-            Err(e) => return Err(Error::io("read", e).path(path).at(0, 1).detail("probing RWF_DONTCACHE")),
+            // The kernel checks the flag before any I/O: another error (an unreadable first
+            // block) means the flag was accepted.
+            Err(e) => {
+                pre_notes.push(format!("probe read failed ({e}); RWF_DONTCACHE was accepted"));
+                true
+            }
         };
-        let mut pre_notes = Vec::new();
         let cachestat = match sys::cachestat(fd, 0, 4096) {
             Ok(_) => true,
             Err(e) => {

@@ -39,6 +39,11 @@ pub struct Export {
     /// Everything the export holds is shared by its connections (one page cache, one error
     /// latch, flushes are per inode), so `CAN_MULTI_CONN` is true.
     pub multi_conn: bool,
+    /// The first write error that may have lost acknowledged data (a failed flush or FUA
+    /// write, a writeback error), on any connection: every later flush and FUA request fails
+    /// with it. Kept here, not per connection, because the kernel reports a writeback error
+    /// only once per open file, and each connection has its own.
+    pub latch: crate::io::WriteLatch,
     open: Opener,
 }
 
@@ -66,6 +71,7 @@ impl Export {
             size,
             caps,
             multi_conn,
+            latch: Default::default(),
             open: Box::new(open),
         })
     }

@@ -53,7 +53,7 @@ pub fn run(
     let broken = AtomicBool::new(false);
     let (tx, rx) = mpsc::sync_channel::<Job>(server.threads * 2);
     let rx = Mutex::new(rx);
-    let conn = Conn { backend: &*backend, agreed, writer: &writer, broken: &broken };
+    let conn = Conn { backend: &*backend, agreed, writer: &writer, broken: &broken, latch: &export.latch };
 
     let result = std::thread::scope(|s| {
         for _ in 0..server.threads {
@@ -139,6 +139,7 @@ struct Conn<'a> {
     writer: &'a Mutex<Box<dyn Write + Send>>,
     /// A reply could not be written: the client is gone.
     broken: &'a AtomicBool,
+    latch: &'a crate::io::WriteLatch,
 }
 
 impl Conn<'_> {
@@ -184,6 +185,18 @@ impl Conn<'_> {
             }
             _ => unreachable!("validated"),
         };
+        // A flush or FUA request promises durability: not after a write error was latched.
+        let durable =
+            req.cmd == CMD_FLUSH || (fua && matches!(req.cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES));
+        let res =
+            res.and_then(
+                |()| if durable { self.latch.check(std::path::Path::new(b.name())) } else { Ok(()) },
+            );
+        if let Err(e) = &res {
+            if e.kind() == crate::ErrorKind::Io && (durable || matches!(e.op(), "writeback" | "flush")) {
+                self.latch.set(e);
+            }
+        }
         match res {
             Ok(()) => {
                 self.reply_ok(&req);

@@ -1,0 +1,105 @@
+//! Errors through the server: each backend error reaches the client as the right NBD error,
+//! and a lost write is latched for the whole export. The server runs in-process over a
+//! fault-injecting backend; the client is libnbd's Python module.
+
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+
+use common::*;
+use lightfoot::backend::{Backend, MemoryBackend};
+use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
+use lightfoot::server::{Export, Listener, Server};
+use lightfoot::ErrorKind;
+
+/// Serves `rules` over one memory store shared by all connections; runs `script` with $URI.
+fn with_server(rules: Vec<Rule>, script: &str) -> std::process::Output {
+    let dir = scratch();
+    let sock = dir.path().join("s");
+    let store: Arc<dyn Backend> = Arc::new(MemoryBackend::new(4 * MIB));
+    // One injector shared by every connection, so rule counters are per export.
+    let faulty: Arc<dyn Backend> = Arc::new(FaultInjector::new(store, rules));
+    let export = Export::new("", None, true, move || Ok(faulty.clone())).unwrap();
+    let server = Arc::new(Server::new(export, 4, 16));
+    let listener = Listener::unix(&sock).unwrap();
+    let s = server.clone();
+    let handle = std::thread::spawn(move || s.serve(&listener).unwrap());
+    let out = Command::new("/usr/bin/python3")
+        .args(["-c", script])
+        .env("URI", format!("nbd+unix:///?socket={}", sock.display()))
+        .output()
+        .expect("python3 with libnbd (make test installs python3-libnbd)");
+    server.shutdown();
+    handle.join().unwrap();
+    out
+}
+
+const PRELUDE: &str = r#"
+import errno, os, nbd
+def connect():
+    h = nbd.NBD()
+    h.set_strict_mode(0)
+    h.connect_uri(os.environ["URI"])
+    return h
+def err(f):
+    try:
+        f()
+    except nbd.Error as e:
+        return e.errno if isinstance(e.errno, str) else errno.errorcode.get(e.errno, str(e.errno))
+    return "ok"
+"#;
+
+#[test]
+fn backend_errors_reach_the_client_as_nbd_errors() {
+    let rules = vec![
+        Rule::new(Op::Read, Fault::Fail(ErrorKind::Io)).at(MIB, 4096),
+        Rule::new(Op::Write, Fault::Fail(ErrorKind::NoSpace)).at(2 * MIB, 4096),
+        Rule::new(Op::Write, Fault::Fail(ErrorKind::Permission)).at(3 * MIB, 4096),
+        Rule::new(Op::Zero, Fault::Fail(ErrorKind::NotSupported)).at(0, 4096),
+        Rule::new(Op::Trim, Fault::Fail(ErrorKind::Io)).at(0, 4096),
+        Rule::new(Op::Extents, Fault::Fail(ErrorKind::Io)).at(MIB, 1),
+    ];
+    let script = format!(
+        "{PRELUDE}{}",
+        r#"
+h = connect()
+assert err(lambda: h.pread(4096, 1 << 20)) == "EIO"
+assert err(lambda: h.pread(4096, 0)) == "ok"
+assert err(lambda: h.pwrite(b"x" * 4096, 2 << 20)) == "ENOSPC"
+assert err(lambda: h.pwrite(b"x" * 4096, 3 << 20)) == "EPERM"
+assert err(lambda: h.zero(4096, 0, nbd.CMD_FLAG_FAST_ZERO)) == "ENOTSUP"
+assert err(lambda: h.trim(4096, 0)) == "EIO"
+assert err(lambda: h.pwrite(b"y" * 4096, 8192)) == "ok"
+assert h.pread(4096, 8192) == b"y" * 4096
+print("ok")
+"#
+    );
+    let out = with_server(rules, &script);
+    assert!(out.status.success() && text(&out).contains("ok"), "{}", text(&out));
+}
+
+#[test]
+fn a_failed_flush_is_latched_for_every_connection() {
+    // The first flush fails (as fdatasync does once after a writeback error); the backend
+    // would let later ones succeed.
+    let rules = vec![Rule::new(Op::Flush, Fault::Fail(ErrorKind::Io)).times(1)];
+    let script = format!(
+        "{PRELUDE}{}",
+        r#"
+a, b = connect(), connect()
+a.pwrite(b"x" * 4096, 0)
+assert err(lambda: a.flush()) == "EIO"
+assert err(lambda: a.flush()) == "EIO", "latched on the same connection"
+assert err(lambda: b.flush()) == "EIO", "latched on another connection"
+assert err(lambda: b.pwrite(b"z" * 512, 0, nbd.CMD_FLAG_FUA)) == "EIO", "FUA cannot promise durability"
+c = connect()
+assert err(lambda: c.flush()) == "EIO", "latched for connections opened after the error"
+assert err(lambda: c.pwrite(b"w" * 512, 4096)) == "ok", "plain writes still work"
+assert c.pread(512, 4096) == b"w" * 512
+print("ok")
+"#
+    );
+    let out = with_server(rules, &script);
+    assert!(out.status.success() && text(&out).contains("ok"), "{}", text(&out));
+}
