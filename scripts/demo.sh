@@ -31,6 +31,21 @@ echo
 echo "== after (the working set is still cached; nothing else is)"
 $lf cache stat "$src" "$dst"
 echo
-echo "verifying the copy with cmp (this reads both through the cache; evicted again after)"
-cmp "$src" "$dst" && echo "identical"
+echo "== lightfoot serve $src, read back through nbdcopy (a real NBD client)"
+sock=$dir/demo.sock
+back=$dir/readback.img
+rm -f "$back"
+if command -v nbdcopy >/dev/null; then
+  $lf serve --unix "$sock" --read-only --stats "$src" --run "nbdcopy \"\$uri\" '$back'"
+  echo
+  echo "== after serving (still only the working set; the read-back file is nbdcopy's)"
+  $lf cache stat "$src"
+else
+  echo "nbdcopy not installed (make test installs libnbd-bin): skipping"
+fi
+echo
+echo "verifying the copies with cmp (this reads them through the cache; evicted again after)"
+cmp "$src" "$dst" && echo "copy: identical"
+[ ! -f "$back" ] || { cmp "$src" "$back" && echo "served read-back: identical"; }
 $lf cache evict "$src" "$dst" >/dev/null
+rm -f "$back"

@@ -259,6 +259,17 @@ impl Server {
             close();
         }
         self.wait_idle(CLEANUP);
+        // Whatever clients wrote and did not flush is made durable before exiting.
+        if !self.export.read_only {
+            let flushed = self.export.open().and_then(|b| {
+                let r = b.flush();
+                b.finish().and(r)
+            });
+            if let Err(e) = flushed {
+                tracing::warn!("final flush: {e}");
+                return Err(io::Error::other(e.to_string()));
+            }
+        }
         Ok(())
     }
 
