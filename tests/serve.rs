@@ -103,6 +103,21 @@ fn nbdinfo_sees_the_export() {
     assert_eq!(e["can_cache"], true);
     assert_eq!(v["protocol"], "newstyle-fixed");
     assert!(out.contains("base:allocation"), "{out}");
+    // --can / --is answer through the exit status: 0 yes, 2 no.
+    for (what, yes) in [
+        ("--can=flush", true),
+        ("--can=fua", true),
+        ("--can=multi-conn", true),
+        ("--can=trim", true),
+        ("--can=zero", true),
+        ("--can=fast-zero", true),
+        ("--can=cache", true),
+        ("--is=read-only", false),
+        ("--is=rotational", false),
+    ] {
+        let out = tool("nbdinfo", "libnbd-bin").args([what, &uri]).output().unwrap();
+        assert_eq!(out.status.code(), Some(if yes { 0 } else { 2 }), "{what}: {}", text(&out));
+    }
     // Listing exports.
     let out = ok(tool("nbdinfo", "libnbd-bin").args(["--list", "--json", &s.uri()]).output().unwrap());
     assert!(out.contains("\"disk\""), "{out}");
