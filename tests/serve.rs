@@ -81,6 +81,18 @@ fn nbdsh(script: &str, uri: &str) -> Output {
     Command::new("/usr/bin/python3").arg("-c").arg(script).env("URI", uri).output().unwrap()
 }
 
+/// What sysfs says of the disk under `path` (the server must say the same).
+fn rotational(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(path).unwrap().dev();
+    let (major, minor) = ((dev >> 8) & 0xfff, (dev & 0xff) | ((dev >> 12) & 0xfff00));
+    let base = format!("/sys/dev/block/{major}:{minor}");
+    [format!("{base}/queue/rotational"), format!("{base}/../queue/rotational")]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok())
+        .is_some_and(|s| s.trim() == "1")
+}
+
 #[test]
 fn nbdinfo_sees_the_export() {
     let dir = scratch();
@@ -113,7 +125,7 @@ fn nbdinfo_sees_the_export() {
         ("--can=fast-zero", true),
         ("--can=cache", true),
         ("--is=read-only", false),
-        ("--is=rotational", false),
+        ("--is=rotational", rotational(&img)),
     ] {
         let out = tool("nbdinfo", "libnbd-bin").args([what, &uri]).output().unwrap();
         assert_eq!(out.status.code(), Some(if yes { 0 } else { 2 }), "{what}: {}", text(&out));
