@@ -16,6 +16,9 @@ use crate::error::Error;
 use crate::io::AlignedBuf;
 use crate::proto::*;
 
+/// Smallest READ for which holes are looked up and sent as `OFFSET_HOLE` chunks.
+const HOLE_LOOKUP_MIN: usize = 64 << 10;
+
 /// Most base:allocation descriptors in one reply.
 const MAX_DESCRIPTORS: usize = 1 << 16;
 
@@ -258,7 +261,9 @@ impl Conn<'_> {
         let mut buf = AlignedBuf::new(len);
         let mut headers = Vec::new();
         let mut pieces = Vec::new();
-        let can_extents = self.backend.caps().can_extents;
+        // Holes are worth a lookup only for large reads: for small ones the extent query
+        // (two lseeks on a file) costs more than the zeroes it would save on the wire.
+        let can_extents = self.backend.caps().can_extents && len >= HOLE_LOOKUP_MIN;
         let mut at = 0usize;
         while at < len {
             let off = req.offset + at as u64;
