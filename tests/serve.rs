@@ -724,3 +724,27 @@ os.execv("{bin}", ["lightfoot", "serve", "--listen", "127.0.0.1:1", "{img}", "--
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), MIB.to_string());
     assert!(sock.exists(), "a socket systemd made is not ours to remove");
 }
+
+/// Neutral serving: pages of the export cached before (the host's working set) stay cached,
+/// also where clients read and overwrite them; pages the clients brought in are gone.
+#[test]
+fn neutral_serving_keeps_the_working_set() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    sample(&img, 32 * MIB, 32 * MIB);
+    let (ws, ws_len) = (8 * MIB, 8 * MIB);
+    warm(&img, ws, ws_len);
+    let s = Served::start(&img, &[]);
+    // Read everything, then overwrite everything, through 4 connections.
+    ok(tool("nbdcopy", "libnbd-bin").args([&s.uri(), "null:"]).output().unwrap());
+    // All data: zero and trim requests punch holes, and the kernel drops the pages of a
+    // punched range whoever cached them.
+    let src = dir.path().join("src.img");
+    sample(&src, 32 * MIB, 32 * MIB);
+    ok(tool("nbdcopy", "libnbd-bin").args(["--flush", src.to_str().unwrap(), &s.uri()]).output().unwrap());
+    s.stop();
+    assert_eq!(cached(&img, ws, Some(ws_len)), ws_len, "working set lost");
+    let outside = cached(&img, 0, Some(ws - 2 * MIB)) + cached(&img, ws + ws_len + 2 * MIB, None);
+    assert!(outside <= 32 * MIB / 100, "left {outside} bytes cached outside the working set");
+    assert!(std::fs::read(&img).unwrap() == std::fs::read(&src).unwrap());
+}

@@ -181,6 +181,7 @@ pub fn run(args: CopyArgs) -> i32 {
         read: args.read_mechanism,
         write: args.write_mechanism,
         fadvise: args.fadvise,
+        many_in_flight: false,
     }
     .with_env();
 

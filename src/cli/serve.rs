@@ -118,6 +118,7 @@ pub fn run(a: ServeArgs) -> i32 {
         read: a.read_mechanism,
         write: a.write_mechanism,
         fadvise: a.fadvise,
+        many_in_flight: true,
     }
     .with_env();
     let shared = Arc::new(Shared::default());

@@ -90,6 +90,8 @@ pub struct PolicyFile {
     evict: EvictBehind,
     /// Reads go through `evict` (evict-behind, or DONTCACHE with its readahead-spill guard).
     guard_reads: bool,
+    /// cachestat answers for this file: pre-cached blocks can be told apart and kept.
+    residency: bool,
     write_behind: WriteBehind,
     shared: Arc<Shared>,
     notes: Mutex<Vec<String>>,
@@ -157,7 +159,7 @@ impl PolicyFile {
             }
         };
         let probe = Probe { is_block, dontcache, cachestat };
-        let Choice { read, write, fadvise, mut notes } = choose(mode, probe, tuning);
+        let Choice { mut read, write, fadvise, mut notes } = choose(mode, probe, tuning);
         notes.splice(0..0, pre_notes);
 
         let wants_direct =
@@ -172,6 +174,19 @@ impl PolicyFile {
                 Ok(f) => Some(f),
                 Err(e) if read == ReadMech::DontCache && write != WriteMech::Direct => {
                     notes.push(format!("O_DIRECT unavailable ({e}): no fallback if DONTCACHE fails"));
+                    None
+                }
+                // O_DIRECT chosen for speed, not forced: DONTCACHE instead where it works.
+                Err(e)
+                    if read == ReadMech::Direct
+                        && mode == CacheMode::Neutral
+                        && tuning.read.is_none()
+                        && write != WriteMech::Direct
+                        && dontcache
+                        && !tuning.no_dontcache =>
+                {
+                    read = ReadMech::DontCache;
+                    notes.push(format!("O_DIRECT unavailable ({e}): reading with DONTCACHE"));
                     None
                 }
                 Err(e) => return Err(Error::io("open", e).path(path).detail("O_DIRECT")),
@@ -217,6 +232,7 @@ impl PolicyFile {
             fadvise,
             evict: EvictBehind::new(mode == CacheMode::Drop, EVICT_BEHIND_MAX, lookahead),
             guard_reads,
+            residency: cachestat && !tuning.no_cachestat,
             write_behind: WriteBehind::new(write == WriteMech::DontCache),
             shared,
             notes: Mutex::new(notes),
@@ -363,6 +379,13 @@ impl PolicyFile {
         let err = |e: io::Error| Error::io("write", e).path(&self.path).at(offset, len);
         self.touch(offset, len);
         let dsync = if fua { sys::RWF_DSYNC } else { 0 };
+        if self.mode == CacheMode::Neutral
+            && self.residency
+            && matches!(self.write_mech(), WriteMech::DontCache | WriteMech::WriteBehind)
+        {
+            // Before writing: blocks that hold pages now were cached before the job.
+            self.write_behind.classify(self.fd(), offset, len);
+        }
         loop {
             let mech = self.write_mech();
             let res = match mech {

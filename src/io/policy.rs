@@ -67,6 +67,9 @@ pub struct Tuning {
     pub write: Option<WriteMech>,
     /// Readahead advice for the fd (`--fadvise`); default: chosen with the mechanism.
     pub fadvise: Option<Fadvise>,
+    /// The driver keeps many requests in flight (the server): neutral reads then prefer
+    /// O_DIRECT, which measured faster there than DONTCACHE (docs/cache-policy.md).
+    pub many_in_flight: bool,
 }
 
 impl Tuning {
@@ -131,11 +134,10 @@ pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Choice {
         CacheMode::Direct => (ReadMech::Direct, WriteMech::Direct),
         CacheMode::Drop => (ReadMech::EvictBehind, WriteMech::WriteBehind),
         CacheMode::Neutral => {
-            if dontcache {
-                (ReadMech::DontCache, WriteMech::DontCache)
-            } else {
-                (ReadMech::Direct, WriteMech::WriteBehind)
-            }
+            let write = if dontcache { WriteMech::DontCache } else { WriteMech::WriteBehind };
+            let read =
+                if dontcache && !tuning.many_in_flight { ReadMech::DontCache } else { ReadMech::Direct };
+            (read, write)
         }
     };
     if let Some(r) = tuning.read {
@@ -250,6 +252,13 @@ mod tests {
         // Drop mode evicts everything, so it needs no residency.
         let t = Tuning { no_cachestat: true, ..Tuning::default() };
         assert_eq!(choose(CacheMode::Drop, ALL, &t).read, ReadMech::EvictBehind);
+    }
+
+    #[test]
+    fn many_requests_in_flight_read_direct() {
+        let t = Tuning { many_in_flight: true, ..Tuning::default() };
+        let c = choose(CacheMode::Neutral, ALL, &t);
+        assert_eq!((c.read, c.write), (ReadMech::Direct, WriteMech::DontCache));
     }
 
     #[test]

@@ -8,6 +8,11 @@
 //! flush): FLUSH and FUA still need `fdatasync`. Its errors are real write errors and are
 //! returned to the caller, which latches them.
 //!
+//! Pages that were cached before the job are not the job's to evict (`--cache=neutral`): the
+//! first write into each 2 MiB block checks it with cachestat ([`WriteBehind::classify`]),
+//! and blocks that held pages are skipped when windows are evicted. They keep their pages,
+//! with the new contents.
+//!
 //! The same tracker checks RWF_DONTCACHE writes (`verify`): when a window waited on still has
 //! pages cached, DONTCACHE is leaving them (ext4 overwrites on 6.18) and the caller falls back.
 
@@ -30,6 +35,24 @@ pub struct WriteBehind {
     /// pages found after it are reported.
     verify: AtomicBool,
     inner: Mutex<Inner>,
+    /// 2 MiB blocks seen by `classify`, and those of them that held pages before: bitmaps.
+    seen: Mutex<Vec<u64>>,
+    precached: Mutex<Vec<u64>>,
+}
+
+/// Granularity of the pre-cached check: the largest folio (DONTNEED drops whole folios).
+const BLOCK: u64 = 2 << 20;
+
+fn bit(map: &[u64], i: u64) -> bool {
+    map.get((i / 64) as usize).is_some_and(|w| w & (1 << (i % 64)) != 0)
+}
+
+fn set_bit(map: &mut Vec<u64>, i: u64) {
+    let w = (i / 64) as usize;
+    if map.len() <= w {
+        map.resize(w + 1, 0);
+    }
+    map[w] |= 1 << (i % 64);
 }
 
 #[derive(Default)]
@@ -52,6 +75,27 @@ impl WriteBehind {
             max_writeback: 2,
             verify: AtomicBool::new(verify),
             inner: Mutex::new(Inner::default()),
+            seen: Mutex::new(Vec::new()),
+            precached: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Call before writing `[offset, offset+len)` when pages cached before the job must
+    /// stay: remembers which of its 2 MiB blocks already held pages. Without cachestat
+    /// (EPERM) nothing is remembered and every window is evicted.
+    pub fn classify(&self, fd: BorrowedFd, offset: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let mut seen = self.seen.lock().unwrap();
+        for b in offset / BLOCK..(offset + len).div_ceil(BLOCK) {
+            if bit(&seen, b) {
+                continue;
+            }
+            set_bit(&mut seen, b);
+            if sys::cachestat(fd, b * BLOCK, BLOCK).is_ok_and(|s| s.cached > 0) {
+                set_bit(&mut self.precached.lock().unwrap(), b);
+            }
         }
     }
 
@@ -118,12 +162,27 @@ impl WriteBehind {
             if let Err(e) = res {
                 first_err.get_or_insert(e);
             }
-            if self.verify.load(Ordering::Relaxed)
-                && sys::cachestat(fd, w * WINDOW, WINDOW).is_ok_and(|s| s.cached > 0)
-            {
-                outcome.pages_left = true;
+            let precached = self.precached.lock().unwrap();
+            let blocks = w * WINDOW / BLOCK..(w + 1) * WINDOW / BLOCK;
+            // The job's own blocks, in runs, skipping the ones that held pages before.
+            let mut b = blocks.start;
+            while b < blocks.end {
+                if bit(&precached, b) {
+                    b += 1;
+                    continue;
+                }
+                let start = b;
+                while b < blocks.end && !bit(&precached, b) {
+                    b += 1;
+                }
+                let (off, len) = (start * BLOCK, (b - start) * BLOCK);
+                if self.verify.load(Ordering::Relaxed)
+                    && sys::cachestat(fd, off, len).is_ok_and(|s| s.cached > 0)
+                {
+                    outcome.pages_left = true;
+                }
+                let _ = sys::fadvise(fd, off, len, Advice::DontNeed);
             }
-            let _ = sys::fadvise(fd, w * WINDOW, WINDOW, Advice::DontNeed);
         }
         match first_err {
             Some(e) => Err(e),

@@ -60,15 +60,20 @@ pub fn run(
 
     let result = std::thread::scope(|s| {
         for _ in 0..server.threads {
-            s.spawn(|| loop {
-                let job = rx.lock().unwrap().recv();
-                match job {
-                    Ok(job) => {
-                        let (req, arrived) = (job.req, job.arrived);
-                        let ok = conn.handle(job);
-                        server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
+            s.spawn(|| {
+                // One read buffer per worker, reused: a fresh allocation per request costs
+                // page faults and zeroing on every read.
+                let mut buf = AlignedBuf::new(0);
+                loop {
+                    let job = rx.lock().unwrap().recv();
+                    match job {
+                        Ok(job) => {
+                            let (req, arrived) = (job.req, job.arrived);
+                            let ok = conn.handle(job, &mut buf);
+                            server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
+                        }
+                        Err(_) => return,
                     }
-                    Err(_) => return,
                 }
             });
         }
@@ -167,12 +172,17 @@ impl Conn<'_> {
     }
 
     /// Carries out a request and replies; false if the reply was an error.
-    fn handle(&self, job: Job) -> bool {
+    fn handle(&self, job: Job, buf: &mut AlignedBuf) -> bool {
         let req = job.req;
         let fua = req.flags & CMD_FLAG_FUA != 0;
         let b = self.backend;
         let res = match req.cmd {
-            CMD_READ => return self.read(&req),
+            CMD_READ => {
+                if buf.len() < req.len as usize {
+                    *buf = AlignedBuf::new(req.len as usize);
+                }
+                return self.read(&req, &mut buf[..req.len as usize]);
+            }
             CMD_BLOCK_STATUS => return self.block_status(&req),
             CMD_WRITE => b.write(job.payload.as_deref().unwrap_or_default(), req.offset, fua),
             CMD_FLUSH => b.flush(),
@@ -218,10 +228,9 @@ impl Conn<'_> {
         false
     }
 
-    fn read(&self, req: &Request) -> bool {
+    fn read(&self, req: &Request, buf: &mut [u8]) -> bool {
         let len = req.len as usize;
         if !self.agreed.structured {
-            let mut buf = AlignedBuf::new(len);
             return match crate::backend::read_exact(self.backend, &mut buf[..len], req.offset) {
                 Ok(()) => {
                     self.send(&[&simple_reply(req.cookie, 0), &buf[..len]]);
@@ -234,8 +243,8 @@ impl Conn<'_> {
             self.send(&[&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.cookie, 0)]);
             return true;
         }
-        match self.read_chunks(req) {
-            Ok((headers, buf, pieces)) => {
+        match self.read_chunks(req, buf) {
+            Ok((headers, pieces)) => {
                 let mut bufs: Vec<&[u8]> = Vec::with_capacity(pieces.len() * 2);
                 for (i, p) in pieces.iter().enumerate() {
                     bufs.push(&headers[i]);
@@ -256,9 +265,9 @@ impl Conn<'_> {
     fn read_chunks(
         &self,
         req: &Request,
-    ) -> crate::Result<(Vec<Vec<u8>>, AlignedBuf, Vec<Option<std::ops::Range<usize>>>)> {
+        buf: &mut [u8],
+    ) -> crate::Result<(Vec<Vec<u8>>, Vec<Option<std::ops::Range<usize>>>)> {
         let len = req.len as usize;
-        let mut buf = AlignedBuf::new(len);
         let mut headers = Vec::new();
         let mut pieces = Vec::new();
         // Holes are worth a lookup only for large reads: for small ones the extent query
@@ -297,7 +306,7 @@ impl Conn<'_> {
         if let Some(last) = headers.last_mut() {
             last[4..6].copy_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
         }
-        Ok((headers, buf, pieces))
+        Ok((headers, pieces))
     }
 
     fn block_status(&self, req: &Request) -> bool {
