@@ -38,6 +38,8 @@ pub struct WriteBehind {
     /// 2 MiB blocks seen by `classify`, and those of them that held pages before: bitmaps.
     seen: Mutex<Vec<u64>>,
     precached: Mutex<Vec<u64>>,
+    /// `classify` is in use: only blocks it saw empty are evicted.
+    guarded: AtomicBool,
 }
 
 /// Granularity of the pre-cached check: the largest folio (DONTNEED drops whole folios).
@@ -77,6 +79,7 @@ impl WriteBehind {
             inner: Mutex::new(Inner::default()),
             seen: Mutex::new(Vec::new()),
             precached: Mutex::new(Vec::new()),
+            guarded: AtomicBool::new(false),
         }
     }
 
@@ -87,6 +90,7 @@ impl WriteBehind {
         if len == 0 {
             return;
         }
+        self.guarded.store(true, Ordering::Relaxed);
         let mut seen = self.seen.lock().unwrap();
         for b in offset / BLOCK..(offset + len).div_ceil(BLOCK) {
             if bit(&seen, b) {
@@ -162,17 +166,21 @@ impl WriteBehind {
             if let Err(e) = res {
                 first_err.get_or_insert(e);
             }
-            let precached = self.precached.lock().unwrap();
+            // With classification on, the job's blocks are the ones it wrote into that held
+            // no pages before; the rest of the window (pre-cached, or never written by us)
+            // is not ours to evict.
+            let guarded = self.guarded.load(Ordering::Relaxed);
+            let (seen, precached) = (self.seen.lock().unwrap(), self.precached.lock().unwrap());
+            let ours = |b: u64| !guarded || (bit(&seen, b) && !bit(&precached, b));
             let blocks = w * WINDOW / BLOCK..(w + 1) * WINDOW / BLOCK;
-            // The job's own blocks, in runs, skipping the ones that held pages before.
             let mut b = blocks.start;
             while b < blocks.end {
-                if bit(&precached, b) {
+                if !ours(b) {
                     b += 1;
                     continue;
                 }
                 let start = b;
-                while b < blocks.end && !bit(&precached, b) {
+                while b < blocks.end && ours(b) {
                     b += 1;
                 }
                 let (off, len) = (start * BLOCK, (b - start) * BLOCK);
