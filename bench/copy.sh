@@ -18,6 +18,7 @@
 #                argument, else /work/tmp/bench). Needs 2 x SIZE free.
 #     HOLES      1: the source alternates 64 MiB of data and 64 MiB holes (sparse-aware
 #                tools then write half as much as the reference loop); 0 (default): all data
+#     ONLY       an extended regex: run only the jobs whose name matches (default: all)
 #     LIGHTFOOT  the binary to test (default ../target/release/lightfoot beside this script)
 #
 # Each run: remove the destination; sync; drop caches; read the working set with buffered dd;
@@ -144,6 +145,16 @@ JOBS=(
 	"$LOOP_JOB"
 	"$CONTROL_JOB"
 )
+# ONLY: an extended regex; only jobs whose name matches run (keep the reference loop,
+# nbdcopy --flush and the control in it: the ratios and the working-set figure need them).
+if [[ -n ${ONLY:-} ]]; then
+	kept=()
+	for job in "${JOBS[@]}"; do
+		[[ $job =~ $ONLY ]] && kept+=("$job")
+	done
+	((${#kept[@]} > 0)) || die "ONLY=$ONLY matches no job"
+	JOBS=("${kept[@]}")
+fi
 
 # The program a job needs, for the MISSING check.
 job_tool() {
