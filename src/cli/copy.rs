@@ -9,7 +9,9 @@ use clap::Args;
 use lightfoot::copy::endpoint::{open_destination, open_source, parse_size, DestOptions};
 use lightfoot::copy::{copy, CopyOptions, Endpoint, Opened, Progress};
 use lightfoot::io::inspect::{open_for_inspection, residency};
-use lightfoot::io::{CacheMode, CacheStat, Fadvise, Mechanism, ReadMech, Tuning, WriteMech};
+use lightfoot::io::{CacheMode, CacheStat, Fadvise, Mechanism};
+
+use super::parse_enum;
 use lightfoot::ErrorKind;
 
 use super::human;
@@ -91,27 +93,14 @@ pub struct CopyArgs {
     #[arg(short, long, action = clap::ArgAction::Count)]
     verbose: u8,
 
-    /// Never use RWF_DONTCACHE (fall back to O_DIRECT reads and write-behind writes).
-    #[arg(long, help_heading = "Advanced")]
-    no_dontcache: bool,
-
-    /// Force the read mechanism: buffered, dontcache, direct or evict-behind.
-    #[arg(long, value_name = "MECH", help_heading = "Advanced", value_parser = parse_enum::<ReadMech>)]
-    read_mechanism: Option<ReadMech>,
-
-    /// Force the write mechanism: buffered, dontcache, write-behind or direct.
-    #[arg(long, value_name = "MECH", help_heading = "Advanced", value_parser = parse_enum::<WriteMech>)]
-    write_mechanism: Option<WriteMech>,
+    #[command(flatten)]
+    mechanisms: super::MechanismArgs,
 
     /// Readahead advice for SRC: normal, sequential or random (default: normal, or random
     /// where readahead would defeat the mechanism: evict-behind, or DONTCACHE without
     /// cachestat to clean up the readahead past the last read).
     #[arg(long, value_name = "ADVICE", help_heading = "Advanced", value_parser = parse_enum::<Fadvise>)]
     fadvise: Option<Fadvise>,
-}
-
-pub fn parse_enum<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, String> {
-    s.parse()
 }
 
 fn parse_request_size(s: &str) -> Result<usize, String> {
@@ -175,15 +164,7 @@ pub fn run(args: CopyArgs) -> i32 {
             std::process::exit(super::EXIT_INTERRUPTED);
         }
     });
-    let tuning = Tuning {
-        no_dontcache: args.no_dontcache,
-        no_cachestat: false,
-        read: args.read_mechanism,
-        write: args.write_mechanism,
-        fadvise: args.fadvise,
-        many_in_flight: false,
-    }
-    .with_env();
+    let tuning = args.mechanisms.tuning(args.fadvise, false);
 
     let src_before = cached_now(&args.src);
     let dst_before = cached_now(&args.dst);

@@ -63,6 +63,46 @@ pub fn init_logging(verbose: u8) {
         .try_init();
 }
 
+/// Parses one of lightfoot's named values (`--cache`, `--fadvise`, mechanisms).
+pub fn parse_enum<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, String> {
+    s.parse()
+}
+
+/// The mechanism overrides `copy` and `serve` share (docs/cache-policy.md, "Overrides").
+#[derive(clap::Args)]
+pub struct MechanismArgs {
+    /// Never use RWF_DONTCACHE (fall back to O_DIRECT reads and write-behind writes).
+    #[arg(long, help_heading = "Advanced")]
+    no_dontcache: bool,
+
+    /// Force the read mechanism: buffered, dontcache, direct or evict-behind.
+    #[arg(long, value_name = "MECH", help_heading = "Advanced", value_parser = parse_enum::<lightfoot::io::ReadMech>)]
+    read_mechanism: Option<lightfoot::io::ReadMech>,
+
+    /// Force the write mechanism: buffered, dontcache, write-behind or direct.
+    #[arg(long, value_name = "MECH", help_heading = "Advanced", value_parser = parse_enum::<lightfoot::io::WriteMech>)]
+    write_mechanism: Option<lightfoot::io::WriteMech>,
+}
+
+impl MechanismArgs {
+    /// The overrides as the io layer takes them, with the environment applied.
+    pub fn tuning(
+        &self,
+        fadvise: Option<lightfoot::io::Fadvise>,
+        many_in_flight: bool,
+    ) -> lightfoot::io::Tuning {
+        lightfoot::io::Tuning {
+            no_dontcache: self.no_dontcache,
+            no_cachestat: false,
+            read: self.read_mechanism,
+            write: self.write_mechanism,
+            fadvise,
+            many_in_flight,
+        }
+        .with_env()
+    }
+}
+
 /// Prints an error the way every command does.
 pub fn report(err: &dyn std::fmt::Display) {
     eprintln!("lightfoot: {err}");

@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use clap::Args;
 use lightfoot::backend::{Backend, FileBackend};
-use lightfoot::io::{CacheMode, Fadvise, OpenOptions, ReadMech, Shared, Tuning, WriteMech};
+use lightfoot::io::{CacheMode, Fadvise, OpenOptions, Shared};
 use lightfoot::server::{Export, Listener, Server};
 
-use super::copy::parse_enum;
+use super::parse_enum;
 
 const AFTER_HELP: &str = "\
 Serves FILE (a raw image: for qcow2, put qemu-nbd in front) or a block device over NBD, with
@@ -97,30 +97,13 @@ pub struct ServeArgs {
     #[arg(short, long, action = clap::ArgAction::Count)]
     verbose: u8,
 
-    /// Never use RWF_DONTCACHE.
-    #[arg(long, help_heading = "Advanced")]
-    no_dontcache: bool,
-
-    /// Force the read mechanism: buffered, dontcache, direct or evict-behind.
-    #[arg(long, value_name = "MECH", help_heading = "Advanced", value_parser = parse_enum::<ReadMech>)]
-    read_mechanism: Option<ReadMech>,
-
-    /// Force the write mechanism: buffered, dontcache, write-behind or direct.
-    #[arg(long, value_name = "MECH", help_heading = "Advanced", value_parser = parse_enum::<WriteMech>)]
-    write_mechanism: Option<WriteMech>,
+    #[command(flatten)]
+    mechanisms: super::MechanismArgs,
 }
 
 pub fn run(a: ServeArgs) -> i32 {
     super::init_logging(a.verbose);
-    let tuning = Tuning {
-        no_dontcache: a.no_dontcache,
-        no_cachestat: false,
-        read: a.read_mechanism,
-        write: a.write_mechanism,
-        fadvise: a.fadvise,
-        many_in_flight: true,
-    }
-    .with_env();
+    let tuning = a.mechanisms.tuning(a.fadvise, true);
     let shared = Arc::new(Shared::default());
     let (path, mode, ro) = (a.file.clone(), a.cache, a.read_only);
     let opener = move || -> lightfoot::Result<Arc<dyn Backend>> {
