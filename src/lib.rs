@@ -10,7 +10,8 @@
 //!   devices, memory, `null:`, pipes.
 //! - [`io`]: the cache policy (`--cache=neutral|keep|drop|direct`) and every system call that
 //!   touches the page cache ([`io::PolicyFile`], [`io::policy::choose`]).
-//! - [`proto`]: the NBD wire format only (no sockets, no threads, no policy).
+//! - [`proto`]: the NBD wire format only (no sockets, no threads, no policy); [`stream`]: the
+//!   byte streams (TCP, Unix) NBD runs over.
 //! - [`error`]: one error type with a kind, the operation and its context.
 //!
 //! [`testing`] holds the conformance suite every backend and filter stack must pass.
@@ -23,6 +24,7 @@ pub mod filters;
 pub mod io;
 pub mod proto;
 pub mod server;
+pub mod stream;
 pub mod testing;
 
 pub use error::{Error, ErrorKind, Result};

@@ -1,6 +1,7 @@
 //! Backends: where bytes live. One trait, [`Backend`], for everything a copy can read from or
 //! write to and a server can export: files and block devices ([`FileBackend`]), an in-memory
-//! sparse store ([`MemoryBackend`]), `null:` ([`NullBackend`]) and pipes ([`PipeBackend`]).
+//! sparse store ([`MemoryBackend`]), `null:` ([`NullBackend`]), pipes ([`PipeBackend`]) and
+//! exports on NBD servers ([`NbdBackend`]).
 //! Filters (`crate::filters`) implement the same trait around another backend.
 //!
 //! Contract for callers: requests are validated before they get here (in range, non-empty
@@ -13,11 +14,13 @@ use crate::io::{CacheStat, Mechanism};
 
 pub mod file;
 pub mod memory;
+pub mod nbd;
 pub mod null;
 pub mod pipe;
 
 pub use file::FileBackend;
 pub use memory::MemoryBackend;
+pub use nbd::NbdBackend;
 pub use null::NullBackend;
 pub use pipe::PipeBackend;
 

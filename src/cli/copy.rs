@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use lightfoot::copy::endpoint::{open_destination, open_source, parse_size, DestOptions};
+use lightfoot::copy::endpoint::{open_destination, open_source, parse_endpoints, parse_size, DestOptions};
 use lightfoot::copy::{copy, CopyOptions, Endpoint, Opened, Progress};
 use lightfoot::io::inspect::{open_for_inspection, residency};
 use lightfoot::io::{CacheMode, CacheStat, Fadvise, Mechanism};
@@ -21,6 +21,22 @@ ENDPOINTS:
   PATH        a regular file or a block device
   -           standard input (as SRC) or standard output (as DST); sequential
   null:[SIZE] reads zeroes, discards writes (a DST of any size; SRC of SIZE bytes)
+  nbd://HOST[:PORT]/EXPORT
+  nbd+unix:///EXPORT?socket=PATH
+              an export on an NBD server (nbds:// and TLS are not supported yet)
+  [ CMD ARGS ]
+              a captive NBD server: lightfoot starts CMD with a listening socket (systemd
+              socket activation), uses it, and stops it at the end. Put -- before the
+              endpoints when CMD has options:
+                lightfoot copy -- [ qemu-nbd -f qcow2 disk.qcow2 ] disk.raw
+                lightfoot copy -- disk.raw [ nbdkit file out.raw ]
+
+NBD: requests stay within the server's advertised block sizes; several are in flight at once
+(--workers). Holes come from the server's base:allocation map. An NBD DST must be at least as
+large as SRC; unless --no-sparse, it is first zeroed with one fast zero (NBD_CMD_WRITE_ZEROES
+with FAST_ZERO) if the server offers it, and then only data is written; otherwise holes are
+zeroed with WRITE_ZEROES. TRIM is never used to make zeroes. DST is flushed (NBD_CMD_FLUSH)
+before success is reported, unless --no-flush.
 
 A regular-file DST is created, or truncated and then extended to the size of SRC, so holes in
 SRC stay holes. A block-device DST is written in full: holes are zeroed (BLKZEROOUT) unless
@@ -42,26 +58,30 @@ See docs/copy.md and docs/cache-policy.md.";
 #[derive(Args)]
 #[command(after_long_help = AFTER_HELP)]
 pub struct CopyArgs {
-    /// Source: a file, a block device, `-` (standard input) or `null:SIZE`.
-    #[arg(value_name = "SRC")]
-    src: Endpoint,
-
-    /// Destination: a file (created or truncated), a block device, `-` (standard output) or
-    /// `null:`.
-    #[arg(value_name = "DST")]
-    dst: Endpoint,
+    /// SRC then DST. Source: a file, a block device, `-` (standard input), `null:SIZE`, an NBD
+    /// URI or `[ CMD ARGS ]`. Destination: a file (created or truncated), a block device, `-`
+    /// (standard output), `null:`, an NBD URI or `[ CMD ARGS ]`.
+    #[arg(value_name = "SRC DST", num_args = 2.., required = true)]
+    endpoints: Vec<String>,
 
     /// Page-cache policy for both sides.
     #[arg(long, value_name = "MODE", default_value = "neutral", value_parser = parse_enum::<CacheMode>)]
     cache: CacheMode,
 
-    /// Parallel workers, each with one request in flight.
-    #[arg(short = 'j', long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
-    workers: u16,
+    /// Parallel workers, each with one request in flight [default: 2; 8 when SRC or DST is
+    /// NBD, to hide the network round trips].
+    #[arg(short = 'j', long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    workers: Option<u16>,
 
-    /// Bytes per request (K, M, G suffixes; at least 64K, at most 256M).
+    /// Bytes per request (K, M, G suffixes; at least 64K, at most 256M). Lowered to the
+    /// largest request an endpoint takes (32M for files, the advertised maximum for NBD).
     #[arg(long, value_name = "SIZE", default_value = "4M", value_parser = parse_request_size)]
     request_size: usize,
+
+    /// Connections to an NBD server that advertises multi-conn (CAN_MULTI_CONN); servers
+    /// that do not get one [default: 4 for URIs, 1 for captive servers].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
+    connections: Option<u16>,
 
     /// Write every byte: zeroes in SRC are written (or allocated) in DST rather than left as
     /// holes.
@@ -72,7 +92,7 @@ pub struct CopyArgs {
     #[arg(long)]
     preallocate: bool,
 
-    /// DST (a block device) already reads as zeroes: skip zeroing its holes.
+    /// DST (a block device or NBD export) already reads as zeroes: skip zeroing its holes.
     #[arg(long)]
     destination_is_zero: bool,
 
@@ -159,6 +179,26 @@ fn cached_of(opened: &Opened) -> (Option<u64>, Option<CacheStat>, Option<Mechani
 
 pub fn run(args: CopyArgs) -> i32 {
     super::init_logging(args.verbose);
+    let (src_ep, dst_ep) = match parse_endpoints(&args.endpoints).as_deref() {
+        Ok([s, d]) => (s.clone(), d.clone()),
+        Ok(eps) => {
+            eprintln!(
+                "error: expected SRC and DST, got {} endpoints\n\nUsage: lightfoot copy [OPTIONS] SRC DST",
+                eps.len()
+            );
+            return 2;
+        }
+        Err(e) => {
+            eprintln!("error: {e}\n\nUsage: lightfoot copy [OPTIONS] SRC DST");
+            return 2;
+        }
+    };
+    let nbd = |ep: &Endpoint| matches!(ep, Endpoint::Nbd(_));
+    let workers = args.workers.unwrap_or(if nbd(&src_ep) || nbd(&dst_ep) { 8 } else { 2 });
+    let connections = |ep: &Endpoint| {
+        let captive = matches!(ep, Endpoint::Nbd(lightfoot::backend::nbd::Target::Captive(_)));
+        args.connections.unwrap_or(if captive { 1 } else { 4 }) as usize
+    };
     let _ = ctrlc::set_handler(|| {
         if CANCEL.swap(true, Ordering::SeqCst) {
             std::process::exit(super::EXIT_INTERRUPTED);
@@ -166,9 +206,9 @@ pub fn run(args: CopyArgs) -> i32 {
     });
     let tuning = args.mechanisms.tuning(args.fadvise, false);
 
-    let src_before = cached_now(&args.src);
-    let dst_before = cached_now(&args.dst);
-    let src = match open_source(&args.src, args.cache, &tuning) {
+    let src_before = cached_now(&src_ep);
+    let dst_before = cached_now(&dst_ep);
+    let src = match open_source(&src_ep, args.cache, &tuning, connections(&src_ep)) {
         Ok(s) => s,
         Err(e) => {
             super::report(&e);
@@ -176,9 +216,13 @@ pub fn run(args: CopyArgs) -> i32 {
         }
     };
     let size = src.backend.size();
-    let dest_opts =
-        DestOptions { preallocate: args.preallocate, destination_is_zero: args.destination_is_zero };
-    let dst = match open_destination(&args.dst, &src, size, args.cache, &tuning, dest_opts) {
+    let dest_opts = DestOptions {
+        preallocate: args.preallocate,
+        destination_is_zero: args.destination_is_zero,
+        sparse: !args.no_sparse,
+        connections: connections(&dst_ep),
+    };
+    let dst = match open_destination(&dst_ep, &src, size, args.cache, &tuning, dest_opts) {
         Ok(d) => d,
         Err(e) => {
             super::report(&e);
@@ -186,7 +230,7 @@ pub fn run(args: CopyArgs) -> i32 {
         }
     };
     let opts = CopyOptions {
-        workers: args.workers as usize,
+        workers: workers as usize,
         request_size: args.request_size,
         destination_is_zero: dst.zeroed,
         sparse: !args.no_sparse,
@@ -210,7 +254,7 @@ pub fn run(args: CopyArgs) -> i32 {
 
     let (src_after, _, src_mech) = cached_of(&src);
     let (dst_after, dst_stat, dst_mech) = cached_of(&dst);
-    let to_stdout = args.dst == Endpoint::Stdio;
+    let to_stdout = dst_ep == Endpoint::Stdio;
     let (ok, bytes, written, zero, seconds, error) = match &result {
         Ok(s) => (true, s.bytes, s.written, s.zero, s.seconds, None),
         Err(f) => (false, f.done, 0, 0, 0.0, Some(f.error.to_string())),
@@ -223,7 +267,7 @@ pub fn run(args: CopyArgs) -> i32 {
         seconds,
         mib_per_second: if seconds > 0.0 { bytes as f64 / seconds / 1048576.0 } else { 0.0 },
         cache: args.cache,
-        workers: args.workers,
+        workers,
         request_size: args.request_size,
         source: Side {
             name: src.backend.name().to_string(),
@@ -269,7 +313,7 @@ pub fn run(args: CopyArgs) -> i32 {
                 return 0;
             }
             super::report(&f.error);
-            if !matches!(args.dst, Endpoint::Null(_)) {
+            if !matches!(dst_ep, Endpoint::Null(_)) {
                 let total = size.map(|s| format!(" of {}", human::bytes(s))).unwrap_or_default();
                 eprintln!(
                     "lightfoot: {} is incomplete: {} copied{total} before the failure",

@@ -1,11 +1,13 @@
 //! What the user names on the command line, opened as a backend: a file or block device path,
-//! `-` (standard input or output) or `null:[SIZE]`. NBD URIs come with the NBD client.
+//! `-` (standard input or output), `null:[SIZE]`, an NBD URI or a captive NBD server
+//! (`[ CMD ARGS ]`, given as separate arguments: see [`parse_endpoints`]).
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::backend::{Backend, FileBackend, NullBackend, PipeBackend};
+use crate::backend::nbd::{Target, Uri};
+use crate::backend::{Backend, FileBackend, NbdBackend, NullBackend, PipeBackend, ZeroFlags};
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::{CacheMode, OpenOptions, Tuning};
 
@@ -16,6 +18,50 @@ pub enum Endpoint {
     Stdio,
     /// `null:` or `null:SIZE`
     Null(Option<u64>),
+    /// An NBD URI or a captive server.
+    Nbd(Target),
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Path(p) => write!(f, "{}", p.display()),
+            Endpoint::Stdio => f.write_str("-"),
+            Endpoint::Null(None) => f.write_str("null:"),
+            Endpoint::Null(Some(n)) => write!(f, "null:{n}"),
+            Endpoint::Nbd(t) => write!(f, "{t}"),
+        }
+    }
+}
+
+/// Groups command-line arguments into endpoints: `[ CMD ARGS… ]` (the brackets separate
+/// arguments) is a captive NBD server; every other argument is one endpoint.
+pub fn parse_endpoints(args: &[String]) -> Result<Vec<Endpoint>, String> {
+    let mut out = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "]" {
+            return Err("']' without '['".into());
+        }
+        if a != "[" {
+            out.push(a.parse()?);
+            continue;
+        }
+        let mut argv = Vec::new();
+        loop {
+            match it.next() {
+                Some(x) if x == "]" => break,
+                Some(x) if x == "[" => return Err("'[' inside '[ … ]': captive servers do not nest".into()),
+                Some(x) => argv.push(x.clone()),
+                None => return Err("'[' without ']': write captive servers as [ CMD ARGS ]".into()),
+            }
+        }
+        if argv.is_empty() {
+            return Err("'[ ]' names no server command".into());
+        }
+        out.push(Endpoint::Nbd(Target::Captive(argv)));
+    }
+    Ok(out)
 }
 
 impl std::str::FromStr for Endpoint {
@@ -32,6 +78,9 @@ impl std::str::FromStr for Endpoint {
         }
         if s.is_empty() {
             return Err("empty path".into());
+        }
+        if Uri::is_nbd(s) {
+            return s.parse().map(|u| Endpoint::Nbd(Target::Uri(u)));
         }
         Ok(Endpoint::Path(PathBuf::from(s)))
     }
@@ -91,8 +140,10 @@ impl Opened {
     }
 }
 
-pub fn open_source(ep: &Endpoint, mode: CacheMode, tuning: &Tuning) -> Result<Opened> {
+/// Opens the source. `connections` is for NBD servers that advertise multi-conn.
+pub fn open_source(ep: &Endpoint, mode: CacheMode, tuning: &Tuning, connections: usize) -> Result<Opened> {
     match ep {
+        Endpoint::Nbd(t) => Ok(Opened::plain(Arc::new(NbdBackend::open(t, connections)?), false)),
         Endpoint::Stdio => Ok(Opened::plain(Arc::new(PipeBackend::stdin()?), false)),
         Endpoint::Null(size) => Ok(Opened::plain(Arc::new(NullBackend::new(Some(size.unwrap_or(0)))), false)),
         Endpoint::Path(p) => {
@@ -118,12 +169,19 @@ pub fn open_source(ep: &Endpoint, mode: CacheMode, tuning: &Tuning) -> Result<Op
 pub struct DestOptions {
     /// Allocate the whole destination file before copying (`--preallocate`).
     pub preallocate: bool,
-    /// The user promises a block device already reads as zeroes (`--destination-is-zero`).
+    /// The user promises a block device or NBD export already reads as zeroes
+    /// (`--destination-is-zero`).
     pub destination_is_zero: bool,
+    /// Holes may be left as holes (not `--no-sparse`): an NBD destination is then zeroed
+    /// up front with one fast zero if it can do that.
+    pub sparse: bool,
+    /// Connections to an NBD server that advertises multi-conn.
+    pub connections: usize,
 }
 
 /// Opens the destination. A regular file is created or truncated to `size` (so it reads as
-/// zeroes); a block device is opened as it is and must be large enough.
+/// zeroes); a block device is opened as it is and must be large enough; so must an NBD
+/// export, which is then zeroed with one fast zero where the server offers it.
 pub fn open_destination(
     ep: &Endpoint,
     src: &Opened,
@@ -135,6 +193,11 @@ pub fn open_destination(
     match ep {
         Endpoint::Stdio => Ok(Opened::plain(Arc::new(PipeBackend::stdout()?), false)),
         Endpoint::Null(n) => Ok(Opened::plain(Arc::new(NullBackend::new(*n)), true)),
+        Endpoint::Nbd(t) => {
+            let b = NbdBackend::open(t, opts.connections)?;
+            let zeroed = prepare_nbd_destination(&b, size, opts)?;
+            Ok(Opened::plain(Arc::new(b), zeroed))
+        }
         Endpoint::Path(p) => {
             let existing = match std::fs::metadata(p) {
                 Ok(m) => Some(m),
@@ -187,6 +250,40 @@ pub fn open_destination(
     }
 }
 
+/// Checks an NBD destination before anything is written to it, and makes it read as zeroes
+/// if one fast zero can: true when it then does (or the user says it already does).
+fn prepare_nbd_destination(b: &NbdBackend, size: Option<u64>, opts: DestOptions) -> Result<bool> {
+    if b.caps().read_only {
+        return Err(Error::new(ErrorKind::Permission, "copy")
+            .path(b.name())
+            .detail("the destination export is read-only"));
+    }
+    let room = b.size().unwrap_or(0);
+    if let Some(size) = size {
+        if room < size {
+            return Err(Error::new(ErrorKind::NoSpace, "copy").path(b.name()).detail(format!(
+                "the destination export is smaller than the source ({room} < {size} bytes)"
+            )));
+        }
+    }
+    if opts.destination_is_zero {
+        return Ok(true);
+    }
+    let Some(size) = size.filter(|&s| s > 0 && opts.sparse && b.caps().can_fast_zero) else {
+        return Ok(false);
+    };
+    // A fast zero either is quick or fails with ENOTSUP at once (the spec's promise); then
+    // the copy zeroes the holes it meets with WRITE_ZEROES instead.
+    match b.zero(0, size, ZeroFlags { may_trim: true, fast: true, fua: false }) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == ErrorKind::NotSupported => {
+            tracing::info!("{}: fast zero refused; holes will be zeroed one by one", b.name());
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,9 +294,26 @@ mod tests {
         assert_eq!("null:".parse::<Endpoint>().unwrap(), Endpoint::Null(None));
         assert_eq!("null:1G".parse::<Endpoint>().unwrap(), Endpoint::Null(Some(1 << 30)));
         assert_eq!("a/b".parse::<Endpoint>().unwrap(), Endpoint::Path("a/b".into()));
+        assert!(matches!("nbd://h/e".parse::<Endpoint>().unwrap(), Endpoint::Nbd(Target::Uri(_))));
+        assert!("nbds://h/e".parse::<Endpoint>().is_err());
         assert_eq!(parse_size("4M").unwrap(), 4 << 20);
         assert_eq!(parse_size("64KiB").unwrap(), 64 << 10);
         assert!(parse_size("4Q").is_err());
         assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn groups_captive_servers() {
+        let args = |s: &str| s.split(' ').map(String::from).collect::<Vec<_>>();
+        let eps = parse_endpoints(&args("[ qemu-nbd -f qcow2 d.qcow2 ] out.img")).unwrap();
+        assert_eq!(eps.len(), 2);
+        assert_eq!(eps[0], Endpoint::Nbd(Target::Captive(args("qemu-nbd -f qcow2 d.qcow2"))));
+        assert_eq!(eps[0].to_string(), "[ qemu-nbd -f qcow2 d.qcow2 ]");
+        assert_eq!(eps[1], Endpoint::Path("out.img".into()));
+        let eps = parse_endpoints(&args("a [ nbdkit memory 1G ]")).unwrap();
+        assert_eq!(eps[1], Endpoint::Nbd(Target::Captive(args("nbdkit memory 1G"))));
+        for bad in ["[ x", "[ ] a", "a ]", "[ a [ b ] ]"] {
+            assert!(parse_endpoints(&args(bad)).is_err(), "{bad}");
+        }
     }
 }

@@ -113,6 +113,13 @@ pub fn copy(
     }
 }
 
+/// The request size: what was asked, within both sides' maximum (an NBD server's advertised
+/// limit), in whole zero-detection blocks.
+fn request_size(src: &dyn Backend, dst: &dyn Backend, asked: usize) -> usize {
+    let max = src.caps().block.maximum.min(dst.caps().block.maximum) as usize;
+    (asked.min(max) / ZERO_BLOCK * ZERO_BLOCK).max(ZERO_BLOCK)
+}
+
 fn check_room(dst: &dyn Backend, size: u64) -> Result<()> {
     match dst.size() {
         Some(room) if room < size => Err(Error::new(ErrorKind::NoSpace, "copy")
@@ -136,7 +143,7 @@ fn copy_sized(
             .path(dst.name())
             .detail("destination is read-only"));
     }
-    let req = opts.request_size.max(ZERO_BLOCK) as u64;
+    let req = request_size(src, dst, opts.request_size) as u64;
     let chunks = size.div_ceil(req);
     let sequential = src.caps().sequential || dst.caps().sequential;
     let workers = if sequential { 1 } else { opts.workers.clamp(1, 64) as u64 }.min(chunks.max(1));
@@ -276,7 +283,7 @@ fn copy_stream(
     progress: &Progress,
     cancel: &AtomicBool,
 ) -> Result<()> {
-    let req = opts.request_size.max(ZERO_BLOCK);
+    let req = request_size(src, dst, opts.request_size);
     let mut buf = AlignedBuf::new(req);
     let room = if dst.caps().growable { None } else { dst.size() };
     let mut at = 0u64;

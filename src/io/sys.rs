@@ -406,6 +406,44 @@ pub fn socket_activation() -> Option<(std::os::fd::OwnedFd, i32)> {
     Some((fd, domain))
 }
 
+/// Prepares `cmd` for systemd socket activation: the child gets `listener` as fd 3 (the
+/// caller sets `LISTEN_FDS` and `LISTEN_PID`), its own process group (so a Ctrl-C meant for
+/// lightfoot does not kill it mid-copy: lightfoot stops it), and SIGTERM if the spawning
+/// thread dies first (`PR_SET_PDEATHSIG` follows the thread, so spawn from the main thread).
+pub fn activate_socket(cmd: &mut std::process::Command, listener: std::os::fd::BorrowedFd) {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let fd = listener.as_raw_fd();
+    cmd.process_group(0);
+    // SAFETY: the closure runs in the forked child before exec and calls only
+    // async-signal-safe functions (fcntl, dup2, prctl) on integers; it allocates nothing.
+    // `fd` stays open in the parent until spawn returns, so it is valid in the child.
+    unsafe {
+        cmd.pre_exec(move || {
+            if fd == 3 {
+                // dup2 onto itself would keep close-on-exec set: clear it instead.
+                let flags = libc::fcntl(3, libc::F_GETFD);
+                if flags < 0 || libc::fcntl(3, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            } else if libc::dup2(fd, 3) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Sends SIGTERM to a child process.
+pub fn terminate(child: &std::process::Child) -> io::Result<()> {
+    // SAFETY: kill with integer arguments; the pid is our unreaped child, so it cannot have
+    // been reused by another process.
+    check(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) } as libc::c_long).map(drop)
+}
+
 static USR1: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 extern "C" fn on_usr1(_: libc::c_int) {

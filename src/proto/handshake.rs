@@ -1,4 +1,5 @@
-//! Option haggling: parsing option requests and building option reply payloads.
+//! Option haggling, both ways: the server parses option requests and builds reply payloads;
+//! the client builds requests and parses replies.
 
 use super::*;
 
@@ -132,17 +133,120 @@ pub fn rep_meta_context(id: u32, name: &str) -> Vec<u8> {
     v
 }
 
+/// An option request: the 16-byte header and its data (client side).
+pub fn option_request(option: u32, data: &[u8]) -> Vec<u8> {
+    let mut v = IHAVEOPT.to_be_bytes().to_vec();
+    v.extend_from_slice(&option.to_be_bytes());
+    v.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+/// `NBD_OPT_INFO` / `NBD_OPT_GO` data: the export name and the information types asked for.
+pub fn go_data(name: &str, infos: &[u16]) -> Vec<u8> {
+    let mut v = rep_server(name);
+    v.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+    for i in infos {
+        v.extend_from_slice(&i.to_be_bytes());
+    }
+    v
+}
+
+/// `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT` data.
+pub fn meta_data(export: &str, queries: &[&str]) -> Vec<u8> {
+    let mut v = rep_server(export);
+    v.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+    for q in queries {
+        v.extend_from_slice(&rep_server(q));
+    }
+    v
+}
+
+/// The header of an option reply (client side).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionReply {
+    pub option: u32,
+    pub ty: u32,
+    pub len: u32,
+}
+
+/// `None` when the magic is wrong.
+pub fn parse_option_reply(b: &[u8; 20]) -> Option<OptionReply> {
+    (be64(&b[0..8]) == REPLY_MAGIC).then(|| OptionReply {
+        option: be32(&b[8..12]),
+        ty: be32(&b[12..16]),
+        len: be32(&b[16..20]),
+    })
+}
+
+/// One `NBD_REP_INFO` payload, as the client understands it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Info {
+    Export {
+        size: u64,
+        flags: u16,
+    },
+    BlockSize {
+        minimum: u32,
+        preferred: u32,
+        maximum: u32,
+    },
+    /// A type the client did not ask about or does not use (names, descriptions).
+    Other(u16),
+}
+
+pub fn parse_info(data: &[u8]) -> Result<Info, Invalid> {
+    let mut f = Fields(data);
+    let ty = f.u16()?;
+    let info = match ty {
+        INFO_EXPORT => {
+            let size = u64::from(f.u32()?) << 32 | u64::from(f.u32()?);
+            Info::Export { size, flags: f.u16()? }
+        }
+        INFO_BLOCK_SIZE => Info::BlockSize { minimum: f.u32()?, preferred: f.u32()?, maximum: f.u32()? },
+        other => return Ok(Info::Other(other)),
+    };
+    f.done()?;
+    Ok(info)
+}
+
+/// `NBD_REP_META_CONTEXT` data: the context id and its name.
+pub fn parse_meta_context(data: &[u8]) -> Result<(u32, String), Invalid> {
+    let mut f = Fields(data);
+    let id = f.u32()?;
+    let name = String::from_utf8(f.0.to_vec()).map_err(|_| Invalid("context name is not UTF-8"))?;
+    Ok((id, name))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn go_data(name: &str, infos: &[u16]) -> Vec<u8> {
-        let mut v = rep_server(name);
-        v.extend_from_slice(&(infos.len() as u16).to_be_bytes());
-        for i in infos {
-            v.extend_from_slice(&i.to_be_bytes());
-        }
-        v
+    #[test]
+    fn client_side_parses_what_the_server_side_builds() {
+        assert_eq!(
+            parse_info(&info_export(1 << 40, 0x1234)).unwrap(),
+            Info::Export { size: 1 << 40, flags: 0x1234 }
+        );
+        assert_eq!(
+            parse_info(&info_block_size(1, 4096, 32 << 20)).unwrap(),
+            Info::BlockSize { minimum: 1, preferred: 4096, maximum: 32 << 20 }
+        );
+        assert_eq!(parse_info(&info_string(INFO_NAME, "x")).unwrap(), Info::Other(INFO_NAME));
+        assert!(parse_info(&info_export(1, 1)[..9]).is_err());
+        assert_eq!(
+            parse_meta_context(&rep_meta_context(7, BASE_ALLOCATION)).unwrap(),
+            (7, BASE_ALLOCATION.into())
+        );
+        let m = parse_meta(&meta_data("e", &[BASE_ALLOCATION])).unwrap();
+        assert_eq!(m, MetaRequest { export: "e".into(), queries: vec![BASE_ALLOCATION.into()] });
+        let r = option_reply_header(OPT_GO, REP_ACK, 0);
+        assert_eq!(parse_option_reply(&r), Some(OptionReply { option: OPT_GO, ty: REP_ACK, len: 0 }));
+        let o = option_request(OPT_GO, &go_data("d", &[]));
+        assert_eq!(
+            parse_option_header(o[..16].try_into().unwrap()),
+            Some(OptionHeader { option: OPT_GO, len: 7 })
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! The NBD wire format: constants, request parsing and reply encoding. No sockets, no
-//! threads, no policy: the server (`crate::server`) moves these bytes.
+//! The NBD wire format: constants, request and reply headers, both ways (the server parses
+//! requests and encodes replies; the NBD client backend does the opposite). No sockets, no
+//! threads, no policy: `crate::server` and `crate::backend::nbd` move these bytes.
 //!
 //! Written from the protocol specification (`../shared/reference/nbd-proto.md`): fixed
 //! newstyle handshake, simple and structured replies, `base:allocation`. Extended headers
@@ -159,7 +160,7 @@ pub fn parse_request(b: &[u8; REQUEST_LEN]) -> Option<Request> {
     })
 }
 
-/// Encodes a request header (used by tests and, later, the NBD client).
+/// Encodes a compact request header (the NBD client, and tests).
 pub fn encode_request(r: &Request) -> [u8; REQUEST_LEN] {
     let mut b = [0u8; REQUEST_LEN];
     b[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
@@ -202,6 +203,31 @@ pub fn error_chunk(cookie: u64, error: u32, message: &str) -> Vec<u8> {
     out
 }
 
+/// Parses a simple reply header: `(cookie, error)`, or `None` when the magic is not the
+/// simple reply's (it may be a structured chunk: see [`parse_chunk_header`]).
+pub fn parse_simple_reply(b: &[u8; 16]) -> Option<(u64, u32)> {
+    (be32(&b[0..4]) == SIMPLE_REPLY_MAGIC).then(|| (be64(&b[8..16]), be32(&b[4..8])))
+}
+
+/// A structured reply chunk header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkHeader {
+    pub flags: u16,
+    pub ty: u16,
+    pub cookie: u64,
+    pub len: u32,
+}
+
+/// Parses a structured reply chunk header; `None` when the magic is wrong.
+pub fn parse_chunk_header(b: &[u8; 20]) -> Option<ChunkHeader> {
+    (be32(&b[0..4]) == STRUCTURED_REPLY_MAGIC).then(|| ChunkHeader {
+        flags: be16(&b[4..6]),
+        ty: be16(&b[6..8]),
+        cookie: be64(&b[8..16]),
+        len: be32(&b[16..20]),
+    })
+}
+
 /// An option reply header (20 bytes) for `option`, of `ty`, with `len` bytes of data.
 pub fn option_reply_header(option: u32, ty: u32, len: u32) -> [u8; 20] {
     let mut b = [0u8; 20];
@@ -236,6 +262,18 @@ mod tests {
         let mut bad = encode_request(&r);
         bad[0] ^= 1;
         assert_eq!(parse_request(&bad), None);
+    }
+
+    #[test]
+    fn reply_headers_round_trip() {
+        assert_eq!(parse_simple_reply(&simple_reply(7, EIO)), Some((7, EIO)));
+        let c = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, 9, 12);
+        assert_eq!(
+            parse_chunk_header(&c),
+            Some(ChunkHeader { flags: REPLY_FLAG_DONE, ty: REPLY_TYPE_OFFSET_HOLE, cookie: 9, len: 12 })
+        );
+        assert_eq!(parse_simple_reply(c[..16].try_into().unwrap()), None);
+        assert_eq!(parse_chunk_header(&[0; 20]), None);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //!
 //! - [`Server`] holds the export and the shared state (shutdown flag, connection count) and
 //!   runs the accept loop ([`Server::serve`]); each connection gets a thread.
-//! - [`negotiate`]: the fixed newstyle handshake, over any [`stream::Stream`].
+//! - [`negotiate`]: the fixed newstyle handshake, over any [`crate::stream::Stream`].
 //! - [`transmission`]: requests read and validated ([`validate`]) by one thread, carried out
 //!   by `threads` workers against the connection's own backend, replies out of order.
 //! - [`Export`]: what is served, and how to open one backend per connection (one fd each:
@@ -23,7 +23,6 @@ use crate::proto::*;
 
 pub mod negotiate;
 pub mod stats;
-pub mod stream;
 pub mod transmission;
 pub mod validate;
 
@@ -175,7 +174,7 @@ pub struct Server {
     shutdown: AtomicBool,
     active: AtomicUsize,
     /// Closers of the open connections, by connection number.
-    closers: std::sync::Mutex<std::collections::HashMap<u64, stream::Closer>>,
+    closers: std::sync::Mutex<std::collections::HashMap<u64, crate::stream::Closer>>,
     next_id: std::sync::atomic::AtomicU64,
 }
 
@@ -229,15 +228,15 @@ impl Server {
             Listener::Unix(l, _, _) => l.set_nonblocking(true)?,
         }
         while !self.is_shutting_down() {
-            let accepted: io::Result<Box<dyn stream::Stream>> = match listener {
+            let accepted: io::Result<Box<dyn crate::stream::Stream>> = match listener {
                 Listener::Tcp(l) => l.accept().and_then(|(s, _)| {
                     s.set_nonblocking(false)?;
                     s.set_nodelay(true)?;
-                    Ok(Box::new(s) as Box<dyn stream::Stream>)
+                    Ok(Box::new(s) as Box<dyn crate::stream::Stream>)
                 }),
                 Listener::Unix(l, _, _) => l.accept().and_then(|(s, _)| {
                     s.set_nonblocking(false)?;
-                    Ok(Box::new(s) as Box<dyn stream::Stream>)
+                    Ok(Box::new(s) as Box<dyn crate::stream::Stream>)
                 }),
             };
             match accepted {
@@ -280,7 +279,7 @@ impl Server {
         }
     }
 
-    fn spawn_connection(self: &Arc<Self>, s: Box<dyn stream::Stream>) {
+    fn spawn_connection(self: &Arc<Self>, s: Box<dyn crate::stream::Stream>) {
         if self.active.fetch_add(1, Ordering::SeqCst) >= self.max_connections {
             self.active.fetch_sub(1, Ordering::SeqCst);
             tracing::warn!("connection refused: {} connections already", self.max_connections);
@@ -302,7 +301,7 @@ impl Server {
     }
 
     /// Serves one connection from handshake to disconnect.
-    pub fn connection(&self, mut s: Box<dyn stream::Stream>) -> io::Result<()> {
+    pub fn connection(&self, mut s: Box<dyn crate::stream::Stream>) -> io::Result<()> {
         let (agreed, backend) = match negotiate::negotiate(self, &mut *s)? {
             negotiate::Outcome::Go(a, b) => (a, b),
             negotiate::Outcome::Close => return Ok(()),

@@ -36,12 +36,12 @@ pub enum Outcome {
 
 fn reply(s: &mut dyn Write, option: u32, ty: u32, data: &[u8]) -> io::Result<()> {
     let header = option_reply_header(option, ty, data.len() as u32);
-    super::stream::write_all_vectored(s, &[&header, data])
+    crate::stream::write_all_vectored(s, &[&header, data])
 }
 
 /// Runs the handshake on `s`. `Err` is an I/O error or a protocol violation that ends the
 /// connection (the caller logs it; other connections are not affected).
-pub fn negotiate(server: &Server, s: &mut dyn super::stream::Stream) -> io::Result<Outcome> {
+pub fn negotiate(server: &Server, s: &mut dyn crate::stream::Stream) -> io::Result<Outcome> {
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
     greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());

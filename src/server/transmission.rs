@@ -8,13 +8,13 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use super::negotiate::{Agreed, BASE_ALLOCATION_ID};
-use super::stream::write_all_vectored;
 use super::validate::{check, Limits, Verdict};
 use super::Server;
 use crate::backend::{Backend, ZeroFlags};
 use crate::error::Error;
 use crate::io::AlignedBuf;
 use crate::proto::*;
+use crate::stream::write_all_vectored;
 
 /// Smallest READ for which holes are looked up and sent as `OFFSET_HOLE` chunks.
 const HOLE_LOOKUP_MIN: usize = 64 << 10;

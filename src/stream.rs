@@ -1,6 +1,6 @@
-//! The byte stream a connection runs over. Negotiation uses it whole; transmission splits it
-//! into a reading half (the request loop) and a writing half (shared by the workers). TLS
-//! (STARTTLS, a later issue) will be one more implementation of [`Stream`].
+//! The byte stream an NBD connection runs over, for the server and the client alike.
+//! Negotiation uses it whole; transmission splits it into a reading half and a writing half.
+//! TLS (STARTTLS, a later issue) will be one more implementation of [`Stream`].
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
@@ -17,29 +17,24 @@ pub trait Stream: Read + Write + Send + 'static {
 /// Shuts a connection down from outside its threads.
 pub type Closer = Box<dyn Fn() + Send + Sync>;
 
-impl Stream for TcpStream {
-    fn split(self: Box<Self>) -> io::Result<(Box<dyn Read + Send>, Box<dyn Write + Send>)> {
-        let w = self.try_clone()?;
-        Ok((self, Box::new(w)))
-    }
+/// Plain sockets: the halves are two handles on one socket; shutdown ends both.
+macro_rules! socket_stream {
+    ($($t:ty),*) => {$(
+        impl Stream for $t {
+            fn split(self: Box<Self>) -> io::Result<(Box<dyn Read + Send>, Box<dyn Write + Send>)> {
+                let w = self.try_clone()?;
+                Ok((self, Box::new(w)))
+            }
 
-    fn closer(&self) -> io::Result<Closer> {
-        let s = self.try_clone()?;
-        Ok(Box::new(move || drop(s.shutdown(std::net::Shutdown::Both))))
-    }
+            fn closer(&self) -> io::Result<Closer> {
+                let s = self.try_clone()?;
+                Ok(Box::new(move || drop(s.shutdown(std::net::Shutdown::Both))))
+            }
+        }
+    )*};
 }
 
-impl Stream for UnixStream {
-    fn split(self: Box<Self>) -> io::Result<(Box<dyn Read + Send>, Box<dyn Write + Send>)> {
-        let w = self.try_clone()?;
-        Ok((self, Box::new(w)))
-    }
-
-    fn closer(&self) -> io::Result<Closer> {
-        let s = self.try_clone()?;
-        Ok(Box::new(move || drop(s.shutdown(std::net::Shutdown::Both))))
-    }
-}
+socket_stream!(TcpStream, UnixStream);
 
 /// Writes every byte of `bufs` with as few `writev` calls as the kernel allows, so a reply
 /// (header and data) normally leaves in one system call.

@@ -1,0 +1,190 @@
+//! The client side of the fixed newstyle handshake: structured replies, the `base:allocation`
+//! context, then `NBD_OPT_GO` asking for block sizes (with `NBD_OPT_EXPORT_NAME` as the
+//! fallback for servers without GO).
+
+use std::io::{Read, Write};
+
+use crate::backend::BlockSizes;
+use crate::error::{Error, ErrorKind, Result};
+use crate::proto::handshake::*;
+use crate::proto::*;
+
+/// What negotiation settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExportInfo {
+    pub size: u64,
+    /// Transmission flags (`TF_*`).
+    pub flags: u16,
+    pub block: BlockSizes,
+    pub structured: bool,
+    /// The id of `base:allocation`, when the server agreed to it.
+    pub allocation: Option<u32>,
+}
+
+impl ExportInfo {
+    pub fn has(&self, flag: u16) -> bool {
+        self.flags & flag != 0
+    }
+}
+
+/// Option replies carry at most an error string or a few fields; anything this long means the
+/// stream is not NBD.
+const MAX_OPTION_REPLY: u32 = 1 << 20;
+
+/// The spec's default limits when the server gives none: any alignment, 32 MiB payloads.
+pub const DEFAULT_BLOCK: BlockSizes = BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 };
+
+/// Old-style servers send this where newstyle ones send `IHAVEOPT`.
+const OLDSTYLE_MAGIC: u64 = 0x0000_4202_8186_1253;
+
+/// Negotiates `export` over `s`; `who` names the server in errors.
+pub fn negotiate<S: Read + Write + ?Sized>(s: &mut S, export: &str, who: &str) -> Result<ExportInfo> {
+    let fail = |kind, detail: String| Error::new(kind, "connect").path(who).detail(detail);
+    let io = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => {
+            fail(ErrorKind::Io, "the server closed the connection during the handshake".into())
+        }
+        _ => Error::io("connect", e).path(who),
+    };
+
+    let mut greeting = [0u8; 18];
+    s.read_exact(&mut greeting).map_err(io)?;
+    if be64(&greeting[0..8]) != NBDMAGIC {
+        return Err(fail(ErrorKind::Io, "not an NBD server (bad greeting)".into()));
+    }
+    match be64(&greeting[8..16]) {
+        IHAVEOPT => {}
+        OLDSTYLE_MAGIC => {
+            return Err(fail(ErrorKind::NotSupported, "old-style NBD servers are not supported".into()))
+        }
+        _ => return Err(fail(ErrorKind::Io, "not an NBD server (bad greeting)".into())),
+    }
+    let server_flags = be16(&greeting[16..18]);
+    if server_flags & FLAG_FIXED_NEWSTYLE == 0 {
+        return Err(fail(ErrorKind::NotSupported, "the server does not speak fixed newstyle NBD".into()));
+    }
+    let no_zeroes = server_flags & FLAG_NO_ZEROES != 0;
+    let client_flags = FLAG_C_FIXED_NEWSTYLE | if no_zeroes { FLAG_C_NO_ZEROES } else { 0 };
+    s.write_all(&client_flags.to_be_bytes()).map_err(io)?;
+
+    let mut haggle = Haggle { s, who, io: &io };
+    let structured = haggle.simple_option(OPT_STRUCTURED_REPLY, &[])?;
+    let mut allocation = None;
+    if structured {
+        haggle.send(OPT_SET_META_CONTEXT, &meta_data(export, &[BASE_ALLOCATION]))?;
+        loop {
+            let (ty, data) = haggle.reply(OPT_SET_META_CONTEXT)?;
+            match ty {
+                REP_META_CONTEXT => {
+                    let (id, name) = parse_meta_context(&data).map_err(|e| haggle.invalid(e))?;
+                    if name == BASE_ALLOCATION {
+                        allocation = Some(id);
+                    }
+                }
+                // Errors only mean no allocation map: copies then read everything.
+                _ => break,
+            }
+        }
+    }
+
+    haggle.send(OPT_GO, &go_data(export, &[INFO_BLOCK_SIZE]))?;
+    let mut size_flags = None;
+    let mut block = DEFAULT_BLOCK;
+    loop {
+        let (ty, data) = haggle.reply(OPT_GO)?;
+        match ty {
+            REP_INFO => match parse_info(&data).map_err(|e| haggle.invalid(e))? {
+                Info::Export { size, flags } => size_flags = Some((size, flags)),
+                Info::BlockSize { minimum, preferred, maximum } => {
+                    block = BlockSizes { minimum, preferred, maximum }
+                }
+                Info::Other(_) => {}
+            },
+            REP_ACK => break,
+            REP_ERR_UNSUP => {
+                size_flags = Some(haggle.export_name(export, no_zeroes)?);
+                break;
+            }
+            err => return Err(refused(who, export, err, &data)),
+        }
+    }
+    let (size, flags) =
+        size_flags.ok_or_else(|| fail(ErrorKind::Io, "the server sent no export size".into()))?;
+    if block.minimum == 0 || block.maximum < block.minimum || !block.minimum.is_power_of_two() {
+        return Err(fail(ErrorKind::Io, format!("the server sent invalid block sizes {block:?}")));
+    }
+    Ok(ExportInfo { size, flags, block, structured, allocation })
+}
+
+/// An error reply to GO, in words.
+fn refused(who: &str, export: &str, ty: u32, data: &[u8]) -> Error {
+    let msg = String::from_utf8_lossy(data);
+    let (kind, what) = match ty {
+        REP_ERR_UNKNOWN => (ErrorKind::NotFound, format!("the server has no export named '{export}'")),
+        REP_ERR_POLICY => (ErrorKind::Permission, "the server refused the connection".to_string()),
+        REP_ERR_TLS_REQD => {
+            (ErrorKind::NotSupported, "the server requires TLS, not supported yet".to_string())
+        }
+        REP_ERR_SHUTDOWN => (ErrorKind::Io, "the server is shutting down".to_string()),
+        other => (ErrorKind::Io, format!("the server refused the export (error {:#x})", other)),
+    };
+    let detail = if msg.is_empty() { what } else { format!("{what}: {msg}") };
+    Error::new(kind, "connect").path(who).detail(detail)
+}
+
+struct Haggle<'a, S: Read + Write + ?Sized, F: Fn(std::io::Error) -> Error> {
+    s: &'a mut S,
+    who: &'a str,
+    io: &'a F,
+}
+
+impl<S: Read + Write + ?Sized, F: Fn(std::io::Error) -> Error> Haggle<'_, S, F> {
+    fn send(&mut self, option: u32, data: &[u8]) -> Result<()> {
+        self.s.write_all(&option_request(option, data)).map_err(self.io)
+    }
+
+    /// The next reply to `option`: its type and data.
+    fn reply(&mut self, option: u32) -> Result<(u32, Vec<u8>)> {
+        let mut h = [0u8; 20];
+        self.s.read_exact(&mut h).map_err(self.io)?;
+        let r = parse_option_reply(&h).ok_or_else(|| self.protocol("bad option reply magic"))?;
+        if r.option != option {
+            return Err(self.protocol("option reply for another option"));
+        }
+        if r.len > MAX_OPTION_REPLY {
+            return Err(self.protocol("option reply too long"));
+        }
+        let mut data = vec![0u8; r.len as usize];
+        self.s.read_exact(&mut data).map_err(self.io)?;
+        Ok((r.ty, data))
+    }
+
+    /// An option answered by one ACK or one error: true on ACK.
+    fn simple_option(&mut self, option: u32, data: &[u8]) -> Result<bool> {
+        self.send(option, data)?;
+        let (ty, _) = self.reply(option)?;
+        Ok(ty == REP_ACK)
+    }
+
+    /// `NBD_OPT_EXPORT_NAME`: no reply header; the size and flags follow directly.
+    fn export_name(&mut self, export: &str, no_zeroes: bool) -> Result<(u64, u16)> {
+        self.send(OPT_EXPORT_NAME, export.as_bytes())?;
+        let mut b = [0u8; 10 + 124];
+        let n = if no_zeroes { 10 } else { b.len() };
+        self.s.read_exact(&mut b[..n]).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => Error::new(ErrorKind::NotFound, "connect")
+                .path(self.who)
+                .detail(format!("the server closed the connection (no export named '{export}'?)")),
+            _ => (self.io)(e),
+        })?;
+        Ok((be64(&b[0..8]), be16(&b[8..10])))
+    }
+
+    fn invalid(&self, e: Invalid) -> Error {
+        self.protocol(e.0)
+    }
+
+    fn protocol(&self, what: &str) -> Error {
+        Error::new(ErrorKind::Io, "connect").path(self.who).detail(format!("protocol error: {what}"))
+    }
+}

@@ -1,0 +1,338 @@
+//! The NBD client backend: an export on an NBD server, reached by URI
+//! ([`uri::Uri`]: `nbd://host[:port]/export`, `nbd+unix:///export?socket=PATH`) or on a captive
+//! server lightfoot starts itself ([`captive::Captive`]: `[ qemu-nbd disk.qcow2 ]`).
+//!
+//! - [`handshake`]: fixed newstyle negotiation: structured replies, `base:allocation`, GO with
+//!   block sizes.
+//! - [`conn`]: one connection shared by many threads, each with a request in flight; replies
+//!   are read straight into the caller's buffer.
+//! - [`NbdBackend`]: one or more connections (more only when the server advertises
+//!   `CAN_MULTI_CONN`), requests split to the server's maximum size, extents from
+//!   `base:allocation`, zeroing with `WRITE_ZEROES` (`FAST_ZERO` when asked), never `TRIM`
+//!   for zeroes.
+
+pub mod captive;
+pub mod conn;
+pub mod handshake;
+pub mod uri;
+
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use super::{write_zeroes, Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
+use crate::error::{Error, ErrorKind, Result};
+use crate::proto::*;
+use crate::stream::Stream;
+pub use captive::Captive;
+pub use conn::Connection;
+pub use handshake::ExportInfo;
+pub use uri::{Address, Uri};
+
+/// Zero, trim and cache requests carry a 32-bit length: larger ranges go in pieces of this.
+const RANGE_PIECE: u64 = 1 << 30;
+
+/// Where the server is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    Uri(Uri),
+    /// A command line to start as a captive server.
+    Captive(Vec<String>),
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Uri(u) => write!(f, "{u}"),
+            Target::Captive(argv) => write!(f, "[ {} ]", argv.join(" ")),
+        }
+    }
+}
+
+pub struct NbdBackend {
+    name: String,
+    info: ExportInfo,
+    conns: Vec<Connection>,
+    next: AtomicUsize,
+    finished: AtomicBool,
+    /// Declared last: the server is stopped after the connections are closed.
+    captive: Option<Captive>,
+}
+
+impl NbdBackend {
+    /// Connects to `target`. `connections` > 1 opens that many when the server advertises
+    /// `CAN_MULTI_CONN` (and one otherwise).
+    pub fn open(target: &Target, connections: usize) -> Result<NbdBackend> {
+        match target {
+            Target::Uri(uri) => {
+                Self::connect_all(uri.text.clone(), &uri.address, &uri.export, connections, None)
+            }
+            Target::Captive(argv) => {
+                let captive = Captive::start(argv)?;
+                let address = Address::Unix(captive.socket().to_path_buf());
+                let name = captive.display.clone();
+                Self::connect_all(name, &address, "", connections, Some(captive))
+            }
+        }
+    }
+
+    fn connect_all(
+        name: String,
+        address: &Address,
+        export: &str,
+        connections: usize,
+        captive: Option<Captive>,
+    ) -> Result<NbdBackend> {
+        let first = match connect(address, export, &name) {
+            Ok(c) => c,
+            Err(e) => return Err(explain_captive(e, captive.as_ref())),
+        };
+        let info = first.info;
+        let mut conns = vec![first];
+        if info.has(TF_CAN_MULTI_CONN) {
+            for _ in 1..connections {
+                let c = connect(address, export, &name)?;
+                if c.info.size != info.size || c.info.flags != info.flags {
+                    return Err(Error::new(ErrorKind::Io, "connect")
+                        .path(&name)
+                        .detail("the server describes the export differently on a second connection"));
+                }
+                conns.push(c);
+            }
+        } else if connections > 1 {
+            tracing::info!("{name}: one connection: the server does not advertise multi-conn");
+        }
+        tracing::debug!("{name}: {} connection(s), {info:?}", conns.len());
+        Ok(NbdBackend {
+            name,
+            info,
+            conns,
+            next: AtomicUsize::new(0),
+            finished: AtomicBool::new(false),
+            captive,
+        })
+    }
+
+    pub fn info(&self) -> &ExportInfo {
+        &self.info
+    }
+
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Connections are used in turn, request by request.
+    fn conn(&self) -> &Connection {
+        &self.conns[self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len()]
+    }
+
+    fn max_payload(&self) -> u64 {
+        u64::from(self.info.block.maximum.max(self.info.block.minimum))
+    }
+
+    /// `cmd` over `[offset, offset+len)` in pieces a 32-bit length can carry.
+    fn ranged(&self, op: &'static str, cmd: u16, flags: u16, offset: u64, len: u64) -> Result<()> {
+        let mut at = offset;
+        while at < offset + len {
+            let n = RANGE_PIECE.min(offset + len - at);
+            self.conn().command(op, cmd, flags, at, n)?;
+            at += n;
+        }
+        Ok(())
+    }
+}
+
+fn connect(address: &Address, export: &str, who: &str) -> Result<Connection> {
+    let mut stream: Box<dyn Stream> = match address {
+        Address::Tcp { host, port } => {
+            let s =
+                TcpStream::connect((host.as_str(), *port)).map_err(|e| Error::io("connect", e).path(who))?;
+            s.set_nodelay(true).map_err(|e| Error::io("connect", e).path(who))?;
+            Box::new(s)
+        }
+        Address::Unix(path) => Box::new(connect_unix(path).map_err(|e| Error::io("connect", e).path(who))?),
+    };
+    let info = handshake::negotiate(&mut *stream, export, who)?;
+    Connection::new(stream, info, who)
+}
+
+fn connect_unix(path: &std::path::Path) -> std::io::Result<UnixStream> {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::ffi::OsStrExt;
+    match path.as_os_str().as_bytes().strip_prefix(b"\0") {
+        Some(name) => UnixStream::connect_addr(&std::os::unix::net::SocketAddr::from_abstract_name(name)?),
+        None => UnixStream::connect(path),
+    }
+}
+
+/// A failed connection to a captive server usually means the server failed: say how it ended.
+fn explain_captive(e: Error, captive: Option<&Captive>) -> Error {
+    let Some(c) = captive else { return e };
+    match c.exited(Duration::from_secs(2)) {
+        Some(status) => Error::new(e.kind(), "start server")
+            .path(&c.display)
+            .detail(format!("the server exited ({status}) before serving; see its messages above")),
+        None => e,
+    }
+}
+
+impl Backend for NbdBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn size(&self) -> Option<u64> {
+        Some(self.info.size)
+    }
+
+    fn caps(&self) -> Caps {
+        let i = &self.info;
+        let writable = !i.has(TF_READ_ONLY);
+        let max = u32::try_from(self.max_payload()).unwrap_or(u32::MAX);
+        Caps {
+            read_only: !writable,
+            can_flush: i.has(TF_SEND_FLUSH),
+            can_fua: i.has(TF_SEND_FUA),
+            can_trim: writable && i.has(TF_SEND_TRIM),
+            can_zero: writable,
+            can_fast_zero: writable && i.has(TF_SEND_WRITE_ZEROES) && i.has(TF_SEND_FAST_ZERO),
+            can_extents: i.allocation.is_some(),
+            sequential: false,
+            growable: false,
+            rotational: i.has(TF_ROTATIONAL),
+            block: BlockSizes { minimum: i.block.minimum, preferred: i.block.preferred, maximum: max },
+        }
+    }
+
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        debug_assert!(offset + buf.len() as u64 <= self.info.size);
+        let max = self.max_payload() as usize;
+        let mut at = offset;
+        for piece in buf.chunks_mut(max) {
+            self.conn().read(piece, at)?;
+            at += piece.len() as u64;
+        }
+        Ok(buf.len())
+    }
+
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        debug_assert!(offset + buf.len() as u64 <= self.info.size);
+        let native_fua = fua && self.info.has(TF_SEND_FUA);
+        let max = self.max_payload() as usize;
+        let mut at = offset;
+        for piece in buf.chunks(max) {
+            let flags = if native_fua { CMD_FLAG_FUA } else { 0 };
+            self.conn().write(piece, at, flags)?;
+            at += piece.len() as u64;
+        }
+        if fua && !native_fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        if flags.fast && !self.caps().can_fast_zero {
+            return Err(Error::new(ErrorKind::NotSupported, "zero").path(&self.name).detail("no fast zero"));
+        }
+        if !self.info.has(TF_SEND_WRITE_ZEROES) {
+            return write_zeroes(self, offset, len, flags.fua);
+        }
+        let mut f = 0;
+        if !flags.may_trim {
+            f |= CMD_FLAG_NO_HOLE;
+        }
+        if flags.fast {
+            f |= CMD_FLAG_FAST_ZERO;
+        }
+        if flags.fua && self.info.has(TF_SEND_FUA) {
+            f |= CMD_FLAG_FUA;
+        }
+        self.ranged("zero", CMD_WRITE_ZEROES, f, offset, len)?;
+        if flags.fua && !self.info.has(TF_SEND_FUA) {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        // Advisory: a server without TRIM keeps the data, which is allowed.
+        if !self.info.has(TF_SEND_TRIM) {
+            return Ok(());
+        }
+        let f = if fua && self.info.has(TF_SEND_FUA) { CMD_FLAG_FUA } else { 0 };
+        self.ranged("trim", CMD_TRIM, f, offset, len)
+    }
+
+    fn flush(&self) -> Result<()> {
+        if !self.info.has(TF_SEND_FLUSH) {
+            tracing::debug!("{}: the server has no FLUSH; durability is up to it", self.name);
+            return Ok(());
+        }
+        // One flush covers every connection under multi-conn; flushing each as well costs
+        // little (nothing is left to write) and does not rely on the server getting that right.
+        for c in &self.conns {
+            c.command("flush", CMD_FLUSH, 0, 0, 0)?;
+        }
+        Ok(())
+    }
+
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        if !self.info.has(TF_SEND_CACHE) {
+            return Ok(());
+        }
+        self.ranged("cache", CMD_CACHE, 0, offset, len)
+    }
+
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        debug_assert!(len > 0 && offset + len <= self.info.size);
+        if self.info.allocation.is_none() {
+            return Ok(vec![Extent::data(len)]);
+        }
+        // Lengths are 32-bit; ask for at most that, in whole blocks.
+        let align = u64::from(self.info.block.minimum).max(4096);
+        let ask = len.min(u64::from(u32::MAX) / align * align);
+        // Keep what lies inside the range: the last extent may reach past it.
+        let mut extents = Vec::new();
+        let mut total = 0;
+        for mut e in self.conn().block_status(offset, ask)? {
+            if total >= len || e.len == 0 {
+                break;
+            }
+            e.len = e.len.min(len - total);
+            total += e.len;
+            extents.push(e);
+        }
+        if extents.is_empty() {
+            return Err(Error::new(ErrorKind::Io, "block status")
+                .path(&self.name)
+                .at(offset, len)
+                .detail("protocol error: the server described no extent"));
+        }
+        Ok(extents)
+    }
+
+    fn cache_info(&self) -> Option<CacheInfo> {
+        None
+    }
+
+    fn finish(&self) -> Result<()> {
+        if self.finished.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        for c in &self.conns {
+            c.disconnect();
+        }
+        if let Some(c) = &self.captive {
+            c.stop();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NbdBackend {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}

@@ -1,0 +1,196 @@
+//! NBD URIs (`../shared/reference/nbd-uri.md`): `nbd://host[:port]/export` and
+//! `nbd+unix:///export?socket=PATH`. The TLS schemes (`nbds`, `nbds+unix`) are recognised and
+//! refused until TLS exists, as the URI spec asks of clients without TLS.
+
+use std::path::PathBuf;
+
+/// The IANA port for NBD, the default when a URI names none.
+pub const DEFAULT_PORT: u16 = 10809;
+
+/// Where the server listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Address {
+    Tcp {
+        host: String,
+        port: u16,
+    },
+    /// A socket file, or an abstract socket when the name starts with a NUL byte.
+    Unix(PathBuf),
+}
+
+/// A parsed NBD URI.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Uri {
+    /// As the user wrote it (for messages).
+    pub text: String,
+    pub address: Address,
+    /// The path without its leading `/`, percent-decoded (may be empty: the default export).
+    pub export: String,
+}
+
+impl Uri {
+    /// True when `s` looks like a URI of an NBD scheme (so it is parsed as one, not taken as a
+    /// file name).
+    pub fn is_nbd(s: &str) -> bool {
+        s.split_once("://").is_some_and(|(scheme, _)| scheme.starts_with("nbd"))
+    }
+}
+
+impl std::fmt::Display for Uri {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl std::str::FromStr for Uri {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Uri, String> {
+        let (scheme, rest) = s.split_once("://").ok_or_else(|| format!("'{s}' is not a URI"))?;
+        let unix = match scheme {
+            "nbd" => false,
+            "nbd+unix" => true,
+            "nbds" | "nbds+unix" => {
+                return Err(format!(
+                    "'{s}': TLS ({scheme}://) is not supported yet; use nbd:// or nbd+unix://"
+                ))
+            }
+            _ => return Err(format!("'{s}': unknown scheme '{scheme}' (use nbd:// or nbd+unix://)")),
+        };
+        let rest = rest.split_once('#').map_or(rest, |(r, _)| r);
+        let (before_query, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let (authority, path) = match before_query.find('/') {
+            Some(i) => before_query.split_at(i),
+            None => (before_query, ""),
+        };
+        let export = decode(path.strip_prefix('/').unwrap_or(path)).map_err(|e| format!("'{s}': {e}"))?;
+
+        let mut socket = None;
+        for param in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = param.split_once('=').unwrap_or((param, ""));
+            match key {
+                "socket" => socket = Some(decode(value).map_err(|e| format!("'{s}': {e}"))?),
+                // Only meaningful with TLS, which a plain nbd:// connection does not use.
+                "tls-type" | "tls-hostname" | "tls-verify-peer" => {}
+                _ => return Err(format!("'{s}': unknown query parameter '{key}'")),
+            }
+        }
+
+        let address = if unix {
+            if !authority.is_empty() {
+                return Err(format!("'{s}': nbd+unix URIs take no host (nbd+unix:///EXPORT?socket=PATH)"));
+            }
+            let socket = socket.filter(|p| !p.is_empty()).ok_or_else(|| {
+                format!("'{s}': nbd+unix URIs need ?socket=PATH (nbd+unix:///EXPORT?socket=PATH)")
+            })?;
+            Address::Unix(PathBuf::from(socket))
+        } else {
+            if socket.is_some() {
+                return Err(format!("'{s}': socket= is only for nbd+unix:// URIs"));
+            }
+            let (host, port) = host_port(authority).map_err(|e| format!("'{s}': {e}"))?;
+            Address::Tcp { host, port }
+        };
+        Ok(Uri { text: s.to_string(), address, export })
+    }
+}
+
+/// Splits `[user@]host[:port]`; IPv6 literals come in brackets.
+fn host_port(authority: &str) -> Result<(String, u16), String> {
+    let hostport = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let (host, port) = if let Some(v6) = hostport.strip_prefix('[') {
+        let (host, after) = v6.split_once(']').ok_or("unclosed '[' in the host")?;
+        match after {
+            "" => (host, None),
+            p => (host, Some(p.strip_prefix(':').ok_or("junk after the IPv6 address")?)),
+        }
+    } else {
+        match hostport.split_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (hostport, None),
+        }
+    };
+    if host.is_empty() {
+        return Err("nbd:// URIs need a host (nbd://HOST[:PORT]/EXPORT)".into());
+    }
+    let port = match port {
+        None | Some("") => DEFAULT_PORT,
+        Some(p) => p.parse().map_err(|_| format!("invalid port '{p}'"))?,
+    };
+    Ok((decode(host)?, port))
+}
+
+/// Percent-decoding (RFC 3986); the result must be UTF-8 except for a NUL, which export names
+/// may not hold but abstract socket names start with.
+fn decode(s: &str) -> Result<String, String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = s.get(i + 1..i + 3).ok_or_else(|| format!("bad percent escape in '{s}'"))?;
+            out.push(u8::from_str_radix(hex, 16).map_err(|_| format!("bad percent escape '%{hex}'"))?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| format!("'{s}' does not decode to UTF-8"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Uri {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn export_names_follow_the_spec_table() {
+        for (uri, export) in [
+            ("nbd://example.com/disk", "disk"),
+            ("nbd+unix:///disk?socket=sock", "disk"),
+            ("nbd://example.com/", ""),
+            ("nbd://example.com", ""),
+            ("nbd://example.com//disk", "/disk"),
+            ("nbd://example.com/hello%20world", "hello world"),
+        ] {
+            assert_eq!(parse(uri).export, export, "{uri}");
+        }
+    }
+
+    #[test]
+    fn addresses() {
+        assert_eq!(parse("nbd://h/e").address, Address::Tcp { host: "h".into(), port: DEFAULT_PORT });
+        assert_eq!(parse("nbd://u@h:99/e").address, Address::Tcp { host: "h".into(), port: 99 });
+        assert_eq!(parse("nbd://[::1]:5/").address, Address::Tcp { host: "::1".into(), port: 5 });
+        assert_eq!(parse("nbd://[::1]").address, Address::Tcp { host: "::1".into(), port: DEFAULT_PORT });
+        assert_eq!(parse("nbd+unix://?socket=/a%20b.sock").address, Address::Unix("/a b.sock".into()));
+        assert_eq!(parse("nbd+unix:///x?socket=%00abs").address, Address::Unix("\0abs".into()));
+    }
+
+    #[test]
+    fn bad_uris_are_diagnosed() {
+        for (uri, says) in [
+            ("nbds://h/e", "TLS"),
+            ("nbds+unix:///e?socket=s", "TLS"),
+            ("http://h/e", "unknown scheme"),
+            ("nbd+unix:///e", "socket="),
+            ("nbd+unix://h/e?socket=s", "no host"),
+            ("nbd:///e", "need a host"),
+            ("nbd://h:port/e", "invalid port"),
+            ("nbd://h:70000/e", "invalid port"),
+            ("nbd://h/e?socket=s", "only for nbd+unix"),
+            ("nbd://h/e?frob=1", "unknown query parameter"),
+            ("nbd://h/%zz", "percent"),
+            ("nbd://[::1/e", "unclosed"),
+        ] {
+            let e = uri.parse::<Uri>().unwrap_err();
+            assert!(e.contains(says), "{uri}: {e}");
+        }
+        assert!(Uri::is_nbd("nbd+unix:///"));
+        assert!(!Uri::is_nbd("disk.img"));
+    }
+}
