@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use lightfoot::backend::{Backend, FileBackend, MemoryBackend, NullBackend};
+use lightfoot::backend::{Backend, FileBackend, MemoryBackend, NbdBackend, NullBackend};
 use lightfoot::filters::FaultInjector;
 use lightfoot::io::{CacheMode, OpenOptions, ReadMech, Tuning, WriteMech};
 use lightfoot::testing::conformance::{run, run_parallel, Expect};
@@ -115,4 +115,51 @@ fn unsafe_free_euid() -> u32 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
     line.split_whitespace().nth(2).unwrap().parse().unwrap()
+}
+
+/// Serves `backend` in-process from a `lightfoot serve` server over a socket pair and returns
+/// the NBD client backend connected to it: the suite then covers client, wire and server.
+fn over_nbd(backend: Arc<dyn Backend>, multi_conn: bool) -> Arc<dyn Backend> {
+    use lightfoot::server::{Export, Server};
+    let export = Export::new("e", None, multi_conn, move || Ok(backend.clone())).unwrap();
+    let server = Arc::new(Server::new(export, 4, 8));
+    let (client, serving) = std::os::unix::net::UnixStream::pair().unwrap();
+    std::thread::spawn(move || server.connection(Box::new(serving)));
+    Arc::new(NbdBackend::from_stream(Box::new(client), "e", "nbd-test").unwrap())
+}
+
+#[test]
+fn nbd_client_through_the_server_to_memory() {
+    let nbd = over_nbd(Arc::new(MemoryBackend::new(SIZE)), true);
+    run(&*nbd, Expect::Store, 40).unwrap();
+    run_parallel(over_nbd(Arc::new(MemoryBackend::new(SIZE)), true), 4, 41).unwrap();
+    nbd.finish().unwrap();
+}
+
+#[test]
+fn nbd_client_through_the_server_to_a_neutral_file() {
+    let dir = tempfile::tempdir().unwrap();
+    for mode in [CacheMode::Neutral, CacheMode::Direct] {
+        let file: Arc<dyn Backend> = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
+        let nbd = over_nbd(file.clone(), true);
+        run(&*nbd, Expect::Store, 42).unwrap_or_else(|e| panic!("--cache={mode}: {e}"));
+        nbd.finish().unwrap();
+        let file: Arc<dyn Backend> = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
+        run_parallel(over_nbd(file, true), 4, 43).unwrap_or_else(|e| panic!("--cache={mode}: {e}"));
+    }
+}
+
+#[test]
+fn nbd_client_against_nbdkit() {
+    use lightfoot::backend::nbd::Target;
+    let argv = ["nbdkit", "memory", &SIZE.to_string()].map(String::from).to_vec();
+    let nbd = NbdBackend::open(&Target::Captive(argv.clone()), 1).unwrap();
+    assert!(nbd.caps().can_extents && nbd.caps().can_fast_zero, "{:?}", nbd.caps());
+    run(&nbd, Expect::Store, 44).unwrap();
+    nbd.finish().unwrap();
+    // nbdkit advertises multi-conn for memory: writers on 4 connections at once.
+    let nbd = Arc::new(NbdBackend::open(&Target::Captive(argv), 4).unwrap());
+    assert_eq!(nbd.connections(), 4);
+    run_parallel(nbd.clone(), 4, 45).unwrap();
+    nbd.finish().unwrap();
 }

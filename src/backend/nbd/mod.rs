@@ -11,6 +11,7 @@
 //!   `base:allocation`, zeroing with `WRITE_ZEROES` (`FAST_ZERO` when asked), never `TRIM`
 //!   for zeroes.
 
+mod align;
 pub mod captive;
 pub mod conn;
 pub mod handshake;
@@ -56,6 +57,8 @@ pub struct NbdBackend {
     conns: Vec<Connection>,
     next: AtomicUsize,
     finished: AtomicBool,
+    /// Read-modify-write of partial blocks (`align`).
+    locks: align::BlockLocks,
     /// Declared last: the server is stopped after the connections are closed.
     captive: Option<Captive>,
 }
@@ -75,6 +78,14 @@ impl NbdBackend {
                 Self::connect_all(name, &address, "", connections, Some(captive))
             }
         }
+    }
+
+    /// Negotiates `export` over a stream that is already connected (one connection); `name`
+    /// names it in messages.
+    pub fn from_stream(mut stream: Box<dyn Stream>, export: &str, name: &str) -> Result<NbdBackend> {
+        let info = handshake::negotiate(&mut *stream, export, name)?;
+        let conn = Connection::new(stream, info, name)?;
+        Ok(Self::assemble(name.to_string(), info, vec![conn], None))
     }
 
     fn connect_all(
@@ -104,14 +115,24 @@ impl NbdBackend {
             tracing::info!("{name}: one connection: the server does not advertise multi-conn");
         }
         tracing::debug!("{name}: {} connection(s), {info:?}", conns.len());
-        Ok(NbdBackend {
+        Ok(Self::assemble(name, info, conns, captive))
+    }
+
+    fn assemble(
+        name: String,
+        info: ExportInfo,
+        conns: Vec<Connection>,
+        captive: Option<Captive>,
+    ) -> NbdBackend {
+        NbdBackend {
             name,
             info,
             conns,
             next: AtomicUsize::new(0),
             finished: AtomicBool::new(false),
+            locks: Default::default(),
             captive,
-        })
+        }
     }
 
     pub fn info(&self) -> &ExportInfo {
@@ -129,6 +150,31 @@ impl NbdBackend {
 
     fn max_payload(&self) -> u64 {
         u64::from(self.info.block.maximum.max(self.info.block.minimum))
+    }
+
+    /// Reads an aligned range in pieces of at most the maximum payload.
+    fn read_pieces(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let mut at = offset;
+        for piece in buf.chunks_mut(self.max_payload() as usize) {
+            self.conn().read(piece, at)?;
+            at += piece.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Writes an aligned range in pieces of at most the maximum payload.
+    fn write_pieces(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        let native_fua = fua && self.info.has(TF_SEND_FUA);
+        let flags = if native_fua { CMD_FLAG_FUA } else { 0 };
+        let mut at = offset;
+        for piece in buf.chunks(self.max_payload() as usize) {
+            self.conn().write(piece, at, flags)?;
+            at += piece.len() as u64;
+        }
+        if fua && !native_fua {
+            self.flush()?;
+        }
+        Ok(())
     }
 
     /// `cmd` over `[offset, offset+len)` in pieces a 32-bit length can carry.
@@ -207,29 +253,21 @@ impl Backend for NbdBackend {
 
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
         debug_assert!(offset + buf.len() as u64 <= self.info.size);
-        let max = self.max_payload() as usize;
-        let mut at = offset;
-        for piece in buf.chunks_mut(max) {
-            self.conn().read(piece, at)?;
-            at += piece.len() as u64;
+        if self.aligned(offset, buf.len() as u64) {
+            self.read_pieces(buf, offset)?;
+        } else {
+            self.read_unaligned(buf, offset)?;
         }
         Ok(buf.len())
     }
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         debug_assert!(offset + buf.len() as u64 <= self.info.size);
-        let native_fua = fua && self.info.has(TF_SEND_FUA);
-        let max = self.max_payload() as usize;
-        let mut at = offset;
-        for piece in buf.chunks(max) {
-            let flags = if native_fua { CMD_FLAG_FUA } else { 0 };
-            self.conn().write(piece, at, flags)?;
-            at += piece.len() as u64;
+        if self.aligned(offset, buf.len() as u64) {
+            self.write_pieces(buf, offset, fua)
+        } else {
+            self.write_unaligned(buf, offset, fua)
         }
-        if fua && !native_fua {
-            self.flush()?;
-        }
-        Ok(())
     }
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
@@ -238,6 +276,10 @@ impl Backend for NbdBackend {
         }
         if !self.info.has(TF_SEND_WRITE_ZEROES) {
             return write_zeroes(self, offset, len, flags.fua);
+        }
+        let (offset, len) = self.zero_edges(offset, len, flags.fast, flags.fua)?;
+        if len == 0 {
+            return Ok(());
         }
         let mut f = 0;
         if !flags.may_trim {
@@ -261,6 +303,10 @@ impl Backend for NbdBackend {
         if !self.info.has(TF_SEND_TRIM) {
             return Ok(());
         }
+        let (offset, len) = self.shrink(offset, len);
+        if len == 0 {
+            return Ok(());
+        }
         let f = if fua && self.info.has(TF_SEND_FUA) { CMD_FLAG_FUA } else { 0 };
         self.ranged("trim", CMD_TRIM, f, offset, len)
     }
@@ -282,6 +328,7 @@ impl Backend for NbdBackend {
         if !self.info.has(TF_SEND_CACHE) {
             return Ok(());
         }
+        let (offset, len) = self.widen(offset, len);
         self.ranged("cache", CMD_CACHE, 0, offset, len)
     }
 
@@ -290,19 +337,25 @@ impl Backend for NbdBackend {
         if self.info.allocation.is_none() {
             return Ok(vec![Extent::data(len)]);
         }
-        // Lengths are 32-bit; ask for at most that, in whole blocks.
+        // Lengths are 32-bit; ask for at most that, in whole blocks from a block boundary.
+        let (start, wide, mut skip) = self.widen_for_status(offset, len);
         let align = u64::from(self.info.block.minimum).max(4096);
-        let ask = len.min(u64::from(u32::MAX) / align * align);
-        // Keep what lies inside the range: the last extent may reach past it.
+        let ask = wide.min(u64::from(u32::MAX) / align * align);
+        // Keep what lies inside the range: the first extent may start before it (widened to
+        // a block), the last may reach past it.
         let mut extents = Vec::new();
         let mut total = 0;
-        for mut e in self.conn().block_status(offset, ask)? {
+        for mut e in self.conn().block_status(start, ask)? {
             if total >= len || e.len == 0 {
                 break;
             }
-            e.len = e.len.min(len - total);
-            total += e.len;
-            extents.push(e);
+            let dropped = skip.min(e.len);
+            skip -= dropped;
+            e.len = (e.len - dropped).min(len - total);
+            if e.len > 0 {
+                total += e.len;
+                extents.push(e);
+            }
         }
         if extents.is_empty() {
             return Err(Error::new(ErrorKind::Io, "block status")

@@ -1,0 +1,294 @@
+//! `lightfoot copy` with NBD endpoints, against real servers: lightfoot serve, qemu-nbd and
+//! nbdkit, by URI and as captive servers. Contents are compared byte for byte; holes must stay
+//! holes; server failures and bad endpoints must fail cleanly.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const SIZE: u64 = 24 * MIB;
+
+/// A server process listening on a Unix socket; killed on drop.
+struct Peer {
+    child: Child,
+    uri: String,
+}
+
+impl Peer {
+    /// Starts `cmd` (which must listen on `sock`) and waits for the socket.
+    fn start(mut cmd: Command, sock: &Path, export: &str) -> Peer {
+        let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("start server");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !sock.exists() {
+            assert!(Instant::now() < deadline, "no socket from {cmd:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Peer { child, uri: format!("nbd+unix:///{export}?socket={}", sock.display()) }
+    }
+
+    /// `lightfoot serve [-r] FILE`.
+    fn lightfoot(file: &Path, read_only: bool) -> Peer {
+        let sock = file.with_extension("lf.sock");
+        let mut cmd = Command::new(bin());
+        cmd.args(["serve", "--unix"]).arg(&sock);
+        if read_only {
+            cmd.arg("-r");
+        }
+        cmd.arg(file);
+        Peer::start(cmd, &sock, "")
+    }
+
+    /// `nbdkit [ARGS]` in the foreground on a socket in `dir`.
+    fn nbdkit(dir: &Path, name: &str, args: &[&str]) -> Peer {
+        let sock = dir.join(format!("{name}.sock"));
+        let mut cmd = Command::new("nbdkit");
+        cmd.args(["-f", "-U"]).arg(&sock).args(args);
+        Peer::start(cmd, &sock, "")
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn copy(args: &[&str]) -> std::process::Output {
+    let mut all = vec!["copy", "--"];
+    all.extend_from_slice(args);
+    lightfoot(&all)
+}
+
+fn ok(out: &std::process::Output) {
+    assert!(out.status.success(), "copy failed: {}", text(out));
+}
+
+fn fails_with(out: &std::process::Output, words: &[&str]) {
+    assert_eq!(out.status.code(), Some(1), "expected exit 1: {}", text(out));
+    let t = text(out);
+    for w in words {
+        assert!(t.contains(w), "message lacks '{w}': {t}");
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Data allocated in the sample (half of it, minus the all-zero piece).
+fn data_of(p: &Path) -> u64 {
+    allocated(p)
+}
+
+fn random_file(path: &Path, size: u64) {
+    let mut buf = vec![0u8; size as usize];
+    lightfoot::testing::conformance::Rng::new(size).fill(&mut buf);
+    std::fs::write(path, buf).unwrap();
+}
+
+#[test]
+fn file_to_lightfoot_serve_and_back() {
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    sample(&src, SIZE, MIB);
+    // The destination holds old data everywhere: holes in SRC must not show it.
+    let dst = dir.path().join("dst.img");
+    random_file(&dst, SIZE);
+    {
+        let server = Peer::lightfoot(&dst, false);
+        ok(&copy(&[s(&src), &server.uri]));
+    }
+    assert!(same_contents(&src, &dst));
+    // One fast zero punched the old data; then only data was written.
+    assert!(allocated(&dst) <= data_of(&src), "dst {} > src {}", allocated(&dst), data_of(&src));
+
+    let back = dir.path().join("back.img");
+    {
+        let server = Peer::lightfoot(&src, true);
+        let out = lightfoot(&["copy", "--json", &server.uri, s(&back)]);
+        ok(&out);
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["source"]["name"], server.uri.as_str());
+        assert_eq!(j["bytes"], SIZE);
+    }
+    assert!(same_contents(&src, &back));
+    assert!(allocated(&back) <= data_of(&src));
+}
+
+#[test]
+fn qemu_nbd_raw_and_qcow2() {
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    sample(&src, SIZE, 3 * MIB);
+    let raw = dir.path().join("dst.raw");
+    std::fs::File::create(&raw).unwrap().set_len(SIZE).unwrap();
+    ok(&copy(&[s(&src), "[", "qemu-nbd", "-f", "raw", s(&raw), "]"]));
+    assert!(same_contents(&src, &raw));
+    assert!(allocated(&raw) <= data_of(&src));
+
+    let qcow2 = dir.path().join("dst.qcow2");
+    let made =
+        Command::new("qemu-img").args(["create", "-q", "-f", "qcow2", s(&qcow2), &SIZE.to_string()]).status();
+    assert!(made.unwrap().success());
+    ok(&copy(&[s(&src), "[", "qemu-nbd", "-f", "qcow2", s(&qcow2), "]"]));
+    let cmp = Command::new("qemu-img").args(["compare", "-q", s(&src), s(&qcow2)]).status().unwrap();
+    assert!(cmp.success(), "qemu-img compare: the qcow2 differs from the source");
+
+    let back = dir.path().join("back.img");
+    ok(&copy(&["[", "qemu-nbd", "-r", "-f", "qcow2", s(&qcow2), "]", s(&back)]));
+    assert!(same_contents(&src, &back));
+    assert!(allocated(&back) <= data_of(&src));
+}
+
+#[test]
+fn nbdkit_sources() {
+    let dir = scratch();
+    // pattern: every 8-byte word holds its own offset, big-endian.
+    let out = dir.path().join("pattern.img");
+    ok(&copy(&["[", "nbdkit", "pattern", "8M", "]", s(&out)]));
+    let data = std::fs::read(&out).unwrap();
+    assert_eq!(data.len() as u64, 8 * MIB);
+    for (i, w) in data.chunks_exact(8).enumerate() {
+        assert_eq!(u64::from_be_bytes(w.try_into().unwrap()), i as u64 * 8, "word {i}");
+    }
+
+    // sparse-random: compared with nbdcopy's copy of the same seed; mostly holes.
+    let ours = dir.path().join("sparse.img");
+    let theirs = dir.path().join("sparse-ref.img");
+    let server = ["nbdkit", "sparse-random", "64M", "seed=7"];
+    let mut args = vec!["["];
+    args.extend_from_slice(&server);
+    args.extend_from_slice(&["]", s(&ours)]);
+    ok(&copy(&args));
+    let st = Command::new("nbdcopy").arg("--").arg("[").args(server).arg("]").arg(&theirs).status().unwrap();
+    assert!(st.success());
+    assert!(same_contents(&ours, &theirs));
+    assert!(allocated(&ours) < 32 * MIB, "sparse-random copy allocated {}", allocated(&ours));
+    assert!(allocated(&ours) <= allocated(&theirs) + MIB);
+
+    // memory: a file in and out of a running nbdkit.
+    let src = dir.path().join("src.img");
+    sample(&src, SIZE, MIB);
+    let mem = Peer::nbdkit(dir.path(), "mem", &["memory", &SIZE.to_string()]);
+    ok(&copy(&[s(&src), &mem.uri]));
+    let back = dir.path().join("back.img");
+    ok(&copy(&[&mem.uri, s(&back)]));
+    assert!(same_contents(&src, &back));
+    assert!(allocated(&back) <= data_of(&src));
+}
+
+#[test]
+fn nbd_to_nbd_between_two_servers() {
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    sample(&src, SIZE, 2 * MIB);
+    let from = Peer::lightfoot(&src, true);
+    // nbdkit memory without fast zero: holes are zeroed with WRITE_ZEROES. Fill it with junk
+    // first so a skipped hole would show.
+    let to = Peer::nbdkit(
+        dir.path(),
+        "to",
+        &["--filter=nozero", "memory", &SIZE.to_string(), "fastzeromode=none"],
+    );
+    let junk = dir.path().join("junk.img");
+    random_file(&junk, SIZE);
+    ok(&copy(&[s(&junk), &to.uri]));
+    ok(&copy(&[&from.uri, &to.uri]));
+    let back = dir.path().join("back.img");
+    ok(&copy(&[&to.uri, s(&back)]));
+    assert!(same_contents(&src, &back));
+}
+
+#[test]
+fn a_killed_server_fails_the_copy() {
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    random_file(&src, 64 * MIB);
+    let mut server = Peer::nbdkit(dir.path(), "slow", &["--filter=delay", "file", s(&src), "rdelay=2"]);
+    let dst = dir.path().join("dst.img");
+    let copy =
+        Command::new(bin()).args(["copy", &server.uri, s(&dst)]).stderr(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    server.child.kill().unwrap();
+    let out = copy.wait_with_output().unwrap();
+    fails_with(&out, &[&server.uri, "at offset", "incomplete"]);
+}
+
+#[test]
+fn server_errors_name_the_uri_and_offset() {
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    random_file(&src, 8 * MIB);
+    let eio = Peer::nbdkit(
+        dir.path(),
+        "eio",
+        &["--filter=error", "file", s(&src), "error-pread=EIO", "error-pread-rate=100%"],
+    );
+    let out = copy(&[&eio.uri, s(&dir.path().join("a.img"))]);
+    fails_with(&out, &[&eio.uri, "at offset", "EIO"]);
+
+    let full = Peer::nbdkit(
+        dir.path(),
+        "full",
+        &["--filter=error", "memory", "8M", "error-pwrite=ENOSPC", "error-pwrite-rate=100%"],
+    );
+    let out = copy(&[s(&src), &full.uri]);
+    fails_with(&out, &[&full.uri, "at offset", "ENOSPC"]);
+}
+
+#[test]
+fn bad_endpoints_fail_before_writing() {
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    random_file(&src, 8 * MIB);
+    let nowhere = format!("nbd+unix:///?socket={}", dir.path().join("none.sock").display());
+    fails_with(&copy(&[s(&src), &nowhere]), &["connect", &nowhere, "no such file"]);
+
+    let out = copy(&[s(&src), "nbds://localhost/x"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("TLS"));
+    let out = copy(&[s(&src), "[", "qemu-nbd", s(&src)]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+
+    fails_with(&copy(&["[", "no-such-server", "]", "null:"]), &["command 'no-such-server' not found"]);
+    let missing = dir.path().join("missing.qcow2");
+    fails_with(&copy(&["[", "qemu-nbd", "-f", "qcow2", s(&missing), "]", "null:"]), &["exited"]);
+
+    // Too small and read-only destinations are refused before anything is written.
+    let small = Peer::nbdkit(dir.path(), "small", &["memory", "1M"]);
+    fails_with(&copy(&[s(&src), &small.uri]), &["smaller than the source"]);
+    let target = dir.path().join("ro.img");
+    random_file(&target, 8 * MIB);
+    let before = std::fs::read(&target).unwrap();
+    {
+        let ro = Peer::lightfoot(&target, true);
+        fails_with(&copy(&[s(&src), &ro.uri]), &["read-only"]);
+    }
+    assert_eq!(std::fs::read(&target).unwrap(), before);
+
+    // An export the server does not have.
+    let sock = dir.path().join("q.sock");
+    let mut cmd = Command::new("qemu-nbd");
+    cmd.args(["-r", "-x", "disk", "-k"]).arg(&sock).args(["-f", "raw"]).arg(&src);
+    let q = Peer::start(cmd, &sock, "other");
+    fails_with(&copy(&[&q.uri, "null:"]), &["no export named 'other'"]);
+}
+
+#[test]
+fn captive_lightfoot_serve_and_stdout() {
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    sample(&src, SIZE, MIB);
+    // The captive server's own output must not end up in the copy on standard output.
+    let out = Command::new(bin())
+        .args(["copy", "--", "[", bin(), "serve", "-v", s(&src), "]", "-"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(out.stdout, std::fs::read(&src).unwrap());
+}
