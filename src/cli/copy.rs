@@ -68,15 +68,16 @@ pub struct CopyArgs {
     #[arg(long, value_name = "MODE", default_value = "neutral", value_parser = parse_enum::<CacheMode>)]
     cache: CacheMode,
 
-    /// Parallel workers, each with one request in flight [default: 2; 8 when SRC or DST is
+    /// Parallel workers, each with one request in flight [default: 2; 16 when SRC or DST is
     /// NBD, to hide the network round trips].
     #[arg(short = 'j', long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
     workers: Option<u16>,
 
-    /// Bytes per request (K, M, G suffixes; at least 64K, at most 256M). Lowered to the
-    /// largest request an endpoint takes (32M for files, the advertised maximum for NBD).
-    #[arg(long, value_name = "SIZE", default_value = "4M", value_parser = parse_request_size)]
-    request_size: usize,
+    /// Bytes per request (K, M, G suffixes; at least 64K, at most 256M) [default: 4M; 256K
+    /// when SRC or DST is NBD]. Lowered to the largest request an endpoint takes (32M for
+    /// files, the advertised maximum for NBD).
+    #[arg(long, value_name = "SIZE", value_parser = parse_request_size)]
+    request_size: Option<usize>,
 
     /// Connections to an NBD server that advertises multi-conn (CAN_MULTI_CONN); servers
     /// that do not get one [default: 4 for URIs, 1 for captive servers].
@@ -194,7 +195,12 @@ pub fn run(args: CopyArgs) -> i32 {
         }
     };
     let nbd = |ep: &Endpoint| matches!(ep, Endpoint::Nbd(_));
-    let workers = args.workers.unwrap_or(if nbd(&src_ep) || nbd(&dst_ep) { 8 } else { 2 });
+    // NBD: many small requests in flight. Servers pay per request for large buffers (qemu-nbd
+    // used twice the CPU for 1-4 MiB requests as for 256 KiB ones, docs/benchmarks.md), and
+    // round trips hide behind each other.
+    let over_nbd = nbd(&src_ep) || nbd(&dst_ep);
+    let workers = args.workers.unwrap_or(if over_nbd { 16 } else { 2 });
+    let request_size = args.request_size.unwrap_or(if over_nbd { 256 << 10 } else { 4 << 20 });
     let connections = |ep: &Endpoint| {
         let captive = matches!(ep, Endpoint::Nbd(lightfoot::backend::nbd::Target::Captive(_)));
         args.connections.unwrap_or(if captive { 1 } else { 4 }) as usize
@@ -231,7 +237,7 @@ pub fn run(args: CopyArgs) -> i32 {
     };
     let opts = CopyOptions {
         workers: workers as usize,
-        request_size: args.request_size,
+        request_size,
         destination_is_zero: dst.zeroed,
         sparse: !args.no_sparse,
         flush: !args.no_flush,
@@ -268,7 +274,7 @@ pub fn run(args: CopyArgs) -> i32 {
         mib_per_second: if seconds > 0.0 { bytes as f64 / seconds / 1048576.0 } else { 0.0 },
         cache: args.cache,
         workers,
-        request_size: args.request_size,
+        request_size,
         source: Side {
             name: src.backend.name().to_string(),
             mechanism: src_mech,

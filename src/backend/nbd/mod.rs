@@ -14,6 +14,7 @@
 mod align;
 pub mod captive;
 pub mod conn;
+mod extents;
 pub mod handshake;
 pub mod uri;
 
@@ -57,6 +58,8 @@ pub struct NbdBackend {
     conns: Vec<Connection>,
     next: AtomicUsize,
     finished: AtomicBool,
+    /// The allocation map, fetched in large windows.
+    extent_cache: extents::Cache,
     /// Read-modify-write of partial blocks (`align`).
     locks: align::BlockLocks,
     /// Declared last: the server is stopped after the connections are closed.
@@ -130,6 +133,7 @@ impl NbdBackend {
             conns,
             next: AtomicUsize::new(0),
             finished: AtomicBool::new(false),
+            extent_cache: Default::default(),
             locks: Default::default(),
             captive,
         }
@@ -152,6 +156,37 @@ impl NbdBackend {
         u64::from(self.info.block.maximum.max(self.info.block.minimum))
     }
 
+    /// The server's extents from `offset`, covering at most `len` bytes (at least one).
+    fn fetch_extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        // Lengths are 32-bit; ask for at most that, in whole blocks from a block boundary.
+        let (start, wide, mut skip) = self.widen_for_status(offset, len);
+        let align = u64::from(self.info.block.minimum).max(4096);
+        let ask = wide.min(u64::from(u32::MAX) / align * align);
+        // Keep what lies inside the range: the first extent may start before it (widened to
+        // a block), the last may reach past it.
+        let mut extents = Vec::new();
+        let mut total = 0;
+        for mut e in self.conn().block_status(start, ask)? {
+            if total >= len || e.len == 0 {
+                break;
+            }
+            let dropped = skip.min(e.len);
+            skip -= dropped;
+            e.len = (e.len - dropped).min(len - total);
+            if e.len > 0 {
+                total += e.len;
+                extents.push(e);
+            }
+        }
+        if extents.is_empty() {
+            return Err(Error::new(ErrorKind::Io, "block status")
+                .path(&self.name)
+                .at(offset, len)
+                .detail("protocol error: the server described no extent"));
+        }
+        Ok(extents)
+    }
+
     /// Reads an aligned range in pieces of at most the maximum payload.
     fn read_pieces(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let mut at = offset;
@@ -167,10 +202,14 @@ impl NbdBackend {
         let native_fua = fua && self.info.has(TF_SEND_FUA);
         let flags = if native_fua { CMD_FLAG_FUA } else { 0 };
         let mut at = offset;
-        for piece in buf.chunks(self.max_payload() as usize) {
-            self.conn().write(piece, at, flags)?;
+        let written = buf.chunks(self.max_payload() as usize).try_for_each(|piece| {
+            let r = self.conn().write(piece, at, flags);
             at += piece.len() as u64;
-        }
+            r
+        });
+        // Even a failed write may have changed the allocation map.
+        self.extent_cache.clear();
+        written?;
         if fua && !native_fua {
             self.flush()?;
         }
@@ -291,7 +330,9 @@ impl Backend for NbdBackend {
         if flags.fua && self.info.has(TF_SEND_FUA) {
             f |= CMD_FLAG_FUA;
         }
-        self.ranged("zero", CMD_WRITE_ZEROES, f, offset, len)?;
+        let zeroed = self.ranged("zero", CMD_WRITE_ZEROES, f, offset, len);
+        self.extent_cache.clear();
+        zeroed?;
         if flags.fua && !self.info.has(TF_SEND_FUA) {
             self.flush()?;
         }
@@ -308,7 +349,9 @@ impl Backend for NbdBackend {
             return Ok(());
         }
         let f = if fua && self.info.has(TF_SEND_FUA) { CMD_FLAG_FUA } else { 0 };
-        self.ranged("trim", CMD_TRIM, f, offset, len)
+        let trimmed = self.ranged("trim", CMD_TRIM, f, offset, len);
+        self.extent_cache.clear();
+        trimmed
     }
 
     fn flush(&self) -> Result<()> {
@@ -337,33 +380,13 @@ impl Backend for NbdBackend {
         if self.info.allocation.is_none() {
             return Ok(vec![Extent::data(len)]);
         }
-        // Lengths are 32-bit; ask for at most that, in whole blocks from a block boundary.
-        let (start, wide, mut skip) = self.widen_for_status(offset, len);
-        let align = u64::from(self.info.block.minimum).max(4096);
-        let ask = wide.min(u64::from(u32::MAX) / align * align);
-        // Keep what lies inside the range: the first extent may start before it (widened to
-        // a block), the last may reach past it.
-        let mut extents = Vec::new();
-        let mut total = 0;
-        for mut e in self.conn().block_status(start, ask)? {
-            if total >= len || e.len == 0 {
-                break;
-            }
-            let dropped = skip.min(e.len);
-            skip -= dropped;
-            e.len = (e.len - dropped).min(len - total);
-            if e.len > 0 {
-                total += e.len;
-                extents.push(e);
-            }
+        let mut window = self.extent_cache.lock();
+        if let Some(known) = window.lookup(offset, len) {
+            return Ok(known);
         }
-        if extents.is_empty() {
-            return Err(Error::new(ErrorKind::Io, "block status")
-                .path(&self.name)
-                .at(offset, len)
-                .detail("protocol error: the server described no extent"));
-        }
-        Ok(extents)
+        let ask = len.max(extents::WINDOW).min(self.info.size - offset);
+        *window = extents::Window::new(offset, self.fetch_extents(offset, ask)?);
+        Ok(window.lookup(offset, len).expect("a fresh window covers its start"))
     }
 
     fn cache_info(&self) -> Option<CacheInfo> {
