@@ -54,14 +54,17 @@ Exit status: 0 success, 1 failure (DST may be incomplete: the message says so), 
 error, 130 interrupted. Environment: LIGHTFOOT_NO_DONTCACHE=1 is --no-dontcache.
 See docs/copy.md and docs/cache-policy.md.";
 
-/// Copy a file, block device or stream, leaving the page cache as it was.
+/// Copy a file, block device, stream or NBD export, leaving the page cache as it was.
 #[derive(Args)]
-#[command(after_long_help = AFTER_HELP)]
+#[command(
+    after_long_help = AFTER_HELP,
+    override_usage = "lightfoot copy [OPTIONS] SRC DST\n       lightfoot copy [OPTIONS] -- [ CMD ARGS ] DST\n       lightfoot copy [OPTIONS] -- SRC [ CMD ARGS ]"
+)]
 pub struct CopyArgs {
     /// SRC then DST. Source: a file, a block device, `-` (standard input), `null:SIZE`, an NBD
     /// URI or `[ CMD ARGS ]`. Destination: a file (created or truncated), a block device, `-`
     /// (standard output), `null:`, an NBD URI or `[ CMD ARGS ]`.
-    #[arg(value_name = "SRC DST", num_args = 2.., required = true)]
+    #[arg(value_name = "ENDPOINT", num_args = 2.., required = true)]
     endpoints: Vec<String>,
 
     /// Page-cache policy for both sides.
@@ -79,8 +82,8 @@ pub struct CopyArgs {
     #[arg(long, value_name = "SIZE", value_parser = parse_request_size)]
     request_size: Option<usize>,
 
-    /// Connections to an NBD server that advertises multi-conn (CAN_MULTI_CONN); servers
-    /// that do not get one [default: 4 for URIs, 1 for captive servers].
+    /// Connections to an NBD server that advertises multi-conn (CAN_MULTI_CONN); a server
+    /// that does not gets one [default: 4 for URIs, 1 for captive servers].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
     connections: Option<u16>,
 
@@ -210,7 +213,10 @@ pub fn run(args: CopyArgs) -> i32 {
             std::process::exit(super::EXIT_INTERRUPTED);
         }
     });
-    let tuning = args.mechanisms.tuning(args.fadvise, false);
+    // Many requests in flight: neutral reads of local files use O_DIRECT, as the server's do.
+    // With 16 workers reading 256 KiB each, DONTCACHE's readahead ran past the spill guard and
+    // left 78-97 MiB of a 4 GiB source cached (docs/benchmarks.md).
+    let tuning = args.mechanisms.tuning(args.fadvise, workers >= 8);
 
     let src_before = cached_now(&src_ep);
     let dst_before = cached_now(&dst_ep);
