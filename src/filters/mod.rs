@@ -2,10 +2,11 @@
 //! know which backend is below them.
 //!
 //! - [`fault`]: injects errors, short and slow operations (tests only).
+//! - [`prefetch`]: multi-stream read-ahead; so far only its stream detection (issue 5).
 //!
-//! Coming with later issues: `prefetch` (multi-stream read-ahead into a bounded buffer) and
-//! `coalesce` (safe write coalescing).
+//! Coming with a later issue: `coalesce` (safe write coalescing).
 
 pub mod fault;
+pub mod prefetch;
 
 pub use fault::FaultInjector;

@@ -1,0 +1,290 @@
+//! Finding sequential streams among an export's reads.
+//!
+//! A bounded history of recent reads, shared by all connections of an export (under
+//! multi-conn one stream may arrive over several), ordered by offset for lookup and evicted
+//! first-in first-out. A read *continues* a recent read when it starts after that read's start
+//! and no further than `slack` past its end: exactly at the end for a client reading in order,
+//! a little past it when requests in flight are answered out of order (queue depth > 1), or
+//! inside it when a later request overtook an earlier one. Continuations form chains; a chain
+//! whose frontier (the furthest byte read) has advanced `links` times is a stream.
+//!
+//! What it does not do, on purpose: descending reads never continue anything (prefetching
+//! ahead of a reader going backwards would only waste reads), and an isolated random read
+//! starts a chain of one that ages out with the history. A stream that restarts elsewhere (a
+//! second pass from offset 0) is a new chain; the old one ages out.
+//!
+//! The history is small (64 reads by default), so lookups stay cheap, and one interleaved
+//! stream needs only its last read in it to be followed.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// Tuning of stream detection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DetectConfig {
+    /// Recent reads remembered (the history bound).
+    pub history: usize,
+    /// Frontier advances that make a chain a stream.
+    pub links: u32,
+    /// How far past a read's end the next one may start and still continue it: the larger of
+    /// this and `slack_reads` times the new read's length.
+    pub slack_min: u64,
+    pub slack_reads: u64,
+}
+
+impl Default for DetectConfig {
+    fn default() -> Self {
+        DetectConfig { history: 64, links: 3, slack_min: 64 << 10, slack_reads: 8 }
+    }
+}
+
+/// A chain of reads; a stream once it has enough links.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ChainId(u64);
+
+/// What one read turned out to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    pub chain: ChainId,
+    /// The chain is a stream: prefetching past `frontier` is worthwhile.
+    pub stream: bool,
+    /// The furthest byte the chain has read (exclusive end).
+    pub frontier: u64,
+    /// This read made the chain a stream.
+    pub became_stream: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Recent {
+    end: u64,
+    chain: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Chain {
+    links: u32,
+    frontier: u64,
+    /// Recent reads still in the history that belong to it; at 0 the chain is forgotten.
+    members: u32,
+}
+
+/// The per-export detector. Callers serialise access (one lock per export).
+#[derive(Debug)]
+pub struct Detector {
+    cfg: DetectConfig,
+    /// Recent reads by (start, sequence number).
+    by_offset: BTreeMap<(u64, u64), Recent>,
+    /// The same keys in arrival order, for eviction.
+    order: VecDeque<(u64, u64)>,
+    chains: HashMap<u64, Chain>,
+    seq: u64,
+    next_chain: u64,
+    streams_found: u64,
+}
+
+/// Candidates below a read's offset that are looked at: reordering within a queue depth of a
+/// few requests puts the predecessor among the nearest ones.
+const CANDIDATES: usize = 8;
+
+impl Detector {
+    pub fn new(cfg: DetectConfig) -> Detector {
+        assert!(cfg.history > 0 && cfg.links > 0);
+        Detector {
+            cfg,
+            by_offset: BTreeMap::new(),
+            order: VecDeque::new(),
+            chains: HashMap::new(),
+            seq: 0,
+            next_chain: 0,
+            streams_found: 0,
+        }
+    }
+
+    /// Records a read of `[offset, offset+len)` and says which chain it belongs to.
+    pub fn observe(&mut self, offset: u64, len: u64) -> Verdict {
+        debug_assert!(len > 0);
+        self.seq += 1;
+        let end = offset.saturating_add(len);
+        let slack = self.cfg.slack_min.max(len.saturating_mul(self.cfg.slack_reads));
+        let predecessor = self
+            .by_offset
+            .range(..(offset, 0))
+            .rev()
+            .take(CANDIDATES)
+            .find(|(_, r)| offset <= r.end.saturating_add(slack))
+            .map(|(_, r)| r.chain);
+
+        let (id, became_stream) = match predecessor {
+            Some(id) => {
+                let links = self.cfg.links;
+                let c = self.chains.get_mut(&id).expect("recent reads name live chains");
+                let was_stream = c.links >= links;
+                if end > c.frontier {
+                    c.frontier = end;
+                    c.links = c.links.saturating_add(1);
+                }
+                c.members += 1;
+                (id, !was_stream && c.links >= links)
+            }
+            None => {
+                let id = self.next_chain;
+                self.next_chain += 1;
+                self.chains.insert(id, Chain { links: 1, frontier: end, members: 1 });
+                (id, self.cfg.links <= 1)
+            }
+        };
+        if became_stream {
+            self.streams_found += 1;
+        }
+        let key = (offset, self.seq);
+        self.by_offset.insert(key, Recent { end, chain: id });
+        self.order.push_back(key);
+        while self.order.len() > self.cfg.history {
+            self.evict_oldest();
+        }
+        let c = self.chains[&id];
+        Verdict { chain: ChainId(id), stream: c.links >= self.cfg.links, frontier: c.frontier, became_stream }
+    }
+
+    fn evict_oldest(&mut self) {
+        let Some(key) = self.order.pop_front() else { return };
+        let Some(r) = self.by_offset.remove(&key) else { return };
+        if let Some(c) = self.chains.get_mut(&r.chain) {
+            c.members -= 1;
+            if c.members == 0 {
+                self.chains.remove(&r.chain);
+            }
+        }
+    }
+
+    /// Is `id` still followed (some of its reads are in the history)?
+    pub fn is_live(&self, id: ChainId) -> bool {
+        self.chains.contains_key(&id.0)
+    }
+
+    /// Chains currently followed (bounded by the history).
+    pub fn chains(&self) -> usize {
+        self.chains.len()
+    }
+
+    /// Streams recognised so far (for `--stats`).
+    pub fn streams_found(&self) -> u64 {
+        self.streams_found
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::conformance::Rng;
+
+    const K4: u64 = 4096;
+
+    fn detector() -> Detector {
+        Detector::new(DetectConfig::default())
+    }
+
+    #[test]
+    fn one_sequential_stream_after_three_links() {
+        let mut d = detector();
+        let v: Vec<Verdict> = (0..6).map(|i| d.observe(i * K4, K4)).collect();
+        assert!(!v[0].stream && !v[1].stream);
+        assert!(v[2].stream && v[2].became_stream);
+        assert!(v[3..].iter().all(|x| x.stream && !x.became_stream && x.chain == v[0].chain));
+        assert_eq!(v[5].frontier, 6 * K4);
+        assert_eq!(d.streams_found(), 1);
+    }
+
+    #[test]
+    fn interleaved_streams_are_told_apart() {
+        let mut d = detector();
+        let bases = [100 * K4, 300 * K4, 700 * K4];
+        let mut last = Vec::new();
+        for i in 0..10 {
+            for b in bases {
+                last.push(d.observe(b + i * K4, K4));
+            }
+        }
+        let tail = &last[last.len() - 3..];
+        assert!(tail.iter().all(|v| v.stream));
+        assert_ne!(tail[0].chain, tail[1].chain);
+        assert_ne!(tail[1].chain, tail[2].chain);
+        assert_eq!(tail[2].frontier, 700 * K4 + 10 * K4);
+        assert_eq!(d.streams_found(), 3);
+    }
+
+    #[test]
+    fn reordered_requests_still_form_a_stream() {
+        // Queue depth 4: each group of four blocks arrives in reverse.
+        let mut d = detector();
+        let mut verdicts = Vec::new();
+        for group in 0..8u64 {
+            for j in (0..4u64).rev() {
+                verdicts.push(d.observe((group * 4 + j) * K4, K4));
+            }
+        }
+        let first = verdicts[0].chain;
+        assert!(verdicts[8..].iter().all(|v| v.stream && v.chain == first), "{verdicts:?}");
+        assert_eq!(verdicts.last().unwrap().frontier, 32 * K4);
+        assert_eq!(d.streams_found(), 1);
+    }
+
+    #[test]
+    fn reading_backwards_is_not_a_stream() {
+        let mut d = detector();
+        for i in (0..200u64).rev() {
+            assert!(!d.observe(1000 * K4 + i * K4, K4).stream, "block {i}");
+        }
+        assert_eq!(d.streams_found(), 0);
+    }
+
+    #[test]
+    fn random_reads_never_make_a_stream() {
+        let mut d = detector();
+        let mut rng = Rng::new(5);
+        for _ in 0..20_000 {
+            let block = rng.below((4u64 << 30) / K4);
+            assert!(!d.observe(block * K4, K4).stream);
+        }
+        assert_eq!(d.streams_found(), 0);
+        assert!(d.chains() <= DetectConfig::default().history);
+    }
+
+    #[test]
+    fn a_stream_among_random_noise_is_found() {
+        let mut d = detector();
+        let mut rng = Rng::new(6);
+        let mut found = false;
+        for i in 0..40u64 {
+            for _ in 0..3 {
+                d.observe(rng.below(1 << 20) * K4 + (8 << 30), K4);
+            }
+            found |= d.observe((1 << 20) + i * K4, K4).stream;
+        }
+        assert!(found);
+        assert_eq!(d.streams_found(), 1);
+    }
+
+    #[test]
+    fn a_restart_is_a_new_stream_and_the_old_one_ages_out() {
+        let mut d = detector();
+        let first: Vec<_> = (0..100u64).map(|i| d.observe(i * K4, K4)).collect();
+        let old = first[0].chain;
+        let again: Vec<_> = (0..100u64).map(|i| d.observe(i * K4, K4)).collect();
+        assert_ne!(again[0].chain, old, "a restart at 0 does not continue the old frontier");
+        assert!(again[2].stream && again[2].became_stream);
+        assert!(!d.is_live(old), "the old chain's reads left the history");
+        assert_eq!(d.streams_found(), 2);
+        assert!(d.chains() <= 2);
+    }
+
+    #[test]
+    fn larger_reads_get_proportionally_more_slack() {
+        // 1 MiB reads with a 2 MiB gap (a reader skipping a hole) still continue.
+        let mut d = detector();
+        let v: Vec<_> = (0..4u64).map(|i| d.observe(i * (3 << 20), 1 << 20)).collect();
+        assert!(v[3].stream);
+        // 4 KiB reads 1 MiB apart are separate.
+        let mut d = detector();
+        assert!((0..10u64).all(|i| !d.observe(i * (1 << 20), K4).stream));
+    }
+}
