@@ -163,3 +163,24 @@ fn nbd_client_against_nbdkit() {
     run_parallel(nbd.clone(), 4, 45).unwrap();
     nbd.finish().unwrap();
 }
+
+#[test]
+fn prefetch_stacks() {
+    use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
+    // Small reads pass through the filter: let reads up to 1 MiB go through it too.
+    let cfg = PrefetchConfig { max_request: 1 << 20, ..PrefetchConfig::default() };
+    let p = Prefetch::new(Arc::new(MemoryBackend::new(SIZE)), cfg);
+    run(&p, Expect::Store, 60).unwrap();
+    p.finish().unwrap();
+    run_parallel(Arc::new(Prefetch::new(Arc::new(MemoryBackend::new(SIZE)), cfg)), 4, 61).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for mode in [CacheMode::Neutral, CacheMode::Direct] {
+        let file = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
+        let p = Prefetch::new(file, cfg);
+        run(&p, Expect::Store, 62).unwrap_or_else(|e| panic!("--cache={mode}: {e}"));
+        p.finish().unwrap();
+    }
+    // Under the NBD server, as `serve --prefetch` will stack it.
+    let nbd = over_nbd(Arc::new(Prefetch::new(Arc::new(MemoryBackend::new(SIZE)), cfg)), true);
+    run(&*nbd, Expect::Store, 63).unwrap();
+}

@@ -778,3 +778,31 @@ print("ok")
     let outside = cached(&img, 18 * MIB, None);
     assert!(outside <= 64 * MIB / 100, "left {outside} bytes cached outside the working set");
 }
+
+#[test]
+fn prefetch_serves_a_sequential_reader_from_its_buffer() {
+    let dir = scratch();
+    let file = dir.path().join("p.img");
+    let mut data = vec![0u8; (16 * MIB) as usize];
+    lightfoot::testing::conformance::Rng::new(3).fill(&mut data);
+    std::fs::write(&file, data).unwrap();
+    let out_file = dir.path().join("out.img");
+    let sock = dir.path().join("p.sock");
+    // 64 KiB requests from 4 workers: one stream, reordered; small enough for the filter.
+    let run = format!("{} copy --request-size=64K -j4 \"$uri\" {}", bin(), out_file.display());
+    let out = Command::new(bin())
+        .args(["serve", "--prefetch", "--stats", "--json", "--unix"])
+        .arg(&sock)
+        .arg(&file)
+        .args(["--run", &run])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(same_contents(&file, &out_file));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stats: serde_json::Value = serde_json::from_str(stderr.lines().last().unwrap()).unwrap();
+    let p = &stats["prefetch"];
+    assert_eq!(p["streams_found"], 1, "{stats}");
+    assert!(p["hits"].as_u64().unwrap() > p["misses"].as_u64().unwrap(), "{stats}");
+    assert!(p["held"].as_u64().unwrap() <= 64 * MIB);
+}

@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use clap::Args;
 use lightfoot::backend::{Backend, FileBackend};
+use lightfoot::copy::endpoint::parse_size;
+use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
 use lightfoot::io::{CacheMode, Fadvise, OpenOptions, Shared};
 use lightfoot::server::{Export, Listener, Server};
 
@@ -64,6 +66,19 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADVICE", value_parser = parse_enum::<Fadvise>)]
     fadvise: Option<Fadvise>,
 
+    /// Read ahead for sequential streams of small reads (several interleaved ones, on any
+    /// connection) into a bounded buffer of lightfoot's own, not the page cache.
+    #[arg(long)]
+    prefetch: bool,
+
+    /// With --prefetch: the buffer's bound (K, M, G suffixes).
+    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_size)]
+    prefetch_size: u64,
+
+    /// With --prefetch: reads larger than this pass straight through (K, M suffixes).
+    #[arg(long, value_name = "SIZE", default_value = "128K", value_parser = parse_size)]
+    prefetch_max_request: u64,
+
     /// Worker threads per connection (requests carried out in parallel).
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
     threads: u16,
@@ -106,9 +121,35 @@ pub fn run(a: ServeArgs) -> i32 {
     let tuning = a.mechanisms.tuning(a.fadvise, true);
     let shared = Arc::new(Shared::default());
     let (path, mode, ro) = (a.file.clone(), a.cache, a.read_only);
+    // --prefetch: one filter for the export, reading ahead through a read-only open file of
+    // its own; each connection reaches it through a front over the connection's own file.
+    let prefetch = match a.prefetch.then(|| {
+        let opts = OpenOptions { write: false, create: false, truncate: false };
+        FileBackend::open_shared(&path, opts, mode, &tuning, shared.clone())
+    }) {
+        None => None,
+        Some(Ok(ra)) => {
+            let cfg = PrefetchConfig {
+                size: a.prefetch_size,
+                max_request: a.prefetch_max_request,
+                ..PrefetchConfig::default()
+            };
+            Some(Arc::new(Prefetch::new(Arc::new(ra), cfg)))
+        }
+        Some(Err(e)) => {
+            super::report(&e);
+            return 1;
+        }
+    };
+    let pf = prefetch.clone();
     let opener = move || -> lightfoot::Result<Arc<dyn Backend>> {
         let opts = OpenOptions { write: !ro, create: false, truncate: false };
-        Ok(Arc::new(FileBackend::open_shared(&path, opts, mode, &tuning, shared.clone())?))
+        let file: Arc<dyn Backend> =
+            Arc::new(FileBackend::open_shared(&path, opts, mode, &tuning, shared.clone())?);
+        Ok(match &pf {
+            Some(p) => Arc::new(p.front(file)),
+            None => file,
+        })
     };
     let export = match Export::new(&a.export_name, a.description.clone(), true, opener) {
         Ok(e) => e,
@@ -187,11 +228,11 @@ pub fn run(a: ServeArgs) -> i32 {
     }
     if a.stats {
         let _ = lightfoot::io::sys::catch_sigusr1();
-        let (s, json) = (server.clone(), a.json);
+        let (s, json, pf) = (server.clone(), a.json, prefetch.clone());
         std::thread::spawn(move || loop {
             std::thread::sleep(std::time::Duration::from_millis(100));
             if lightfoot::io::sys::take_sigusr1() {
-                print_stats(&s, json);
+                print_stats(&s, pf.as_deref(), json);
             }
         });
     }
@@ -201,7 +242,7 @@ pub fn run(a: ServeArgs) -> i32 {
         let _ = std::fs::remove_file(p);
     }
     if a.stats {
-        print_stats(&server, a.json);
+        print_stats(&server, prefetch.as_deref(), a.json);
     }
     if let Err(e) = served {
         super::report(&format!("serve: {e}"));
@@ -211,10 +252,15 @@ pub fn run(a: ServeArgs) -> i32 {
     code
 }
 
-fn print_stats(server: &Server, json: bool) {
+fn print_stats(server: &Server, prefetch: Option<&Prefetch>, json: bool) {
     let snap = server.stats_snapshot();
+    let pstats = prefetch.map(|p| p.stats());
     if json {
-        eprintln!("{}", serde_json::to_string(&snap).expect("stats serialise"));
+        let mut v = serde_json::to_value(&snap).expect("stats serialise");
+        if let Some(p) = pstats {
+            v["prefetch"] = serde_json::to_value(p).expect("stats serialise");
+        }
+        eprintln!("{v}");
         return;
     }
     let cache = snap.cache.map(super::human::bytes).unwrap_or_else(|| "not visible".into());
@@ -232,6 +278,17 @@ fn print_stats(server: &Server, json: bool) {
             c.p50_us,
             c.p90_us,
             c.p99_us
+        );
+    }
+    if let Some(p) = pstats {
+        t += &format!(
+            "prefetch: {} streams, {} hits, {} misses, {} read ahead, {} of it unread, {} held\n",
+            p.streams_found,
+            p.buffer.hits,
+            p.buffer.misses,
+            super::human::bytes(p.buffer.prefetched),
+            super::human::bytes(p.buffer.wasted),
+            super::human::bytes(p.held)
         );
     }
     eprint!("{t}");

@@ -29,6 +29,9 @@ pub enum Fault {
     Short,
     /// Sleep, then carry out the operation.
     Slow(Duration),
+    /// Carry out the operation, then sleep before returning: an answer that arrives late,
+    /// whose data may be stale by then (races with writes). Reads and writes only.
+    Late(Duration),
 }
 
 /// One rule: `fault` on `ops` overlapping `range`, on every `every`-th match after skipping
@@ -128,6 +131,12 @@ impl FaultInjector {
     }
 }
 
+/// Returns `r` after sleeping `d`.
+fn late<T>(d: Duration, r: T) -> T {
+    std::thread::sleep(d);
+    r
+}
+
 impl Backend for FaultInjector {
     fn name(&self) -> &str {
         self.inner.name()
@@ -148,6 +157,7 @@ impl Backend for FaultInjector {
                 let half = buf.len() / 2;
                 self.inner.read(&mut buf[..half], offset)
             }
+            Some(Fault::Late(d)) => late(d, self.inner.read(buf, offset)),
             _ => self.inner.read(buf, offset),
         }
     }
@@ -160,6 +170,7 @@ impl Backend for FaultInjector {
                 self.inner.write(&buf[..half], offset, fua)?;
                 Err(self.fail(ErrorKind::Io, "write", offset + half as u64, (buf.len() - half) as u64))
             }
+            Some(Fault::Late(d)) => late(d, self.inner.write(buf, offset, fua)),
             _ => self.inner.write(buf, offset, fua),
         }
     }

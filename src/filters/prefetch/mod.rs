@@ -1,14 +1,476 @@
 //! `--prefetch` (issue 5): read-ahead for sequential streams into a small bounded buffer, so
 //! small sequential reads on uncached storage stop paying a device round trip each.
 //!
-//! Built in steps. Present:
 //! - [`detect`]: finding streams among an export's reads (interleaved, reordered, amid random
-//!   reads), shared by its connections.
+//!   reads); one detector per filter, so per export and shared by its connections.
+//! - [`buffer`]: 256 KiB chunks read ahead, each dropped once read through, within a byte
+//!   bound; unread chunks are evicted first, then the least recently used.
+//! - [`Prefetch`]: the filter, over one backend; [`PrefetchFront`]s share one `Prefetch`
+//!   between users with backends of their own (the server's connections, each with its own
+//!   open file), so a stream is followed whichever connection its reads arrive on.
+//!   Read-ahead always goes through the `Prefetch`'s own backend.
 //!
-//! Still to come (issue 5): the per-stream read-ahead window, the bounded chunk buffer with its
-//! eviction rules, coherence with writes, and the filter itself (`Prefetch`, a `Backend`
-//! around a `Backend`). Until then `lightfoot serve` has no `--prefetch` option.
+//! A read of at most `max_request` bytes is shown to the detector and served from the buffer
+//! when the buffer holds all of it, from the layer below otherwise. A read of a stream queues
+//! read-ahead of the next chunks past its frontier for background threads; the stream's window
+//! starts at 2 chunks and doubles (to 16) each time the stream is served from the buffer. The
+//! client's own read never waits for read-ahead.
+//!
+//! Coherence: a write, zero or trim goes to the layer below and then drops the chunks it
+//! overlaps and bumps a generation counter; read-ahead that started before it is discarded
+//! when it completes. So once a write has returned, no read returns the old bytes.
+//!
+//! Built in steps (issue 5). Not yet: CACHE requests filling the buffer, shrinking the window
+//! of a stream whose read-ahead goes unread, the model-based multi-connection test, the
+//! benchmark.
 
+pub mod buffer;
 pub mod detect;
 
 pub use detect::{DetectConfig, Detector, Verdict};
+
+use std::collections::{HashMap, HashSet};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use crate::backend::{Backend, CacheInfo, Caps, Extent, ZeroFlags};
+use crate::error::Result;
+use buffer::{Buffer, BufferStats, CHUNK};
+use detect::ChainId;
+
+/// Tuning of the filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefetchConfig {
+    /// Buffer bound in bytes (`--prefetch-size`).
+    pub size: u64,
+    /// Reads larger than this pass straight through (`--prefetch-max-request`).
+    pub max_request: u64,
+    /// Read-ahead window of a new stream, and its limit, in chunks.
+    pub window_min: u32,
+    pub window_max: u32,
+    /// Background threads doing the read-ahead.
+    pub threads: usize,
+    pub detect: DetectConfig,
+}
+
+impl Default for PrefetchConfig {
+    fn default() -> Self {
+        PrefetchConfig {
+            size: 64 << 20,
+            max_request: 128 << 10,
+            window_min: 2,
+            window_max: 16,
+            threads: 2,
+            detect: DetectConfig::default(),
+        }
+    }
+}
+
+/// Counters for `--stats`.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct PrefetchStats {
+    #[serde(flatten)]
+    pub buffer: BufferStats,
+    pub streams_found: u64,
+    /// Bytes held now.
+    pub held: u64,
+}
+
+/// Per stream: how far ahead to read, and where read-ahead got to.
+struct Window {
+    chunks: u32,
+    next: u64,
+}
+
+struct State {
+    detector: Detector,
+    windows: HashMap<ChainId, Window>,
+    buffer: Buffer,
+    in_flight: HashSet<u64>,
+    /// Bumped by every write, zero and trim: read-ahead started before one is discarded.
+    generation: u64,
+}
+
+struct Job {
+    start: u64,
+    len: u64,
+    generation: u64,
+}
+
+struct Shared {
+    inner: Arc<dyn Backend>,
+    cfg: PrefetchConfig,
+    size: u64,
+    state: Mutex<State>,
+}
+
+/// The prefetch filter: a [`Backend`] over a [`Backend`].
+pub struct Prefetch {
+    shared: Arc<Shared>,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    workers: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl Prefetch {
+    pub fn new(inner: Arc<dyn Backend>, cfg: PrefetchConfig) -> Prefetch {
+        let size = inner.size().unwrap_or(0);
+        let state = State {
+            detector: Detector::new(cfg.detect),
+            windows: HashMap::new(),
+            buffer: Buffer::new(cfg.size),
+            in_flight: HashSet::new(),
+            generation: 0,
+        };
+        let shared = Arc::new(Shared { inner, cfg, size, state: Mutex::new(state) });
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        let workers = (0..cfg.threads.max(1))
+            .map(|_| {
+                let (shared, rx) = (shared.clone(), rx.clone());
+                std::thread::spawn(move || loop {
+                    let job = rx.lock().unwrap().recv();
+                    match job {
+                        Ok(job) => shared.fill(job),
+                        Err(_) => return,
+                    }
+                })
+            })
+            .collect();
+        Prefetch { shared, jobs: Mutex::new(Some(tx)), workers: Mutex::new(workers) }
+    }
+
+    pub fn stats(&self) -> PrefetchStats {
+        let st = self.shared.state.lock().unwrap();
+        PrefetchStats {
+            buffer: st.buffer.stats,
+            streams_found: st.detector.streams_found(),
+            held: st.buffer.bytes(),
+        }
+    }
+
+    /// Forgets what is buffered over `[offset, offset+len)`: called after the data changed.
+    fn invalidate(&self, offset: u64, len: u64) {
+        let mut st = self.shared.state.lock().unwrap();
+        st.generation += 1;
+        st.buffer.invalidate(offset, len);
+    }
+
+    fn submit(&self, jobs: Vec<Job>) {
+        if jobs.is_empty() {
+            return;
+        }
+        if let Some(tx) = self.jobs.lock().unwrap().as_ref() {
+            for j in jobs {
+                let _ = tx.send(j);
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// The read-ahead a read of a stream calls for.
+    fn plan(&self, st: &mut State, chain: ChainId, frontier: u64, hit: bool) -> Vec<Job> {
+        let cfg = &self.cfg;
+        let first = frontier.div_ceil(CHUNK) * CHUNK;
+        let w = st.windows.entry(chain).or_insert(Window { chunks: cfg.window_min, next: first });
+        if hit {
+            // The stream reads what was read ahead: look further.
+            w.chunks = (w.chunks * 2).min(cfg.window_max);
+        }
+        let until = frontier.saturating_add(u64::from(w.chunks) * CHUNK).min(self.size);
+        let mut jobs = Vec::new();
+        let mut s = w.next.max(first);
+        while s < until {
+            if !st.buffer.contains(s) && st.in_flight.insert(s) {
+                jobs.push(Job { start: s, len: CHUNK.min(self.size - s), generation: st.generation });
+            }
+            s += CHUNK;
+        }
+        let w = st.windows.get_mut(&chain).unwrap();
+        w.next = w.next.max(s);
+        if st.windows.len() > 2 * cfg.detect.history {
+            let detector = &st.detector;
+            st.windows.retain(|id, _| detector.is_live(*id));
+        }
+        jobs
+    }
+
+    /// Runs one read-ahead job (on a background thread).
+    fn fill(&self, job: Job) {
+        let mut data = vec![0u8; job.len as usize];
+        let read = crate::backend::read_exact(&*self.inner, &mut data, job.start);
+        let mut st = self.state.lock().unwrap();
+        st.in_flight.remove(&job.start);
+        match read {
+            // Data read before a write that has since completed may be stale: drop it.
+            Ok(()) if job.generation == st.generation => st.buffer.insert(job.start, data),
+            Ok(()) => {}
+            // The client's own read of this range will meet and report the error.
+            Err(e) => tracing::debug!("prefetch: {e}"),
+        }
+    }
+}
+
+impl Prefetch {
+    /// A front for one more user of the same export (a server connection): its own backend
+    /// `front` for the client's reads, writes and clean-up, with this detector, buffer and
+    /// read-ahead shared.
+    pub fn front(self: &Arc<Self>, front: Arc<dyn Backend>) -> PrefetchFront {
+        PrefetchFront { prefetch: self.clone(), front }
+    }
+
+    fn read_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {
+        let len = buf.len() as u64;
+        if len == 0 || len > self.shared.cfg.max_request {
+            return front.read(buf, offset);
+        }
+        let mut st = self.shared.state.lock().unwrap();
+        let v = st.detector.observe(offset, len);
+        let hit = st.buffer.serve(buf, offset);
+        let jobs = if v.stream { self.shared.plan(&mut st, v.chain, v.frontier, hit) } else { Vec::new() };
+        drop(st);
+        self.submit(jobs);
+        if hit {
+            return Ok(buf.len());
+        }
+        front.read(buf, offset)
+    }
+
+    fn write_via(&self, front: &dyn Backend, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        let r = front.write(buf, offset, fua);
+        self.invalidate(offset, buf.len() as u64);
+        r
+    }
+
+    fn zero_via(&self, front: &dyn Backend, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        let r = front.zero(offset, len, flags);
+        self.invalidate(offset, len);
+        r
+    }
+
+    fn trim_via(&self, front: &dyn Backend, offset: u64, len: u64, fua: bool) -> Result<()> {
+        let r = front.trim(offset, len, fua);
+        self.invalidate(offset, len);
+        r
+    }
+
+    /// Stops read-ahead: the workers end when the queue closes.
+    fn stop(&self) {
+        drop(self.jobs.lock().unwrap().take());
+        for w in self.workers.lock().unwrap().drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The filter over its own backend: reads, writes and read-ahead all go to `inner`.
+impl Backend for Prefetch {
+    fn name(&self) -> &str {
+        self.shared.inner.name()
+    }
+
+    fn size(&self) -> Option<u64> {
+        self.shared.inner.size()
+    }
+
+    fn caps(&self) -> Caps {
+        self.shared.inner.caps()
+    }
+
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.read_via(&*self.shared.inner, buf, offset)
+    }
+
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.write_via(&*self.shared.inner, buf, offset, fua)
+    }
+
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        self.zero_via(&*self.shared.inner, offset, len, flags)
+    }
+
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.trim_via(&*self.shared.inner, offset, len, fua)
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.shared.inner.flush()
+    }
+
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        self.shared.inner.cache(offset, len)
+    }
+
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.shared.inner.extents(offset, len)
+    }
+
+    fn cache_info(&self) -> Option<CacheInfo> {
+        self.shared.inner.cache_info()
+    }
+
+    fn finish(&self) -> Result<()> {
+        // Stop read-ahead before the layer below cleans up its cache.
+        self.stop();
+        self.shared.inner.finish()
+    }
+}
+
+/// One user's view of a shared [`Prefetch`] (see [`Prefetch::front`]). Finishing it cleans up
+/// its own backend only; read-ahead runs until the `Prefetch` itself is finished or dropped.
+pub struct PrefetchFront {
+    prefetch: Arc<Prefetch>,
+    front: Arc<dyn Backend>,
+}
+
+impl Backend for PrefetchFront {
+    fn name(&self) -> &str {
+        self.front.name()
+    }
+
+    fn size(&self) -> Option<u64> {
+        self.front.size()
+    }
+
+    fn caps(&self) -> Caps {
+        self.front.caps()
+    }
+
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.prefetch.read_via(&*self.front, buf, offset)
+    }
+
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.prefetch.write_via(&*self.front, buf, offset, fua)
+    }
+
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        self.prefetch.zero_via(&*self.front, offset, len, flags)
+    }
+
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.prefetch.trim_via(&*self.front, offset, len, fua)
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.front.flush()
+    }
+
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        self.front.cache(offset, len)
+    }
+
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.front.extents(offset, len)
+    }
+
+    fn cache_info(&self) -> Option<CacheInfo> {
+        self.front.cache_info()
+    }
+
+    fn finish(&self) -> Result<()> {
+        self.front.finish()
+    }
+}
+
+impl Drop for Prefetch {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::MemoryBackend;
+    use crate::filters::fault::{Fault, FaultInjector, Op, Rule};
+    use std::time::{Duration, Instant};
+
+    const MIB: u64 = 1 << 20;
+    const K4: u64 = 4096;
+
+    /// A memory backend whose every 4 KiB block holds its own number (mod 251).
+    fn patterned(size: u64) -> Arc<dyn Backend> {
+        let m = MemoryBackend::new(size);
+        let buf: Vec<u8> = (0..size).map(|i| (i / K4 % 251) as u8).collect();
+        m.write(&buf, 0, false).unwrap();
+        Arc::new(m)
+    }
+
+    fn wait_until(what: &str, f: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_sequential_reader_is_served_from_the_buffer() {
+        let inner = patterned(8 * MIB);
+        let p = Prefetch::new(inner.clone(), PrefetchConfig::default());
+        let (mut got, mut want) = ([0u8; 4096], [0u8; 4096]);
+        for i in 0..8 * MIB / K4 {
+            if i == 3 {
+                // The stream was found at the third read: its read-ahead is queued.
+                wait_until("read-ahead", || p.stats().held > 0);
+            }
+            p.read(&mut got, i * K4).unwrap();
+            inner.read(&mut want, i * K4).unwrap();
+            assert_eq!(got, want, "block {i}");
+        }
+        let s = p.stats();
+        assert_eq!(s.streams_found, 1);
+        assert!(s.buffer.hits >= CHUNK / K4, "{s:?}");
+        assert!(s.held <= PrefetchConfig::default().size);
+        p.finish().unwrap();
+    }
+
+    #[test]
+    fn random_reads_are_not_read_ahead() {
+        let p = Prefetch::new(Arc::new(MemoryBackend::new(4 << 30)), PrefetchConfig::default());
+        let mut rng = crate::testing::conformance::Rng::new(9);
+        let mut buf = [0u8; 4096];
+        for _ in 0..5000 {
+            p.read(&mut buf, rng.below((4 << 30) / K4) * K4).unwrap();
+        }
+        let s = p.stats();
+        assert_eq!((s.streams_found, s.buffer.prefetched), (0, 0), "{s:?}");
+    }
+
+    #[test]
+    fn large_reads_pass_through() {
+        let p = Prefetch::new(patterned(8 * MIB), PrefetchConfig::default());
+        let mut buf = vec![0u8; 1 << 20];
+        for i in 0..8 {
+            p.read(&mut buf, i << 20).unwrap();
+        }
+        assert_eq!(p.stats().streams_found, 0);
+    }
+
+    #[test]
+    fn writes_win_over_read_ahead_that_raced_them() {
+        // The read-ahead of chunk 1 reads the old bytes, then answers 300 ms late.
+        let mem = patterned(4 * MIB);
+        let late = Rule::new(Op::Read, Fault::Late(Duration::from_millis(300))).at(CHUNK, CHUNK).times(1);
+        let p = Prefetch::new(Arc::new(FaultInjector::new(mem, vec![late])), PrefetchConfig::default());
+        let mut buf = [0u8; 4096];
+        for i in 0..3 {
+            p.read(&mut buf, i * K4).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        let new = [0xeeu8; 4096];
+        p.write(&new, CHUNK + 2 * K4, false).unwrap();
+        wait_until("the late read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
+        p.read(&mut buf, CHUNK + 2 * K4).unwrap();
+        assert_eq!(buf, new, "a read after the write returned the read-ahead's stale bytes");
+
+        // Chunk 2 was buffered before its write: the write drops it.
+        wait_until("chunk 2", || p.shared.state.lock().unwrap().buffer.contains(2 * CHUNK));
+        p.zero(2 * CHUNK + K4, K4, ZeroFlags::default()).unwrap();
+        p.read(&mut buf, 2 * CHUNK + K4).unwrap();
+        assert_eq!(buf, [0u8; 4096]);
+        p.read(&mut buf, 2 * CHUNK).unwrap();
+        assert_eq!(buf, [(2 * CHUNK / K4 % 251) as u8; 4096]);
+    }
+}

@@ -1,0 +1,238 @@
+//! The prefetch buffer: chunks read ahead for streams, each dropped as soon as it has been
+//! read through, within a byte limit.
+//!
+//! A chunk remembers which of its 4 KiB pieces a client has read (a piece counts once a read
+//! covers its last byte, so 512-byte readers count too) and goes when all have. To make room,
+//! chunks nobody has started on go first, least recently filled first; then partly read
+//! chunks, least recently used first, so a stream that went quiet cannot pin the buffer.
+
+use std::collections::BTreeMap;
+
+/// Bytes per chunk: the unit of read-ahead and of eviction.
+pub const CHUNK: u64 = 256 << 10;
+const PIECE: u64 = 4096;
+const PIECES: u32 = (CHUNK / PIECE) as u32;
+
+struct Chunk {
+    data: Vec<u8>,
+    /// Pieces read by a client (bit i: bytes [i*PIECE, (i+1)*PIECE)).
+    read: u64,
+    last_use: u64,
+}
+
+impl Chunk {
+    fn done(&self) -> bool {
+        let full = if PIECES == 64 { u64::MAX } else { (1u64 << PIECES) - 1 };
+        let last = (self.data.len() as u64).div_ceil(PIECE) as u32;
+        let mask = if last >= 64 { full } else { (1u64 << last) - 1 };
+        self.read & mask == mask
+    }
+}
+
+/// Counters for `--stats`.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct BufferStats {
+    pub hits: u64,
+    pub misses: u64,
+    /// Bytes read ahead and kept.
+    pub prefetched: u64,
+    /// Bytes read ahead and evicted or invalidated before a client read them.
+    pub wasted: u64,
+}
+
+pub struct Buffer {
+    chunks: BTreeMap<u64, Chunk>,
+    bytes: u64,
+    limit: u64,
+    tick: u64,
+    pub stats: BufferStats,
+}
+
+impl Buffer {
+    pub fn new(limit: u64) -> Buffer {
+        Buffer {
+            chunks: BTreeMap::new(),
+            bytes: 0,
+            limit: limit.max(CHUNK),
+            tick: 0,
+            stats: Default::default(),
+        }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub fn contains(&self, start: u64) -> bool {
+        self.chunks.contains_key(&start)
+    }
+
+    /// Copies `[offset, offset+buf.len())` out of the buffer if chunks hold all of it.
+    pub fn serve(&mut self, buf: &mut [u8], offset: u64) -> bool {
+        let end = offset + buf.len() as u64;
+        // Check the whole range first: a partial hit still goes to the backend.
+        let mut at = offset;
+        while at < end {
+            let start = at / CHUNK * CHUNK;
+            match self.chunks.get(&start) {
+                Some(c) if start + (c.data.len() as u64) > at => at = (start + c.data.len() as u64).min(end),
+                _ => {
+                    self.stats.misses += 1;
+                    return false;
+                }
+            }
+        }
+        self.tick += 1;
+        let mut at = offset;
+        while at < end {
+            let start = at / CHUNK * CHUNK;
+            let c = self.chunks.get_mut(&start).expect("checked above");
+            let from = (at - start) as usize;
+            let n = (c.data.len() - from).min((end - at) as usize);
+            let dst = (at - offset) as usize;
+            buf[dst..dst + n].copy_from_slice(&c.data[from..from + n]);
+            // Pieces whose last byte this read covered.
+            let mut piece = from as u64 / PIECE;
+            while piece < PIECES as u64 {
+                let piece_last = ((piece + 1) * PIECE).min(c.data.len() as u64) - 1;
+                if piece_last >= (from + n) as u64 {
+                    break;
+                }
+                if piece_last >= from as u64 {
+                    c.read |= 1 << piece;
+                }
+                piece += 1;
+            }
+            c.last_use = self.tick;
+            if c.done() {
+                let len = c.data.len() as u64;
+                self.chunks.remove(&start);
+                self.bytes -= len;
+            }
+            at += n as u64;
+        }
+        self.stats.hits += 1;
+        true
+    }
+
+    /// Adds a chunk read ahead (`start` is chunk-aligned), evicting others to make room.
+    pub fn insert(&mut self, start: u64, data: Vec<u8>) {
+        debug_assert_eq!(start % CHUNK, 0);
+        let len = data.len() as u64;
+        if let Some(old) = self.chunks.remove(&start) {
+            self.bytes -= old.data.len() as u64;
+        }
+        while self.bytes + len > self.limit && !self.chunks.is_empty() {
+            self.evict_one();
+        }
+        self.tick += 1;
+        self.bytes += len;
+        self.stats.prefetched += len;
+        self.chunks.insert(start, Chunk { data, read: 0, last_use: self.tick });
+    }
+
+    fn evict_one(&mut self) {
+        // Untouched chunks first, oldest first; then partly read ones, least recently used.
+        let victim =
+            self.chunks.iter().min_by_key(|(_, c)| (c.read != 0, c.last_use)).map(|(&s, c)| (s, c.read == 0));
+        if let Some((s, untouched)) = victim {
+            let c = self.chunks.remove(&s).unwrap();
+            self.bytes -= c.data.len() as u64;
+            if untouched {
+                self.stats.wasted += c.data.len() as u64;
+            }
+        }
+    }
+
+    /// Drops every chunk overlapping `[offset, offset+len)` (the data there changed).
+    pub fn invalidate(&mut self, offset: u64, len: u64) {
+        let first = offset / CHUNK * CHUNK;
+        let gone: Vec<u64> = self.chunks.range(first..offset.saturating_add(len)).map(|(&s, _)| s).collect();
+        for s in gone {
+            let c = self.chunks.remove(&s).unwrap();
+            self.bytes -= c.data.len() as u64;
+            if c.read == 0 {
+                self.stats.wasted += c.data.len() as u64;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(fill: u8) -> Vec<u8> {
+        vec![fill; CHUNK as usize]
+    }
+
+    #[test]
+    fn a_chunk_goes_once_read_through() {
+        let mut b = Buffer::new(4 * CHUNK);
+        b.insert(0, chunk(7));
+        let mut buf = [0u8; 4096];
+        for i in 0..(CHUNK / 4096) {
+            assert!(b.serve(&mut buf, i * 4096));
+            assert_eq!(buf, [7u8; 4096]);
+        }
+        assert_eq!(b.bytes(), 0);
+        assert!(!b.serve(&mut buf, 0));
+    }
+
+    #[test]
+    fn small_reads_count_when_they_reach_a_piece_end() {
+        let mut b = Buffer::new(4 * CHUNK);
+        b.insert(0, chunk(1));
+        let mut buf = [0u8; 512];
+        for i in 0..(CHUNK / 512) - 1 {
+            assert!(b.serve(&mut buf, i * 512));
+        }
+        assert_eq!(b.bytes(), CHUNK, "one 512-byte piece left to read");
+        assert!(b.serve(&mut buf, CHUNK - 512));
+        assert_eq!(b.bytes(), 0);
+    }
+
+    #[test]
+    fn reads_spanning_chunks_and_partial_hits() {
+        let mut b = Buffer::new(4 * CHUNK);
+        b.insert(0, chunk(1));
+        b.insert(CHUNK, chunk(2));
+        let mut buf = vec![0u8; 8192];
+        assert!(b.serve(&mut buf, CHUNK - 4096));
+        assert_eq!(&buf[..4096], &[1u8; 4096][..]);
+        assert_eq!(&buf[4096..], &[2u8; 4096][..]);
+        // Past the last chunk: a miss, and nothing is consumed by it.
+        assert!(!b.serve(&mut buf, 2 * CHUNK - 4096));
+        assert_eq!(b.stats.misses, 1);
+    }
+
+    #[test]
+    fn untouched_chunks_are_evicted_before_partly_read_ones() {
+        let mut b = Buffer::new(2 * CHUNK);
+        b.insert(0, chunk(1));
+        let mut buf = [0u8; 4096];
+        assert!(b.serve(&mut buf, 0));
+        b.insert(CHUNK, chunk(2));
+        b.insert(2 * CHUNK, chunk(3));
+        assert!(b.contains(0), "the partly read chunk stays");
+        assert!(!b.contains(CHUNK));
+        assert_eq!(b.stats.wasted, CHUNK);
+        // With only partly read chunks left, the least recently used goes.
+        assert!(b.serve(&mut buf, 2 * CHUNK));
+        b.insert(3 * CHUNK, chunk(4));
+        assert!(!b.contains(0) && b.contains(2 * CHUNK) && b.contains(3 * CHUNK));
+        assert!(b.bytes() <= 2 * CHUNK);
+    }
+
+    #[test]
+    fn invalidation_drops_overlapping_chunks() {
+        let mut b = Buffer::new(8 * CHUNK);
+        for i in 0..4 {
+            b.insert(i * CHUNK, chunk(i as u8));
+        }
+        b.invalidate(CHUNK + 10, 1);
+        assert!(b.contains(0) && !b.contains(CHUNK) && b.contains(2 * CHUNK));
+        b.invalidate(0, 4 * CHUNK);
+        assert_eq!(b.bytes(), 0);
+    }
+}
