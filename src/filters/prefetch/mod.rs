@@ -20,9 +20,10 @@
 //! overlaps and bumps a generation counter; read-ahead that started before it is discarded
 //! when it completes. So once a write has returned, no read returns the old bytes.
 //!
-//! Built in steps (issue 5). Not yet: CACHE requests filling the buffer, shrinking the window
-//! of a stream whose read-ahead goes unread, the model-based multi-connection test, the
-//! benchmark.
+//! NBD CACHE requests fill the same buffer (up to its bound) instead of the page cache.
+//!
+//! Built in steps (issue 5). Not yet: shrinking the window of a stream whose read-ahead goes
+//! unread, the benchmark.
 
 pub mod buffer;
 pub mod detect;
@@ -98,6 +99,8 @@ struct Job {
 }
 
 struct Shared {
+    /// Set when the filter stops: queued read-ahead is skipped.
+    stopping: std::sync::atomic::AtomicBool,
     inner: Arc<dyn Backend>,
     cfg: PrefetchConfig,
     size: u64,
@@ -121,7 +124,8 @@ impl Prefetch {
             in_flight: HashSet::new(),
             generation: 0,
         };
-        let shared = Arc::new(Shared { inner, cfg, size, state: Mutex::new(state) });
+        let shared =
+            Arc::new(Shared { stopping: Default::default(), inner, cfg, size, state: Mutex::new(state) });
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         let workers = (0..cfg.threads.max(1))
@@ -197,6 +201,10 @@ impl Shared {
 
     /// Runs one read-ahead job (on a background thread).
     fn fill(&self, job: Job) {
+        if self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
+            self.state.lock().unwrap().in_flight.remove(&job.start);
+            return;
+        }
         let mut data = vec![0u8; job.len as usize];
         let read = crate::backend::read_exact(&*self.inner, &mut data, job.start);
         let mut st = self.state.lock().unwrap();
@@ -254,8 +262,28 @@ impl Prefetch {
         r
     }
 
+    /// NBD CACHE: reads `[offset, offset+len)` ahead into the buffer (as much of it as the
+    /// buffer holds), instead of into the page cache.
+    fn cache_range(&self, offset: u64, len: u64) -> Result<()> {
+        let shared = &self.shared;
+        let mut st = shared.state.lock().unwrap();
+        let end = offset.saturating_add(len).min(shared.size);
+        let mut jobs = Vec::new();
+        let mut s = offset / CHUNK * CHUNK;
+        while s < end && (jobs.len() as u64 + 1) * CHUNK <= shared.cfg.size {
+            if !st.buffer.contains(s) && st.in_flight.insert(s) {
+                jobs.push(Job { start: s, len: CHUNK.min(shared.size - s), generation: st.generation });
+            }
+            s += CHUNK;
+        }
+        drop(st);
+        self.submit(jobs);
+        Ok(())
+    }
+
     /// Stops read-ahead: the workers end when the queue closes.
     fn stop(&self) {
+        self.shared.stopping.store(true, std::sync::atomic::Ordering::Relaxed);
         drop(self.jobs.lock().unwrap().take());
         for w in self.workers.lock().unwrap().drain(..) {
             let _ = w.join();
@@ -298,7 +326,7 @@ impl Backend for Prefetch {
     }
 
     fn cache(&self, offset: u64, len: u64) -> Result<()> {
-        self.shared.inner.cache(offset, len)
+        self.cache_range(offset, len)
     }
 
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
@@ -357,7 +385,7 @@ impl Backend for PrefetchFront {
     }
 
     fn cache(&self, offset: u64, len: u64) -> Result<()> {
-        self.front.cache(offset, len)
+        self.prefetch.cache_range(offset, len)
     }
 
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
@@ -436,6 +464,27 @@ mod tests {
         }
         let s = p.stats();
         assert_eq!((s.streams_found, s.buffer.prefetched), (0, 0), "{s:?}");
+    }
+
+    #[test]
+    fn cache_requests_fill_the_buffer() {
+        let inner = patterned(4 * MIB);
+        let p = Prefetch::new(inner.clone(), PrefetchConfig::default());
+        p.cache(MIB + 100, MIB).unwrap();
+        wait_until("the cached range", || p.stats().held >= MIB);
+        let (mut got, mut want) = ([0u8; 4096], [0u8; 4096]);
+        for i in 0..MIB / K4 {
+            p.read(&mut got, MIB + i * K4).unwrap();
+            inner.read(&mut want, MIB + i * K4).unwrap();
+            assert_eq!(got, want);
+        }
+        assert!(p.stats().buffer.hits >= MIB / K4);
+        // Never more than the bound, however much is asked for.
+        let small =
+            Prefetch::new(patterned(4 * MIB), PrefetchConfig { size: CHUNK * 2, ..Default::default() });
+        small.cache(0, 4 * MIB).unwrap();
+        wait_until("the jobs", || small.shared.state.lock().unwrap().in_flight.is_empty());
+        assert!(small.stats().held <= 2 * CHUNK);
     }
 
     #[test]
