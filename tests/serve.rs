@@ -806,3 +806,28 @@ fn prefetch_serves_a_sequential_reader_from_its_buffer() {
     assert!(p["hits"].as_u64().unwrap() > p["misses"].as_u64().unwrap(), "{stats}");
     assert!(p["held"].as_u64().unwrap() <= 64 * MIB);
 }
+
+#[test]
+fn fio_verifies_through_prefetch() {
+    tool("fio", "fio");
+    let dir = scratch();
+    let file = dir.path().join("f.img");
+    std::fs::File::create(&file).unwrap().set_len(64 * MIB).unwrap();
+    let sock = dir.path().join("f.sock");
+    // Four jobs write their 16 MiB and read it back in 4 KiB pieces, checking every block.
+    let fio = "fio --name=v --ioengine=nbd --uri=\"$uri\" --rw=write --bs=4k --size=16M --numjobs=4 \
+               --offset_increment=16M --verify=crc32c --do_verify=1 --verify_fatal=1 --iodepth=4 \
+               --output-format=terse >/dev/null";
+    let out = Command::new(bin())
+        .args(["serve", "--prefetch", "--stats", "--json", "--unix"])
+        .arg(&sock)
+        .arg(&file)
+        .args(["--run", fio])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "fio verification failed: {}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stats: serde_json::Value = serde_json::from_str(stderr.lines().last().unwrap()).unwrap();
+    let p = &stats["prefetch"];
+    assert!(p["hits"].as_u64().unwrap() > p["misses"].as_u64().unwrap(), "{stats}");
+}
