@@ -631,6 +631,7 @@ fn qemu_img_compare_and_fio_verify() {
             "--verify=crc32c",
             "--verify_fatal=1",
             "--do_verify=1",
+            "--verify_state_save=0",
             "--group_reporting",
         ])
         .output()
