@@ -15,6 +15,8 @@ const PIECES: u32 = (CHUNK / PIECE) as u32;
 
 struct Chunk {
     data: Vec<u8>,
+    /// The stream it was read ahead for (a tag the caller chooses), if any.
+    owner: Option<u64>,
     /// Pieces read by a client (bit i: bytes [i*PIECE, (i+1)*PIECE)).
     read: u64,
     last_use: u64,
@@ -42,6 +44,8 @@ pub struct BufferStats {
 
 pub struct Buffer {
     chunks: BTreeMap<u64, Chunk>,
+    /// Owners of chunks evicted for room before anyone read them (see [`Buffer::take_unread`]).
+    unread: Vec<u64>,
     bytes: u64,
     limit: u64,
     tick: u64,
@@ -52,6 +56,7 @@ impl Buffer {
     pub fn new(limit: u64) -> Buffer {
         Buffer {
             chunks: BTreeMap::new(),
+            unread: Vec::new(),
             bytes: 0,
             limit: limit.max(CHUNK),
             tick: 0,
@@ -115,8 +120,9 @@ impl Buffer {
         true
     }
 
-    /// Adds a chunk read ahead (`start` is chunk-aligned), evicting others to make room.
-    pub fn insert(&mut self, start: u64, data: Vec<u8>) {
+    /// Adds a chunk read ahead (`start` is chunk-aligned) for `owner`, evicting others to make
+    /// room.
+    pub fn insert(&mut self, start: u64, data: Vec<u8>, owner: Option<u64>) {
         debug_assert_eq!(start % CHUNK, 0);
         let len = data.len() as u64;
         if let Some(old) = self.chunks.remove(&start) {
@@ -128,7 +134,7 @@ impl Buffer {
         self.tick += 1;
         self.bytes += len;
         self.stats.prefetched += len;
-        self.chunks.insert(start, Chunk { data, read: 0, last_use: self.tick });
+        self.chunks.insert(start, Chunk { data, owner, read: 0, last_use: self.tick });
     }
 
     fn evict_one(&mut self) {
@@ -140,8 +146,15 @@ impl Buffer {
             self.bytes -= c.data.len() as u64;
             if untouched {
                 self.stats.wasted += c.data.len() as u64;
+                self.unread.extend(c.owner);
             }
         }
+    }
+
+    /// Owners whose chunks were evicted unread since the last call: their read-ahead outruns
+    /// their reading. (Chunks dropped by writes do not count: that is not the reader's doing.)
+    pub fn take_unread(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.unread)
     }
 
     /// Drops every chunk overlapping `[offset, offset+len)` (the data there changed).
@@ -169,7 +182,7 @@ mod tests {
     #[test]
     fn a_chunk_goes_once_read_through() {
         let mut b = Buffer::new(4 * CHUNK);
-        b.insert(0, chunk(7));
+        b.insert(0, chunk(7), None);
         let mut buf = [0u8; 4096];
         for i in 0..(CHUNK / 4096) {
             assert!(b.serve(&mut buf, i * 4096));
@@ -182,7 +195,7 @@ mod tests {
     #[test]
     fn small_reads_count_when_they_reach_a_piece_end() {
         let mut b = Buffer::new(4 * CHUNK);
-        b.insert(0, chunk(1));
+        b.insert(0, chunk(1), None);
         let mut buf = [0u8; 512];
         for i in 0..(CHUNK / 512) - 1 {
             assert!(b.serve(&mut buf, i * 512));
@@ -195,8 +208,8 @@ mod tests {
     #[test]
     fn reads_spanning_chunks_and_partial_hits() {
         let mut b = Buffer::new(4 * CHUNK);
-        b.insert(0, chunk(1));
-        b.insert(CHUNK, chunk(2));
+        b.insert(0, chunk(1), None);
+        b.insert(CHUNK, chunk(2), None);
         let mut buf = vec![0u8; 8192];
         assert!(b.serve(&mut buf, CHUNK - 4096));
         assert_eq!(&buf[..4096], &[1u8; 4096][..]);
@@ -209,26 +222,39 @@ mod tests {
     #[test]
     fn untouched_chunks_are_evicted_before_partly_read_ones() {
         let mut b = Buffer::new(2 * CHUNK);
-        b.insert(0, chunk(1));
+        b.insert(0, chunk(1), None);
         let mut buf = [0u8; 4096];
         assert!(b.serve(&mut buf, 0));
-        b.insert(CHUNK, chunk(2));
-        b.insert(2 * CHUNK, chunk(3));
+        b.insert(CHUNK, chunk(2), None);
+        b.insert(2 * CHUNK, chunk(3), None);
         assert!(b.contains(0), "the partly read chunk stays");
         assert!(!b.contains(CHUNK));
         assert_eq!(b.stats.wasted, CHUNK);
         // With only partly read chunks left, the least recently used goes.
         assert!(b.serve(&mut buf, 2 * CHUNK));
-        b.insert(3 * CHUNK, chunk(4));
+        b.insert(3 * CHUNK, chunk(4), None);
         assert!(!b.contains(0) && b.contains(2 * CHUNK) && b.contains(3 * CHUNK));
         assert!(b.bytes() <= 2 * CHUNK);
+    }
+
+    #[test]
+    fn owners_of_chunks_evicted_unread_are_reported() {
+        let mut b = Buffer::new(2 * CHUNK);
+        b.insert(0, chunk(1), Some(7));
+        b.insert(CHUNK, chunk(2), Some(8));
+        b.invalidate(CHUNK, 1);
+        assert!(b.take_unread().is_empty(), "a write's invalidation is not the reader's fault");
+        b.insert(CHUNK, chunk(2), Some(8));
+        b.insert(2 * CHUNK, chunk(3), Some(9));
+        assert_eq!(b.take_unread(), vec![7]);
+        assert!(b.take_unread().is_empty());
     }
 
     #[test]
     fn invalidation_drops_overlapping_chunks() {
         let mut b = Buffer::new(8 * CHUNK);
         for i in 0..4 {
-            b.insert(i * CHUNK, chunk(i as u8));
+            b.insert(i * CHUNK, chunk(i as u8), None);
         }
         b.invalidate(CHUNK + 10, 1);
         assert!(b.contains(0) && !b.contains(CHUNK) && b.contains(2 * CHUNK));

@@ -42,7 +42,7 @@ impl Default for DetectConfig {
 
 /// A chain of reads; a stream once it has enough links.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct ChainId(u64);
+pub struct ChainId(pub u64);
 
 /// What one read turned out to be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,7 +13,9 @@
 //! A read of at most `max_request` bytes is shown to the detector and served from the buffer
 //! when the buffer holds all of it, from the layer below otherwise. A read of a stream queues
 //! read-ahead of the next chunks past its frontier for background threads; the stream's window
-//! starts at 2 chunks and doubles (to 16) each time the stream is served from the buffer. The
+//! starts at 2 chunks, doubles (to 16) each time the stream is served from the buffer, and
+//! halves (to 1) each time a chunk read ahead for it is evicted before it was read. A stream
+//! that stops reading stops getting read-ahead; its chain ages out of the detector. The
 //! client's own read never waits for read-ahead.
 //!
 //! Coherence: a write, zero or trim goes to the layer below and then drops the chunks it
@@ -22,8 +24,7 @@
 //!
 //! NBD CACHE requests fill the same buffer (up to its bound) instead of the page cache.
 //!
-//! Built in steps (issue 5). Not yet: shrinking the window of a stream whose read-ahead goes
-//! unread, the benchmark.
+//! Built in steps (issue 5). Not yet: the benchmark and the tuning it calls for.
 
 pub mod buffer;
 pub mod detect;
@@ -96,6 +97,8 @@ struct Job {
     start: u64,
     len: u64,
     generation: u64,
+    /// The stream it reads ahead for (none for CACHE requests).
+    owner: Option<ChainId>,
 }
 
 struct Shared {
@@ -186,7 +189,13 @@ impl Shared {
         let mut s = w.next.max(first);
         while s < until {
             if !st.buffer.contains(s) && st.in_flight.insert(s) {
-                jobs.push(Job { start: s, len: CHUNK.min(self.size - s), generation: st.generation });
+                let job = Job {
+                    start: s,
+                    len: CHUNK.min(self.size - s),
+                    generation: st.generation,
+                    owner: Some(chain),
+                };
+                jobs.push(job);
             }
             s += CHUNK;
         }
@@ -211,7 +220,16 @@ impl Shared {
         st.in_flight.remove(&job.start);
         match read {
             // Data read before a write that has since completed may be stale: drop it.
-            Ok(()) if job.generation == st.generation => st.buffer.insert(job.start, data),
+            Ok(()) if job.generation == st.generation => {
+                st.buffer.insert(job.start, data, job.owner.map(|c| c.0));
+                // Streams whose read-ahead was evicted unread read more slowly than they are
+                // read ahead for: halve their windows.
+                for owner in st.buffer.take_unread() {
+                    if let Some(w) = st.windows.get_mut(&ChainId(owner)) {
+                        w.chunks = (w.chunks / 2).max(1);
+                    }
+                }
+            }
             Ok(()) => {}
             // The client's own read of this range will meet and report the error.
             Err(e) => tracing::debug!("prefetch: {e}"),
@@ -272,7 +290,12 @@ impl Prefetch {
         let mut s = offset / CHUNK * CHUNK;
         while s < end && (jobs.len() as u64 + 1) * CHUNK <= shared.cfg.size {
             if !st.buffer.contains(s) && st.in_flight.insert(s) {
-                jobs.push(Job { start: s, len: CHUNK.min(shared.size - s), generation: st.generation });
+                jobs.push(Job {
+                    start: s,
+                    len: CHUNK.min(shared.size - s),
+                    generation: st.generation,
+                    owner: None,
+                });
             }
             s += CHUNK;
         }
@@ -487,6 +510,30 @@ mod tests {
         small.cache(0, 4 * MIB).unwrap();
         wait_until("the jobs", || small.shared.state.lock().unwrap().in_flight.is_empty());
         assert!(small.stats().held <= 2 * CHUNK);
+    }
+
+    #[test]
+    fn a_stream_whose_read_ahead_goes_unread_gets_a_smaller_window() {
+        // Room for two chunks: stream B's read-ahead evicts stream A's, which A never read.
+        let cfg = PrefetchConfig { size: 2 * CHUNK, ..PrefetchConfig::default() };
+        let p = Prefetch::new(patterned(8 * MIB), cfg);
+        let idle = || p.shared.state.lock().unwrap().in_flight.is_empty();
+        let window_below = |limit: u64| {
+            let st = p.shared.state.lock().unwrap();
+            st.windows.values().find(|w| w.next < limit).map(|w| w.chunks)
+        };
+        let mut buf = [0u8; 4096];
+        for i in 0..3 {
+            p.read(&mut buf, i * K4).unwrap();
+        }
+        wait_until("A's read-ahead", idle);
+        assert_eq!(window_below(MIB), Some(cfg.window_min));
+        for i in 0..3 {
+            p.read(&mut buf, 6 * MIB + i * K4).unwrap();
+        }
+        wait_until("B's read-ahead", idle);
+        assert_eq!(window_below(MIB), Some(cfg.window_min / 2), "{:?}", p.stats());
+        assert!(p.stats().buffer.wasted >= CHUNK);
     }
 
     #[test]
