@@ -52,21 +52,21 @@ impl NbdBackend {
     }
 
     pub(super) fn write_unaligned(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        let m = self.min_block();
         let end = offset + buf.len() as u64;
-        let mut at = offset;
-        if !at.is_multiple_of(m) {
-            let block_end = (at / m * m + m).min(end);
-            self.modify_block(&buf[..(block_end - at) as usize], at, fua)?;
-            at = block_end;
+        let (mid_start, mid_len) = self.shrink(offset, buf.len() as u64);
+        let mid_end = mid_start + mid_len;
+        if mid_start > offset {
+            self.modify_block(&buf[..(mid_start - offset) as usize], offset, fua)?;
         }
-        let middle_end = if end == self.info.size { end } else { (end / m * m).max(at) };
-        if middle_end > at {
-            self.write_pieces(&buf[(at - offset) as usize..(middle_end - offset) as usize], at, fua)?;
-            at = middle_end;
+        if mid_len > 0 {
+            self.write_pieces(
+                &buf[(mid_start - offset) as usize..(mid_end - offset) as usize],
+                mid_start,
+                fua,
+            )?;
         }
-        if at < end {
-            self.modify_block(&buf[(at - offset) as usize..], at, fua)?;
+        if mid_end < end {
+            self.modify_block(&buf[(mid_end - offset) as usize..], mid_end, fua)?;
         }
         Ok(())
     }
@@ -87,39 +87,32 @@ impl NbdBackend {
     /// Zeroes the partial blocks at either end by writing zeroes; returns the aligned middle
     /// (possibly empty) for WRITE_ZEROES.
     pub(super) fn zero_edges(&self, offset: u64, len: u64, fast: bool, fua: bool) -> Result<(u64, u64)> {
-        let m = self.min_block();
         let end = offset + len;
-        let mid_start = offset.div_ceil(m).saturating_mul(m).min(end);
-        let mid_end = if end == self.info.size { end } else { (end / m * m).max(mid_start) };
+        let (mid_start, mid_len) = self.shrink(offset, len);
+        let mid_end = mid_start + mid_len;
         if (mid_start > offset || mid_end < end) && fast {
             return Err(Error::new(ErrorKind::NotSupported, "zero")
                 .path(&self.name)
                 .at(offset, len)
                 .detail("no fast zero of partial blocks"));
         }
-        let zeroes = vec![0u8; m as usize];
+        let zeroes = vec![0u8; self.min_block() as usize];
         if mid_start > offset {
             self.write_unaligned(&zeroes[..(mid_start - offset) as usize], offset, fua)?;
         }
-        if mid_end < end && mid_end >= mid_start {
+        if mid_end < end {
             self.write_unaligned(&zeroes[..(end - mid_end) as usize], mid_end, fua)?;
         }
         Ok((mid_start, mid_end - mid_start))
     }
 
-    /// The whole blocks inside `[offset, offset+len)` (a trim may leave partial ones alone).
+    /// The whole blocks inside `[offset, offset+len)` (a block cut by the export's end counts
+    /// as whole): the part a trim covers, and the aligned middle of writes and zeroes.
     pub(super) fn shrink(&self, offset: u64, len: u64) -> (u64, u64) {
         let m = self.min_block();
         let end = offset + len;
         let start = offset.div_ceil(m).saturating_mul(m).min(end);
         let stop = if end == self.info.size { end } else { (end / m * m).max(start) };
         (start, stop - start)
-    }
-
-    /// The aligned range to ask about for extents of `[offset, offset+len)`, and how many bytes
-    /// at its start to drop from the answer.
-    pub(super) fn widen_for_status(&self, offset: u64, len: u64) -> (u64, u64, u64) {
-        let (start, wide) = self.widen(offset, len);
-        (start, wide, offset - start)
     }
 }

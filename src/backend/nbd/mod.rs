@@ -159,7 +159,8 @@ impl NbdBackend {
     /// The server's extents from `offset`, covering at most `len` bytes (at least one).
     fn fetch_extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         // Lengths are 32-bit; ask for at most that, in whole blocks from a block boundary.
-        let (start, wide, mut skip) = self.widen_for_status(offset, len);
+        let (start, wide) = self.widen(offset, len);
+        let mut skip = offset - start;
         let align = u64::from(self.info.block.minimum).max(4096);
         let ask = wide.min(u64::from(u32::MAX) / align * align);
         // Keep what lies inside the range: the first extent may start before it (widened to
