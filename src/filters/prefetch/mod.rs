@@ -185,20 +185,8 @@ impl Shared {
             w.chunks = (w.chunks * 2).min(cfg.window_max);
         }
         let until = frontier.saturating_add(u64::from(w.chunks) * CHUNK).min(self.size);
-        let mut jobs = Vec::new();
-        let mut s = w.next.max(first);
-        while s < until {
-            if !st.buffer.contains(s) && st.in_flight.insert(s) {
-                let job = Job {
-                    start: s,
-                    len: CHUNK.min(self.size - s),
-                    generation: st.generation,
-                    owner: Some(chain),
-                };
-                jobs.push(job);
-            }
-            s += CHUNK;
-        }
+        let from = w.next.max(first);
+        let (jobs, s) = self.queue(st, from, until, usize::MAX, Some(chain));
         let w = st.windows.get_mut(&chain).unwrap();
         w.next = w.next.max(s);
         if st.windows.len() > 2 * cfg.detect.history {
@@ -206,6 +194,27 @@ impl Shared {
             st.windows.retain(|id, _| detector.is_live(*id));
         }
         jobs
+    }
+
+    /// Read-ahead jobs for the chunks from `from` (chunk-aligned) below `until` that are neither
+    /// held nor in flight, at most `limit` of them; also where the walk stopped.
+    fn queue(
+        &self,
+        st: &mut State,
+        from: u64,
+        until: u64,
+        limit: usize,
+        owner: Option<ChainId>,
+    ) -> (Vec<Job>, u64) {
+        let mut jobs = Vec::new();
+        let mut s = from;
+        while s < until && jobs.len() < limit {
+            if !st.buffer.contains(s) && st.in_flight.insert(s) {
+                jobs.push(Job { start: s, len: CHUNK.min(self.size - s), generation: st.generation, owner });
+            }
+            s += CHUNK;
+        }
+        (jobs, s)
     }
 
     /// Runs one read-ahead job (on a background thread).
@@ -286,19 +295,8 @@ impl Prefetch {
         let shared = &self.shared;
         let mut st = shared.state.lock().unwrap();
         let end = offset.saturating_add(len).min(shared.size);
-        let mut jobs = Vec::new();
-        let mut s = offset / CHUNK * CHUNK;
-        while s < end && (jobs.len() as u64 + 1) * CHUNK <= shared.cfg.size {
-            if !st.buffer.contains(s) && st.in_flight.insert(s) {
-                jobs.push(Job {
-                    start: s,
-                    len: CHUNK.min(shared.size - s),
-                    generation: st.generation,
-                    owner: None,
-                });
-            }
-            s += CHUNK;
-        }
+        let room = (shared.cfg.size / CHUNK) as usize;
+        let (jobs, _) = shared.queue(&mut st, offset / CHUNK * CHUNK, end, room, None);
         drop(st);
         self.submit(jobs);
         Ok(())
