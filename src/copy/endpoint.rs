@@ -253,19 +253,8 @@ pub fn open_destination(
 /// Checks an NBD destination before anything is written to it, and makes it read as zeroes
 /// if one fast zero can: true when it then does (or the user says it already does).
 fn prepare_nbd_destination(b: &NbdBackend, size: Option<u64>, opts: DestOptions) -> Result<bool> {
-    if b.caps().read_only {
-        return Err(Error::new(ErrorKind::Permission, "copy")
-            .path(b.name())
-            .detail("the destination export is read-only"));
-    }
-    let room = b.size().unwrap_or(0);
-    if let Some(size) = size {
-        if room < size {
-            return Err(Error::new(ErrorKind::NoSpace, "copy").path(b.name()).detail(format!(
-                "the destination export is smaller than the source ({room} < {size} bytes)"
-            )));
-        }
-    }
+    // The fast zero below writes: check first what the copy would refuse anyway.
+    super::check_destination(b, size.unwrap_or(0))?;
     if opts.destination_is_zero {
         return Ok(true);
     }

@@ -120,6 +120,18 @@ fn request_size(src: &dyn Backend, dst: &dyn Backend, asked: usize) -> usize {
     (asked.min(max) / ZERO_BLOCK * ZERO_BLOCK).max(ZERO_BLOCK)
 }
 
+/// Refuses a destination that cannot take `size` bytes: read-only, or of a fixed size
+/// smaller than that. Checked before anything is written to it.
+pub fn check_destination(dst: &dyn Backend, size: u64) -> Result<()> {
+    check_room(dst, size)?;
+    if dst.caps().read_only {
+        return Err(Error::new(ErrorKind::Permission, "copy")
+            .path(dst.name())
+            .detail("destination is read-only"));
+    }
+    Ok(())
+}
+
 fn check_room(dst: &dyn Backend, size: u64) -> Result<()> {
     match dst.size() {
         Some(room) if room < size => Err(Error::new(ErrorKind::NoSpace, "copy")
@@ -137,12 +149,7 @@ fn copy_sized(
     progress: &Progress,
     cancel: &AtomicBool,
 ) -> Result<()> {
-    check_room(dst, size)?;
-    if dst.caps().read_only {
-        return Err(Error::new(ErrorKind::Permission, "copy")
-            .path(dst.name())
-            .detail("destination is read-only"));
-    }
+    check_destination(dst, size)?;
     let req = request_size(src, dst, opts.request_size) as u64;
     let chunks = size.div_ceil(req);
     let sequential = src.caps().sequential || dst.caps().sequential;
