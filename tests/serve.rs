@@ -784,9 +784,7 @@ print("ok")
 fn prefetch_serves_a_sequential_reader_from_its_buffer() {
     let dir = scratch();
     let file = dir.path().join("p.img");
-    let mut data = vec![0u8; (16 * MIB) as usize];
-    lightfoot::testing::conformance::Rng::new(3).fill(&mut data);
-    std::fs::write(&file, data).unwrap();
+    random_file(&file, 16 * MIB);
     let out_file = dir.path().join("out.img");
     let sock = dir.path().join("p.sock");
     // 64 KiB requests from 4 workers: one stream, reordered; small enough for the filter.

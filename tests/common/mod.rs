@@ -62,6 +62,13 @@ pub fn sample(path: &Path, size: u64, piece: u64) {
     evict(path);
 }
 
+/// Writes `size` bytes of pseudo-random data (no holes, no zero blocks).
+pub fn random_file(path: &Path, size: u64) {
+    let mut buf = vec![0u8; size as usize];
+    lightfoot::testing::conformance::Rng::new(size).fill(&mut buf);
+    std::fs::write(path, buf).unwrap();
+}
+
 pub fn evict(path: &Path) {
     let f = open_for_inspection(path).unwrap();
     lightfoot::io::inspect::evict(&f, path, 0, None, true).unwrap();
