@@ -183,15 +183,12 @@ fn cached_of(opened: &Opened) -> (Option<u64>, Option<CacheStat>, Option<Mechani
 
 pub fn run(args: CopyArgs) -> i32 {
     super::init_logging(args.verbose);
-    let (src_ep, dst_ep) = match parse_endpoints(&args.endpoints).as_deref() {
-        Ok([s, d]) => (s.clone(), d.clone()),
-        Ok(eps) => {
-            eprintln!(
-                "error: expected SRC and DST, got {} endpoints\n\nUsage: lightfoot copy [OPTIONS] SRC DST",
-                eps.len()
-            );
-            return 2;
-        }
+    let parsed = parse_endpoints(&args.endpoints).and_then(|eps| {
+        <[Endpoint; 2]>::try_from(eps)
+            .map_err(|eps| format!("expected SRC and DST, got {} endpoints", eps.len()))
+    });
+    let [src_ep, dst_ep] = match parsed {
+        Ok(pair) => pair,
         Err(e) => {
             eprintln!("error: {e}\n\nUsage: lightfoot copy [OPTIONS] SRC DST");
             return 2;
