@@ -3,9 +3,9 @@
 //!
 //! - [`fault`]: injects errors, short and slow operations (tests only).
 //! - [`prefetch`]: multi-stream read-ahead; so far only its stream detection (issue 5).
-//!
-//! Coming with a later issue: `coalesce` (safe write coalescing).
+//! - [`coalesce`]: safe write coalescing of small scattered writes (issue 6).
 
+pub mod coalesce;
 pub mod fault;
 pub mod prefetch;
 
