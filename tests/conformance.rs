@@ -184,3 +184,40 @@ fn prefetch_stacks() {
     let nbd = over_nbd(Arc::new(Prefetch::new(Arc::new(MemoryBackend::new(SIZE)), cfg)), true);
     run(&*nbd, Expect::Store, 63).unwrap();
 }
+
+#[test]
+fn coalesce_stacks() {
+    use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
+    use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
+    use std::time::Duration;
+    let cfg = CoalesceConfig::default();
+    // Small bound and age too, so write-back under pressure and by age runs amid the checks.
+    let busy = CoalesceConfig { size: 256 << 10, age: Duration::from_millis(5), ..cfg };
+    for (i, cfg) in [cfg, busy].into_iter().enumerate() {
+        let c = Coalesce::new(Arc::new(MemoryBackend::new(SIZE)), cfg);
+        run(&c, Expect::Store, 70 + i as u64).unwrap_or_else(|e| panic!("config {i}: {e}"));
+        c.finish().unwrap();
+        run_parallel(Arc::new(Coalesce::new(Arc::new(MemoryBackend::new(SIZE)), cfg)), 4, 72).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for mode in [CacheMode::Neutral, CacheMode::Keep, CacheMode::Drop, CacheMode::Direct] {
+        let file = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
+        let c = Coalesce::new(file, busy);
+        run(&c, Expect::Store, 73).unwrap_or_else(|e| panic!("--cache={mode}: {e}"));
+        c.finish().unwrap();
+        let file = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
+        run_parallel(Arc::new(Coalesce::new(file, cfg)), 4, 74)
+            .unwrap_or_else(|e| panic!("--cache={mode}, parallel: {e}"));
+    }
+    // Under the NBD server, through a front per connection, with prefetch above as
+    // `serve --prefetch --coalesce` stacks them.
+    let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
+    let c = Arc::new(Coalesce::new(mem.clone(), cfg));
+    let pcfg = PrefetchConfig { max_request: 1 << 20, ..PrefetchConfig::default() };
+    let p = Arc::new(Prefetch::new(Arc::new(c.front(mem.clone())), pcfg));
+    let nbd = over_nbd(Arc::new(p.front(Arc::new(c.front(mem.clone())))), true);
+    run(&*nbd, Expect::Store, 75).unwrap();
+    nbd.finish().unwrap();
+    let c = Arc::new(Coalesce::new(mem.clone(), busy));
+    run_parallel(over_nbd(Arc::new(c.front(mem)), true), 4, 76).unwrap();
+}
