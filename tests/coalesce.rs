@@ -1,0 +1,301 @@
+//! The coalesce filter against models: random mixes of writes, reads, zeroes, trims, flushes
+//! and block status through several fronts (as from several connections) while write-back runs
+//! in the background; a simulated power loss after flushes; write-back errors through the
+//! server.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lightfoot::backend::{Backend, Extent, MemoryBackend, NbdBackend, ZeroFlags};
+use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
+use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
+use lightfoot::testing::conformance::{Expect, Model, Rng};
+use lightfoot::testing::powerloss::PowerLoss;
+use lightfoot::ErrorKind;
+
+const SIZE: u64 = (4 << 20) + 4097;
+const K: u64 = 1024;
+
+/// Configurations that make write-back happen at different moments: only on flush; under
+/// memory pressure and by age all the time.
+fn configs() -> [CoalesceConfig; 2] {
+    let lazy = CoalesceConfig { age: Duration::from_secs(3600), ..CoalesceConfig::default() };
+    let busy = CoalesceConfig { size: 128 * K, age: Duration::from_millis(1), ..CoalesceConfig::default() };
+    [lazy, busy]
+}
+
+/// A request size: mostly small (coalesced), sometimes large (passed through).
+fn length(rng: &mut Rng) -> u64 {
+    match rng.below(10) {
+        0..=6 => 1 + rng.below(4 * K),
+        7..=8 => 1 + rng.below(64 * K),
+        _ => 1 + rng.below(300 * K),
+    }
+}
+
+/// Block status must agree with the model: ranges called zero read as zeroes, and no byte
+/// known to be non-zero lies in a hole or zero extent.
+fn check_extents(
+    b: &dyn Backend,
+    m: &Model,
+    nonzero: &[bool],
+    off: u64,
+    len: u64,
+    what: &str,
+) -> Result<(), String> {
+    let exts = b.extents(off, len).map_err(|e| format!("{what}: extents: {e}"))?;
+    let mut at = off;
+    for e in exts {
+        if e.zero || e.hole {
+            if let Some(i) = (at..at + e.len).find(|&i| nonzero[i as usize]) {
+                return Err(format!("{what}: extent {at}+{} {e:?} covers written byte {i}", e.len));
+            }
+            let mut buf = vec![0u8; e.len as usize];
+            b.read(&mut buf, at).map_err(|e| format!("{what}: read: {e}"))?;
+            m.check(&buf, at, what)?;
+        }
+        at += e.len;
+    }
+    if at == off {
+        return Err(format!("{what}: no extents"));
+    }
+    Ok(())
+}
+
+/// One run: `steps` operations, each through a front picked at random.
+fn mix(seed: u64, steps: usize, cfg: CoalesceConfig) -> Result<(), String> {
+    let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
+    let c = Arc::new(Coalesce::new(mem.clone(), cfg));
+    let fronts: Vec<_> = (0..3).map(|_| c.front(mem.clone())).collect();
+    let mut m = Model::new(SIZE as usize, Expect::Store);
+    // Bytes known to be non-zero (written non-zero, not since zeroed or trimmed).
+    let mut nonzero = vec![false; SIZE as usize];
+    let mut rng = Rng::new(seed);
+    for step in 0..steps {
+        let f = &fronts[rng.below(3) as usize];
+        let len = length(&mut rng);
+        // Half the requests land in the first 512 KiB, so they meet each other.
+        let span = if rng.below(2) == 0 { 512 * K } else { SIZE };
+        let off = rng.below(span.min(SIZE) - len.min(span - 1));
+        let len = len.min(SIZE - off);
+        let ctx = |op: &str| format!("seed {seed} step {step}: {op} {off}+{len}");
+        match rng.below(100) {
+            0..=44 => {
+                let mut data = vec![0u8; len as usize];
+                rng.fill(&mut data);
+                let fua = rng.below(10) == 0;
+                f.write(&data, off, fua).map_err(|e| format!("{}: {e}", ctx("write")))?;
+                m.write(&data, off);
+                for (i, x) in data.iter().enumerate() {
+                    nonzero[off as usize + i] = *x != 0;
+                }
+            }
+            45..=69 => {
+                let mut got = vec![0u8; len as usize];
+                f.read(&mut got, off).map_err(|e| format!("{}: {e}", ctx("read")))?;
+                m.check(&got, off, &ctx("read"))?;
+            }
+            70..=77 => {
+                let flags = ZeroFlags { may_trim: rng.below(2) == 0, fast: false, fua: rng.below(4) == 0 };
+                f.zero(off, len, flags).map_err(|e| format!("{}: {e}", ctx("zero")))?;
+                m.zero(off, len);
+                nonzero[off as usize..(off + len) as usize].fill(false);
+            }
+            78..=84 => {
+                f.trim(off, len, false).map_err(|e| format!("{}: {e}", ctx("trim")))?;
+                m.trim(off, len);
+                nonzero[off as usize..(off + len) as usize].fill(false);
+            }
+            85..=89 => f.flush().map_err(|e| format!("{}: {e}", ctx("flush")))?,
+            _ => check_extents(f, &m, &nonzero, off, len.max(64 * K).min(SIZE - off), &ctx("extents"))?,
+        }
+    }
+    check_extents(&*c, &m, &nonzero, 0, SIZE, &format!("seed {seed}: all extents"))?;
+    // After finishing, the layer below holds exactly what the model says.
+    c.finish().map_err(|e| format!("seed {seed}: finish: {e}"))?;
+    let mut all = vec![0u8; SIZE as usize];
+    mem.read(&mut all, 0).unwrap();
+    m.check(&all, 0, &format!("seed {seed}: written back"))?;
+    if c.stats().held != 0 {
+        return Err(format!("seed {seed}: {:?} after finish", c.stats()));
+    }
+    Ok(())
+}
+
+#[test]
+fn mixes_through_three_fronts() {
+    for (i, cfg) in configs().into_iter().enumerate() {
+        for seed in 0..4 {
+            mix(seed + 100 * i as u64, 3000, cfg).unwrap();
+        }
+    }
+}
+
+/// Threads on disjoint regions at once, each with its own model, all through one filter:
+/// write-backs of one thread's blocks and flushes from the others interleave.
+#[test]
+fn concurrent_fronts_on_disjoint_regions() {
+    for cfg in configs() {
+        let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
+        let c = Arc::new(Coalesce::new(mem.clone(), cfg));
+        // Regions not aligned to blocks: neighbours share a block.
+        let region = SIZE / 4;
+        let handles: Vec<_> = (0..4u64)
+            .map(|t| {
+                let f = c.front(mem.clone());
+                std::thread::spawn(move || -> Result<(), String> {
+                    let mut m = Model::new(region as usize, Expect::Store);
+                    let mut rng = Rng::new(200 + t);
+                    let base = t * region;
+                    for step in 0..3000 {
+                        let len = 1 + rng.below(8 * K);
+                        let off = rng.below(region - len);
+                        let ctx = format!("thread {t} step {step} at {off}+{len}");
+                        match rng.below(10) {
+                            0..=4 => {
+                                let mut data = vec![0u8; len as usize];
+                                rng.fill(&mut data);
+                                f.write(&data, base + off, rng.below(20) == 0)
+                                    .map_err(|e| format!("{ctx}: {e}"))?;
+                                m.write(&data, off);
+                            }
+                            5 => {
+                                f.zero(base + off, len, ZeroFlags::default())
+                                    .map_err(|e| format!("{ctx}: {e}"))?;
+                                m.zero(off, len);
+                            }
+                            6 => f.flush().map_err(|e| format!("{ctx}: {e}"))?,
+                            _ => {
+                                let mut got = vec![0u8; len as usize];
+                                f.read(&mut got, base + off).map_err(|e| format!("{ctx}: {e}"))?;
+                                m.check(&got, off, &ctx)?;
+                            }
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("thread panicked").unwrap();
+        }
+        c.finish().unwrap();
+    }
+}
+
+/// After a power loss, every byte acknowledged before the last successful flush (or by a FUA
+/// write since) is on the device; bytes changed since are either value.
+fn power_loss(seed: u64, cfg: CoalesceConfig) -> Result<(), String> {
+    let dev = Arc::new(PowerLoss::new(SIZE));
+    let c = Arc::new(Coalesce::new(dev.clone(), cfg));
+    let fronts: Vec<_> = (0..2).map(|_| c.front(dev.clone())).collect();
+    let mut rng = Rng::new(seed);
+    // What must survive: `Some` for bytes durable by a flush or FUA and unchanged since.
+    let mut must: Vec<Option<u8>> = vec![Some(0); SIZE as usize];
+    let mut now = vec![0u8; SIZE as usize];
+    let steps = 300 + rng.below(1500);
+    for step in 0..steps {
+        let f = &fronts[rng.below(2) as usize];
+        let len = length(&mut rng).min(16 * K);
+        let off = rng.below(SIZE - len);
+        let (o, n) = (off as usize, len as usize);
+        match rng.below(20) {
+            0..=15 => {
+                let mut data = vec![0u8; n];
+                rng.fill(&mut data);
+                let fua = rng.below(8) == 0;
+                f.write(&data, off, fua).map_err(|e| format!("seed {seed} step {step}: {e}"))?;
+                now[o..o + n].copy_from_slice(&data);
+                for (i, x) in data.iter().enumerate() {
+                    must[o + i] = fua.then_some(*x);
+                }
+            }
+            16 => {
+                f.zero(off, len, ZeroFlags::default())
+                    .map_err(|e| format!("seed {seed} step {step}: {e}"))?;
+                now[o..o + n].fill(0);
+                must[o..o + n].fill(None);
+            }
+            _ => {
+                f.flush().map_err(|e| format!("seed {seed} step {step}: {e}"))?;
+                for (m, x) in must.iter_mut().zip(&now) {
+                    *m = Some(*x);
+                }
+            }
+        }
+    }
+    let survived = dev.power_loss();
+    for (i, (m, x)) in must.iter().zip(&survived).enumerate() {
+        if let Some(m) = m {
+            if m != x {
+                return Err(format!(
+                    "seed {seed}: byte {i} is {x:#04x} after the power loss, {m:#04x} was flushed ({} flushes below)",
+                    dev.flushes()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn flushed_bytes_survive_a_power_loss() {
+    for (i, cfg) in configs().into_iter().enumerate() {
+        for seed in 0..8 {
+            power_loss(seed + 1000 * i as u64, cfg).unwrap();
+        }
+    }
+}
+
+/// Serves `backend` in-process over a socket pair; returns a client connected to it.
+fn over_nbd(backend: Arc<dyn Backend>) -> NbdBackend {
+    use lightfoot::server::{Export, Server};
+    let export = Export::new("e", None, true, move || Ok(backend.clone())).unwrap();
+    let server = Arc::new(Server::new(export, 4, 8));
+    let (client, serving) = std::os::unix::net::UnixStream::pair().unwrap();
+    std::thread::spawn(move || server.connection(Box::new(serving)));
+    NbdBackend::from_stream(Box::new(client), "e", "nbd-test").unwrap()
+}
+
+/// A write acknowledged from memory whose write-back fails: the next FLUSH fails, and so does
+/// every later FLUSH and FUA write, on every connection.
+#[test]
+fn a_failed_write_back_surfaces_on_flush_through_the_server() {
+    let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
+    let bad = Rule::new(Op::Write, Fault::Fail(ErrorKind::Io)).at(K * K, 4 * K).times(1);
+    let below: Arc<dyn Backend> = Arc::new(FaultInjector::new(mem.clone(), vec![bad]));
+    let c = Arc::new(Coalesce::new(below, configs()[0]));
+    let a = over_nbd(Arc::new(c.front(mem.clone())));
+    let b = over_nbd(Arc::new(c.front(mem.clone())));
+    a.write(&[1u8; 1024], K * K + 100, false).expect("acknowledged from memory");
+    assert!(a.flush().is_err(), "the flush after a failed write-back succeeded");
+    assert!(b.flush().is_err(), "a later flush on another connection succeeded");
+    assert!(a.flush().is_err());
+    assert!(b.write(&[2u8; 512], 0, true).is_err(), "a FUA write succeeded after the error");
+    // The data was not dropped: reads still return it.
+    let mut buf = [0u8; 1024];
+    b.read(&mut buf, K * K + 100).unwrap();
+    assert_eq!(buf, [1u8; 1024]);
+}
+
+/// Holes stay holes: 1 KiB writes far apart in an empty device allocate only the pages they
+/// touch, and block status reports the rest as holes before and after the flush.
+#[test]
+fn holes_stay_holes() {
+    let mem = Arc::new(MemoryBackend::new(SIZE));
+    let c = Coalesce::new(mem.clone(), configs()[0]);
+    for i in 0..32 {
+        c.write(&[0xabu8; 1024], i * 128 * K + 3 * K, false).unwrap();
+        c.write(&[0xcdu8; 1024], i * 128 * K + 50 * K, false).unwrap();
+    }
+    let data = |exts: &[Extent]| exts.iter().filter(|e| !e.hole).map(|e| e.len).sum::<u64>();
+    let exts = c.extents(0, SIZE).unwrap();
+    assert_eq!(data(&exts), 64 * K, "before the flush: {exts:?}");
+    assert_eq!(exts[..2], [Extent::hole(3 * K), Extent::data(K)]);
+    c.flush().unwrap();
+    // The memory backend allocates 64 KiB pages: one per pair of writes.
+    let exts = c.extents(0, SIZE).unwrap();
+    assert_eq!(data(&exts), 32 * 64 * K, "after the flush: {exts:?}");
+    assert_eq!(c.stats().fill_reads, 0);
+    assert_eq!(mem.allocated(), 32 * 64 * K);
+}
