@@ -15,8 +15,35 @@ pub fn bytes(n: u64) -> String {
     format!("{v:.1} {}", UNITS[u])
 }
 
+/// Parses `500ms`, `2s`, `1.5s`, `1m`, `1h` or `0`; a bare number is seconds.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let s = s.trim();
+    let digits = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = s.split_at(digits);
+    let n: f64 = num.parse().map_err(|_| format!("invalid time '{s}'"))?;
+    let secs = match unit.trim() {
+        "" | "s" => n,
+        "ms" => n / 1000.0,
+        "us" | "µs" => n / 1e6,
+        "m" | "min" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("invalid time '{s}' (use a number with an optional ms, s, m or h suffix)")),
+    };
+    std::time::Duration::try_from_secs_f64(secs).map_err(|_| format!("invalid time '{s}'"))
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn durations() {
+        use std::time::Duration;
+        assert_eq!(super::parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(super::parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(super::parse_duration("2"), Ok(Duration::from_secs(2)));
+        assert_eq!(super::parse_duration("0"), Ok(Duration::ZERO));
+        assert!(super::parse_duration("1d").is_err() && super::parse_duration("-1s").is_err());
+    }
+
     #[test]
     fn bytes() {
         assert_eq!(super::bytes(0), "0 B");

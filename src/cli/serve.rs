@@ -6,6 +6,7 @@ use std::sync::Arc;
 use clap::Args;
 use lightfoot::backend::{Backend, FileBackend};
 use lightfoot::copy::endpoint::parse_size;
+use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
 use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
 use lightfoot::io::{CacheMode, Fadvise, OpenOptions, Shared};
 use lightfoot::server::{Export, Listener, Server};
@@ -79,6 +80,24 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "128K", value_parser = parse_size)]
     prefetch_max_request: u64,
 
+    /// Hold small writes (up to 64 KiB) in memory, from every connection, and write them back
+    /// merged: neighbouring writes in one block become one request, the gaps between them
+    /// read from FILE first where FILE holds data (never over a hole). Reads and block status
+    /// see the held data. Written back on FLUSH (before it replies), FUA, --coalesce-size,
+    /// --coalesce-age and clean shutdown; a write-back error fails every later FLUSH and FUA.
+    /// A kill -9 loses what was not flushed, as a power loss would.
+    #[arg(long)]
+    coalesce: bool,
+
+    /// With --coalesce: most bytes held; writers wait above it (K, M, G suffixes).
+    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_size)]
+    coalesce_size: u64,
+
+    /// With --coalesce: held writes older than this are written back (e.g. 500ms, 1s, 0 for
+    /// as soon as possible).
+    #[arg(long, value_name = "TIME", default_value = "1s", value_parser = super::human::parse_duration)]
+    coalesce_age: std::time::Duration,
+
     /// Worker threads per connection (requests carried out in parallel).
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
     threads: u16,
@@ -121,6 +140,26 @@ pub fn run(a: ServeArgs) -> i32 {
     let tuning = a.mechanisms.tuning(a.fadvise, true);
     let shared = Arc::new(Shared::default());
     let (path, mode, ro) = (a.file.clone(), a.cache, a.read_only);
+    if a.coalesce && ro {
+        tracing::warn!("--coalesce does nothing with --read-only");
+    }
+    // --coalesce: one filter for the export, writing back through a file of its own; each
+    // connection reads through its own file with the held writes laid over.
+    let coalesce = match (a.coalesce && !ro).then(|| {
+        let opts = OpenOptions { write: true, create: false, truncate: false };
+        FileBackend::open_shared(&path, opts, mode, &tuning, shared.clone())
+    }) {
+        None => None,
+        Some(Ok(wb)) => {
+            let cfg =
+                CoalesceConfig { size: a.coalesce_size, age: a.coalesce_age, ..CoalesceConfig::default() };
+            Some(Arc::new(Coalesce::new(Arc::new(wb), cfg)))
+        }
+        Some(Err(e)) => {
+            super::report(&e);
+            return 1;
+        }
+    };
     // --prefetch: one filter for the export, reading ahead through a read-only open file of
     // its own; each connection reaches it through a front over the connection's own file.
     let prefetch = match a.prefetch.then(|| {
@@ -129,23 +168,31 @@ pub fn run(a: ServeArgs) -> i32 {
     }) {
         None => None,
         Some(Ok(ra)) => {
+            // Read-ahead must see held writes too: prefetch stacks above coalesce.
+            let ra: Arc<dyn Backend> = match &coalesce {
+                Some(c) => Arc::new(c.front(Arc::new(ra))),
+                None => Arc::new(ra),
+            };
             let cfg = PrefetchConfig {
                 size: a.prefetch_size,
                 max_request: a.prefetch_max_request,
                 ..PrefetchConfig::default()
             };
-            Some(Arc::new(Prefetch::new(Arc::new(ra), cfg)))
+            Some(Arc::new(Prefetch::new(ra, cfg)))
         }
         Some(Err(e)) => {
             super::report(&e);
             return 1;
         }
     };
-    let pf = prefetch.clone();
+    let (pf, co) = (prefetch.clone(), coalesce.clone());
     let opener = move || -> lightfoot::Result<Arc<dyn Backend>> {
         let opts = OpenOptions { write: !ro, create: false, truncate: false };
-        let file: Arc<dyn Backend> =
+        let mut file: Arc<dyn Backend> =
             Arc::new(FileBackend::open_shared(&path, opts, mode, &tuning, shared.clone())?);
+        if let Some(c) = &co {
+            file = Arc::new(c.front(file));
+        }
         Ok(match &pf {
             Some(p) => Arc::new(p.front(file)),
             None => file,
@@ -228,11 +275,11 @@ pub fn run(a: ServeArgs) -> i32 {
     }
     if a.stats {
         let _ = lightfoot::io::sys::catch_sigusr1();
-        let (s, json, pf) = (server.clone(), a.json, prefetch.clone());
+        let (s, json, pf, co) = (server.clone(), a.json, prefetch.clone(), coalesce.clone());
         std::thread::spawn(move || loop {
             std::thread::sleep(std::time::Duration::from_millis(100));
             if lightfoot::io::sys::take_sigusr1() {
-                print_stats(&s, pf.as_deref(), json);
+                print_stats(&s, pf.as_deref(), co.as_deref(), json);
             }
         });
     }
@@ -241,24 +288,37 @@ pub fn run(a: ServeArgs) -> i32 {
     if let Some(p) = &a.pid_file {
         let _ = std::fs::remove_file(p);
     }
+    // Clean shutdown: read-ahead stops, then held writes are written back and flushed.
+    if let Some(p) = &prefetch {
+        let _ = p.finish();
+    }
+    let written_back = coalesce.as_ref().map_or(Ok(()), |c| c.finish());
     if a.stats {
-        print_stats(&server, prefetch.as_deref(), a.json);
+        print_stats(&server, prefetch.as_deref(), coalesce.as_deref(), a.json);
     }
     if let Err(e) = served {
         super::report(&format!("serve: {e}"));
+        return 1;
+    }
+    if let Err(e) = written_back {
+        super::report(&format!("write back at exit: {e}"));
         return 1;
     }
     let code = *status.lock().unwrap();
     code
 }
 
-fn print_stats(server: &Server, prefetch: Option<&Prefetch>, json: bool) {
+fn print_stats(server: &Server, prefetch: Option<&Prefetch>, coalesce: Option<&Coalesce>, json: bool) {
     let snap = server.stats_snapshot();
     let pstats = prefetch.map(|p| p.stats());
+    let cstats = coalesce.map(|c| c.stats());
     if json {
         let mut v = serde_json::to_value(&snap).expect("stats serialise");
         if let Some(p) = pstats {
             v["prefetch"] = serde_json::to_value(p).expect("stats serialise");
+        }
+        if let Some(c) = cstats {
+            v["coalesce"] = serde_json::to_value(c).expect("stats serialise");
         }
         eprintln!("{v}");
         return;
@@ -289,6 +349,20 @@ fn print_stats(server: &Server, prefetch: Option<&Prefetch>, json: bool) {
             super::human::bytes(p.buffer.prefetched),
             super::human::bytes(p.buffer.wasted),
             super::human::bytes(p.held)
+        );
+    }
+    if let Some(c) = cstats {
+        t += &format!(
+            "coalesce: {} client writes ({} held), {} backend writes, {} written, {} read to fill gaps in {} reads, {} flushes, {} write-back errors, {} held\n",
+            c.client_writes,
+            c.absorbed,
+            c.backend_writes,
+            super::human::bytes(c.bytes_written),
+            super::human::bytes(c.bytes_filled),
+            c.fill_reads,
+            c.flushes,
+            c.errors,
+            super::human::bytes(c.held)
         );
     }
     eprint!("{t}");

@@ -1,0 +1,188 @@
+//! `lightfoot serve --coalesce` against libnbd (the system Python's `nbd` module, from
+//! `make test`): writes from several connections, FLUSH then `kill -9`, holes in a sparse
+//! file, clean shutdown, `--stats`.
+
+mod common;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+struct Served {
+    child: Child,
+    sock: PathBuf,
+}
+
+impl Served {
+    fn start(file: &Path, extra: &[&str]) -> Served {
+        let sock = file.with_extension("sock");
+        let child = Command::new(bin())
+            .args(["serve", "--coalesce", "--unix"])
+            .arg(&sock)
+            .args(extra)
+            .arg(file)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !sock.exists() {
+            assert!(Instant::now() < deadline, "server did not create {}", sock.display());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Served { child, sock }
+    }
+
+    fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.sock.display())
+    }
+
+    /// SIGTERM (a clean shutdown); returns the exit status and stderr.
+    fn stop(mut self) -> (std::process::ExitStatus, String) {
+        let _ = Command::new("kill").arg(self.child.id().to_string()).status();
+        let mut err = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
+        (self.child.wait().unwrap(), err)
+    }
+
+    /// SIGKILL: whatever was held and not flushed is lost.
+    fn kill9(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn python(script: &str, uri: &str) -> Output {
+    let probe = Command::new("/usr/bin/python3").args(["-c", "import nbd"]).output();
+    assert!(
+        probe.map(|o| o.status.success()).unwrap_or(false),
+        "python3-libnbd is missing: `make test` installs it"
+    );
+    let out = Command::new("/usr/bin/python3").arg("-c").arg(script).env("URI", uri).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    out
+}
+
+/// 1 KiB written every 4 KiB over the first 4 MiB, alternating between two connections.
+const STRIDED: &str = r#"
+import os, nbd
+def conn():
+    h = nbd.NBD()
+    h.connect_uri(os.environ['URI'])
+    return h
+a, b = conn(), conn()
+want = bytearray(a.pread(4 << 20, 0))
+for i in range(1024):
+    d = bytes([i % 251 + 1]) * 1024
+    (a if i % 2 else b).pwrite(d, i * 4096)
+    want[i * 4096:i * 4096 + 1024] = d
+# Either connection reads what both wrote, before any flush; small sequential reads
+# (a prefetch stream) too.
+got = b''.join(b.pread(4096, o) for o in range(0, 4 << 20, 4096))
+assert got == want, 'reads before the flush'
+assert a.pread(4 << 20, 0) == want
+a.flush()
+"#;
+
+fn strided_expected(file: &Path) -> Vec<u8> {
+    let mut want = std::fs::read(file).unwrap();
+    for i in 0..1024usize {
+        want[i * 4096..i * 4096 + 1024].fill((i % 251 + 1) as u8);
+    }
+    want
+}
+
+/// FLUSH answered, then `kill -9`: every byte written before the flush is in the file.
+#[test]
+fn flushed_writes_survive_kill_9() {
+    let dir = scratch();
+    let file = dir.path().join("disk.img");
+    random_file(&file, 16 * MIB);
+    let want = strided_expected(&file);
+    let s = Served::start(&file, &["--prefetch"]);
+    python(STRIDED, &s.uri());
+    s.kill9();
+    assert!(std::fs::read(&file).unwrap() == want, "flushed writes missing after kill -9");
+}
+
+/// Unflushed writes are written back at a clean shutdown; `--stats` counts far fewer backend
+/// writes than client writes.
+#[test]
+fn clean_shutdown_writes_back_and_stats_count() {
+    let dir = scratch();
+    let file = dir.path().join("disk.img");
+    random_file(&file, 16 * MIB);
+    let want = strided_expected(&file);
+    let s = Served::start(&file, &["--stats", "--json", "--coalesce-age", "1h"]);
+    // The same writes without the flush at the end.
+    python(&STRIDED.replace("a.flush()", ""), &s.uri());
+    let (status, err) = s.stop();
+    assert!(status.success(), "{err}");
+    assert!(std::fs::read(&file).unwrap() == want, "held writes lost at a clean shutdown");
+    let line = err.lines().rev().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON: {err}"));
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    let c = &v["coalesce"];
+    assert_eq!(c["client_writes"], 1024, "{c}");
+    let backend = c["backend_writes"].as_u64().unwrap();
+    // 1 KiB every 4 KiB over 4 MiB: 64 blocks of 64 KiB.
+    assert!(backend <= 64, "{backend} backend writes for 1024 client writes: {c}");
+    assert!(c["bytes_filled"].as_u64().unwrap() > 0, "{c}");
+}
+
+/// 1 KiB pieces into a sparse file, two per 64 KiB with a hole between: block status reports
+/// them as data before the flush, and afterwards the file holds no more than the 4 KiB blocks
+/// they touch (no gap filled over a hole).
+#[test]
+fn holes_stay_holes_in_a_sparse_file() {
+    let dir = scratch();
+    let file = dir.path().join("sparse.img");
+    std::fs::File::create(&file).unwrap().set_len(64 * MIB).unwrap();
+    let s = Served::start(&file, &[]);
+    let script = r#"
+import os, nbd
+h = nbd.NBD()
+h.add_meta_context('base:allocation')
+h.connect_uri(os.environ['URI'])
+for i in range(64):
+    h.pwrite(b'\xab' * 1024, i * (1 << 20) + 1024)
+    h.pwrite(b'\xcd' * 1024, i * (1 << 20) + 40960)
+seen = []
+def f(meta, off, ents, err):
+    seen.extend(zip(ents[0::2], ents[1::2]))
+h.block_status(1 << 20, 0, f)
+at, data = 0, []
+for n, flags in seen:
+    if not flags & 1:
+        data.append((at, n))
+    at += n
+assert any(o <= 1024 and o + n >= 2048 for o, n in data), seen
+assert any(o <= 40960 and o + n >= 41984 for o, n in data), seen
+assert h.pread(1024, 40960) == b'\xcd' * 1024
+h.flush()
+"#;
+    python(script, &s.uri());
+    s.kill9();
+    let f = std::fs::read(&file).unwrap();
+    for i in 0..64usize {
+        assert!(f[i * MIB as usize + 1024..i * MIB as usize + 2048].iter().all(|&b| b == 0xab));
+        assert!(f[i * MIB as usize + 40960..i * MIB as usize + 41984].iter().all(|&b| b == 0xcd));
+    }
+    // 128 blocks of 4 KiB, plus room for the filesystem's extent tree; filling the gaps would
+    // have allocated 40 KiB more per MiB (2.5 MiB).
+    let alloc = allocated(&file);
+    assert!(
+        alloc <= 64 * 2 * 4096 + 256 * 1024,
+        "{alloc} bytes allocated for 128 KiB written in 1 KiB pieces"
+    );
+}
