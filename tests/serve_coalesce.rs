@@ -103,17 +103,23 @@ fn strided_expected(file: &Path) -> Vec<u8> {
     want
 }
 
-/// FLUSH answered, then `kill -9`: every byte written before the flush is in the file.
+/// FLUSH answered, then `kill -9`: every byte written before the flush is in the file, in
+/// every cache mode, with --prefetch stacked above.
 #[test]
 fn flushed_writes_survive_kill_9() {
     let dir = scratch();
-    let file = dir.path().join("disk.img");
-    random_file(&file, 16 * MIB);
-    let want = strided_expected(&file);
-    let s = Served::start(&file, &["--prefetch"]);
-    python(STRIDED, &s.uri());
-    s.kill9();
-    assert!(std::fs::read(&file).unwrap() == want, "flushed writes missing after kill -9");
+    for mode in ["neutral", "keep", "drop", "direct"] {
+        let file = dir.path().join(format!("{mode}.img"));
+        random_file(&file, 16 * MIB);
+        let want = strided_expected(&file);
+        let s = Served::start(&file, &["--prefetch", "--cache", mode]);
+        python(STRIDED, &s.uri());
+        s.kill9();
+        assert!(
+            std::fs::read(&file).unwrap() == want,
+            "--cache={mode}: flushed writes missing after kill -9"
+        );
+    }
 }
 
 /// Unflushed writes are written back at a clean shutdown; `--stats` counts far fewer backend
@@ -124,11 +130,14 @@ fn clean_shutdown_writes_back_and_stats_count() {
     let file = dir.path().join("disk.img");
     random_file(&file, 16 * MIB);
     let want = strided_expected(&file);
+    evict(&file);
     let s = Served::start(&file, &["--stats", "--json", "--coalesce-age", "1h"]);
     // The same writes without the flush at the end.
     python(&STRIDED.replace("a.flush()", ""), &s.uri());
     let (status, err) = s.stop();
     assert!(status.success(), "{err}");
+    // Neutral mode: the written blocks (and the gaps read to fill them) leave the cache.
+    let left = cached(&file, 0, None);
     assert!(std::fs::read(&file).unwrap() == want, "held writes lost at a clean shutdown");
     let line = err.lines().rev().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON: {err}"));
     let v: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -138,6 +147,7 @@ fn clean_shutdown_writes_back_and_stats_count() {
     // 1 KiB every 4 KiB over 4 MiB: 64 blocks of 64 KiB.
     assert!(backend <= 64, "{backend} backend writes for 1024 client writes: {c}");
     assert!(c["bytes_filled"].as_u64().unwrap() > 0, "{c}");
+    assert!(left <= MIB, "{left} bytes of the file left in the page cache");
 }
 
 /// 1 KiB pieces into a sparse file, two per 64 KiB with a hole between: block status reports
