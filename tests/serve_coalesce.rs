@@ -196,3 +196,39 @@ h.flush()
         "{alloc} bytes allocated for 128 KiB written in 1 KiB pieces"
     );
 }
+
+/// 1 KiB every 4 KiB into a sparse file merges (each 4 KiB block is allocated anyway) without
+/// allocating more than the exact writes would; 1 KiB every 8 KiB leaves the blocks between
+/// unallocated.
+#[test]
+fn strided_writes_into_a_sparse_file_merge_without_inflating_it() {
+    let dir = scratch();
+    for stride in [4096u64, 8192] {
+        let file = dir.path().join(format!("sparse{stride}.img"));
+        std::fs::File::create(&file).unwrap().set_len(64 * MIB).unwrap();
+        let s = Served::start(&file, &["--stats", "--json"]);
+        let script = format!(
+            "import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\n\
+             for i in range({n}):\n    h.pwrite(b'\\xab' * 1024, i * {stride})\nh.flush()\n",
+            n = 4 * MIB / stride
+        );
+        python(&script, &s.uri());
+        let (status, err) = s.stop();
+        assert!(status.success(), "{err}");
+        let line = err.lines().rev().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON: {err}"));
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let backend = v["coalesce"]["backend_writes"].as_u64().unwrap();
+        let alloc = allocated(&file);
+        let f = std::fs::read(&file).unwrap();
+        for (i, x) in f[..4 * MIB as usize].iter().enumerate() {
+            assert_eq!(*x, if (i as u64 % stride) < 1024 { 0xab } else { 0 }, "stride {stride}: byte {i}");
+        }
+        let blocks = 4 * MIB / stride;
+        assert!(alloc <= blocks * 4096 + 256 * 1024, "stride {stride}: {alloc} bytes allocated");
+        if stride == 4096 {
+            assert!(backend <= 64, "stride {stride}: {backend} backend writes for {blocks}");
+        } else {
+            assert_eq!(backend, blocks, "stride {stride}: gaps over never-written blocks filled");
+        }
+    }
+}

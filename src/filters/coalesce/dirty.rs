@@ -143,22 +143,45 @@ pub struct Run {
 }
 
 /// How to write back dirty `ranges` (sorted, disjoint) given the `holes` below (unallocated
-/// ranges, relative to the block): neighbouring ranges become one request when the gap
-/// between them holds data below, so the gap can be read and written back unchanged. A gap
-/// that touches a hole is never filled: writing its zeroes would allocate space nobody asked
-/// for (and can fail with ENOSPC for bytes nobody wrote).
-pub fn plan(ranges: &[Range<u32>], holes: &[Range<u32>]) -> Vec<Run> {
+/// ranges, relative to the block), the filesystem's allocation `unit` and the block's length
+/// `limit`: neighbouring ranges become one request when the gap between them can be read from
+/// below and written back unchanged without allocating anything the exact ranges would not.
+///
+/// A gap over data is fine. A gap over a hole is fine only inside allocation units that hold
+/// dirty bytes: the filesystem allocates those whole when the dirty bytes land, so writing the
+/// zeroes read from the rest changes neither a byte nor the allocation (1 KiB every 4 KiB into
+/// a sparse file still merges). A gap over a hole in a unit nobody wrote is never filled:
+/// that would allocate space for zeroes nobody wrote (and can fail with ENOSPC). A filled run
+/// is also widened to whole units (edge units hold dirty bytes, so the same argument holds):
+/// an aligned write spares the kernel a read of a partial page.
+pub fn plan(ranges: &[Range<u32>], holes: &[Range<u32>], unit: u32, limit: u32) -> Vec<Run> {
+    debug_assert!(unit > 0);
+    // Is unit `u` touched by a dirty range?
+    let touched = |u: u32| {
+        let (s, e) = (u * unit, u * unit + unit);
+        let i = ranges.partition_point(|r| r.end <= s);
+        ranges.get(i).is_some_and(|r| r.start < e)
+    };
+    let fillable = |gap: Range<u32>| {
+        holes.iter().all(|h| {
+            let (s, e) = (h.start.max(gap.start), h.end.min(gap.end));
+            s >= e || (s / unit..=(e - 1) / unit).all(touched)
+        })
+    };
     let mut runs: Vec<Run> = Vec::new();
     for r in ranges {
         if let Some(last) = runs.last_mut() {
-            let gap = last.range.end..r.start;
-            if !holes.iter().any(|h| h.start < gap.end && gap.start < h.end) {
+            if fillable(last.range.end..r.start) {
                 last.range.end = r.end;
                 last.fill = true;
                 continue;
             }
         }
         runs.push(Run { range: r.clone(), fill: false });
+    }
+    for run in runs.iter_mut().filter(|r| r.fill) {
+        run.range.start = run.range.start / unit * unit;
+        run.range.end = run.range.end.div_ceil(unit).saturating_mul(unit).min(limit);
     }
     runs
 }
@@ -297,21 +320,31 @@ mod tests {
 
     #[test]
     fn plan_fills_gaps_over_data_only() {
-        let r = [0..1024, 4096..5120, 8192..9216, 12288..13312];
-        // No holes: one request.
-        assert_eq!(plan(&r, &[]), [Run { range: 0..13312, fill: true }]);
-        // A hole in the second gap splits it there.
+        let r = [0..1024, 5120..6144, 9216..10240, 13312..14336];
+        // No holes: one request, widened to whole 4 KiB units.
+        assert_eq!(plan(&r, &[], 4096, 65536), [Run { range: 0..16384, fill: true }]);
+        // ... but never past the block's end.
+        assert_eq!(plan(&r, &[], 4096, 15000), [Run { range: 0..15000, fill: true }]);
+        // A hole in an untouched unit splits the request there: 6144..9216 crosses unit 1
+        // (touched) and unit 2 (touched at 9216 only from 8192..12288: yes), so put the hole
+        // in a gap that spans an untouched unit instead.
+        let r2 = [0..1024, 13312..14336];
         assert_eq!(
-            plan(&r, &[6000..7000]),
-            [Run { range: 0..5120, fill: true }, Run { range: 8192..13312, fill: true }]
+            plan(&r2, &[4096..8192], 4096, 65536),
+            [Run { range: 0..1024, fill: false }, Run { range: 13312..14336, fill: false }]
         );
-        // A hole under a dirty range does not stop its neighbours' gaps being filled, but a
-        // hole touching every gap leaves the exact ranges.
-        assert_eq!(plan(&r[..2], &[0..1024, 4096..4200]), [Run { range: 0..5120, fill: true }]);
+        // The same gap over data is filled.
+        assert_eq!(plan(&r2, &[20000..30000], 4096, 65536), [Run { range: 0..16384, fill: true }]);
+        // A hole under the dirty units only (a sparse file written 1 KiB every 4 KiB): filled.
+        assert_eq!(plan(&r, &[0..65536], 4096, 65536), [Run { range: 0..16384, fill: true }]);
+        // A hole over a unit nobody touched, between touched ones: split there.
+        let r3 = [0..1024, 9216..10240];
         assert_eq!(
-            plan(&r[..2], &[0..65536]),
-            [Run { range: 0..1024, fill: false }, Run { range: 4096..5120, fill: false }]
+            plan(&r3, &[0..65536], 4096, 65536),
+            [Run { range: 0..1024, fill: false }, Run { range: 9216..10240, fill: false }]
         );
+        // One range: written as it is.
+        assert_eq!(plan(&r[..1], &[], 4096, 65536), [Run { range: 0..1024, fill: false }]);
     }
 
     #[test]
