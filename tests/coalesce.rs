@@ -9,6 +9,7 @@ use std::time::Duration;
 use lightfoot::backend::{Backend, Extent, MemoryBackend, NbdBackend, ZeroFlags};
 use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
 use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
+use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
 use lightfoot::testing::conformance::{Expect, Model, Rng};
 use lightfoot::testing::powerloss::PowerLoss;
 use lightfoot::ErrorKind;
@@ -62,11 +63,20 @@ fn check_extents(
     Ok(())
 }
 
-/// One run: `steps` operations, each through a front picked at random.
-fn mix(seed: u64, steps: usize, cfg: CoalesceConfig) -> Result<(), String> {
+/// One run: `steps` operations, each through a front picked at random. With `prefetch`, the
+/// fronts are those of a prefetch filter stacked above, as `serve --prefetch --coalesce` does,
+/// and a third of the reads are small sequential ones (streams it reads ahead for).
+fn mix(seed: u64, steps: usize, cfg: CoalesceConfig, prefetch: bool) -> Result<(), String> {
     let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
     let c = Arc::new(Coalesce::new(mem.clone(), cfg));
-    let fronts: Vec<_> = (0..3).map(|_| c.front(mem.clone())).collect();
+    let pcfg = PrefetchConfig { size: 1 << 20, ..PrefetchConfig::default() };
+    let pf = prefetch.then(|| Arc::new(Prefetch::new(Arc::new(c.front(mem.clone())), pcfg)));
+    let fronts: Vec<Arc<dyn Backend>> = if let Some(p) = &pf {
+        (0..3).map(|_| Arc::new(p.front(Arc::new(c.front(mem.clone())))) as Arc<dyn Backend>).collect()
+    } else {
+        (0..3).map(|_| Arc::new(c.front(mem.clone())) as Arc<dyn Backend>).collect()
+    };
+    let mut cursor = 0;
     let mut m = Model::new(SIZE as usize, Expect::Store);
     // Bytes known to be non-zero (written non-zero, not since zeroed or trimmed).
     let mut nonzero = vec![false; SIZE as usize];
@@ -90,6 +100,14 @@ fn mix(seed: u64, steps: usize, cfg: CoalesceConfig) -> Result<(), String> {
                     nonzero[off as usize + i] = *x != 0;
                 }
             }
+            45..=54 if prefetch => {
+                let off = cursor;
+                cursor = (cursor + 4 * K) % (SIZE - 4 * K);
+                let mut got = vec![0u8; 4 * K as usize];
+                f.read(&mut got, off)
+                    .map_err(|e| format!("seed {seed} step {step}: stream read {off}: {e}"))?;
+                m.check(&got, off, &format!("seed {seed} step {step}: stream read {off}"))?;
+            }
             45..=69 => {
                 let mut got = vec![0u8; len as usize];
                 f.read(&mut got, off).map_err(|e| format!("{}: {e}", ctx("read")))?;
@@ -107,7 +125,12 @@ fn mix(seed: u64, steps: usize, cfg: CoalesceConfig) -> Result<(), String> {
                 nonzero[off as usize..(off + len) as usize].fill(false);
             }
             85..=89 => f.flush().map_err(|e| format!("{}: {e}", ctx("flush")))?,
-            _ => check_extents(f, &m, &nonzero, off, len.max(64 * K).min(SIZE - off), &ctx("extents"))?,
+            _ => check_extents(&**f, &m, &nonzero, off, len.max(64 * K).min(SIZE - off), &ctx("extents"))?,
+        }
+    }
+    if let Some(p) = &pf {
+        if p.stats().buffer.hits == 0 {
+            return Err(format!("seed {seed}: read-ahead never served a read: {:?}", p.stats()));
         }
     }
     check_extents(&*c, &m, &nonzero, 0, SIZE, &format!("seed {seed}: all extents"))?;
@@ -126,7 +149,16 @@ fn mix(seed: u64, steps: usize, cfg: CoalesceConfig) -> Result<(), String> {
 fn mixes_through_three_fronts() {
     for (i, cfg) in configs().into_iter().enumerate() {
         for seed in 0..4 {
-            mix(seed + 100 * i as u64, 3000, cfg).unwrap();
+            mix(seed + 100 * i as u64, 3000, cfg, false).unwrap();
+        }
+    }
+}
+
+#[test]
+fn mixes_with_prefetch_stacked_above() {
+    for (i, cfg) in configs().into_iter().enumerate() {
+        for seed in 0..3 {
+            mix(seed + 500 + 100 * i as u64, 3000, cfg, true).unwrap();
         }
     }
 }
