@@ -1,0 +1,264 @@
+#!/usr/bin/env bash
+# coalesce.sh: does `lightfoot serve --coalesce` turn small scattered writes into fewer and
+# faster ones, and how does it compare with the peers? (issue 6)
+#
+# Four fio workloads (nbd engine, 4 jobs x iodepth 1, a flush every 64 writes per job and at
+# the end), each against every server in turn, round after round (alternating, so slow
+# drifts of these VMs hit every server alike):
+#     strided   1 KiB written every 4 KiB (rw=write:3k), each job in its own quarter
+#     rand64m   random 1 KiB writes within a 64 MiB region per job
+#     randall   random 1 KiB writes over the whole file
+#     rand4k    random 4 KiB writes over the whole file
+# Servers: lightfoot (neutral mode) without and with --coalesce, nbdkit file cache=none,
+# qemu-nbd --cache=none, and nbdkit file with the page cache (the reference).
+# Backend write calls (pwrite64, pwritev, pwritev2 of the server and all its threads) are
+# counted by running the server under `perf stat` on the syscall tracepoints; lightfoot
+# --coalesce also reports its own count (--stats).
+#
+# Usage (as root: it drops caches):
+#     bench/coalesce.sh [DIR]
+#     SIZE=256M RUNS=1 RUNTIME=2 DROP=0 CONFIGS=coalesce WORKLOADS=strided bench/coalesce.sh
+#
+# Environment:
+#     SIZE       size of the served file (default 4G; K, M, G suffixes)
+#     RUNS       rounds (default 5)
+#     RUNTIME    seconds per fio run (default 20)
+#     TARGET     sparse (default: a fresh sparse file before each run) or data (a fully
+#                written file, made once and overwritten run after run)
+#     CONFIGS    servers by key (default: "lightfoot coalesce nbdkit-none qemu-none nbdkit")
+#     WORKLOADS  workloads by key (default: "strided rand64m randall rand4k")
+#     DIR        work directory (default: the first argument, else /work/tmp/bench-coalesce)
+#     LIGHTFOOT  the binary (default ../target/release/lightfoot beside this script)
+#     DROP       1 (default): drop caches before each run; 0: don't (smoke tests on a machine
+#                where someone else is measuring)
+#
+# Output: a table of medians per workload (IOPS, ratio to lightfoot without --coalesce,
+# backend writes per client write) on stdout and in DIR/table.md; every run in
+# DIR/results.csv; logs in DIR/logs/. Only ratios within one run mean anything here.
+set -euo pipefail
+export LC_ALL=C
+
+die() { echo "coalesce.sh: $*" >&2; exit 1; }
+say() { echo "== $*" >&2; }
+
+HERE=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)
+[[ $EUID -eq 0 ]] || die "run as root (it writes /proc/sys/vm/drop_caches)"
+(($# <= 1)) || die "usage: coalesce.sh [DIR]"
+
+SIZE=${SIZE:-4G}
+RUNS=${RUNS:-5}
+RUNTIME=${RUNTIME:-20}
+TARGET=${TARGET:-sparse}
+CONFIGS=${CONFIGS:-lightfoot coalesce nbdkit-none qemu-none nbdkit}
+WORKLOADS=${WORKLOADS:-strided rand64m randall rand4k}
+DIR=${DIR:-${1:-/work/tmp/bench-coalesce}}
+LIGHTFOOT=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
+DROP=${DROP:-1}
+
+JOBS=4
+FSYNC=64
+SIZE_BYTES=$(numfmt --from=iec -- "$SIZE") || die "SIZE=$SIZE: not a size"
+((SIZE_BYTES % (JOBS * 4096) == 0)) || die "SIZE=$SIZE: must be a multiple of $((JOBS * 4))K"
+((SIZE_BYTES >= JOBS * 64 << 20)) || die "SIZE=$SIZE: at least $((JOBS * 64))M (rand64m)"
+[[ $RUNS =~ ^[1-9][0-9]*$ && $RUNTIME =~ ^[1-9][0-9]*$ ]] || die "RUNS and RUNTIME: positive integers"
+[[ $TARGET == sparse || $TARGET == data ]] || die "TARGET=$TARGET: sparse or data"
+[[ -x $LIGHTFOOT ]] || die "no lightfoot binary at $LIGHTFOOT: cargo build --release, or set LIGHTFOOT="
+LIGHTFOOT=$(realpath -- "$LIGHTFOOT")
+for t in fio perf python3; do command -v $t >/dev/null || die "$t is missing"; done
+
+mkdir -p -- "$DIR/logs"
+DIR=$(realpath -- "$DIR")
+exec 9>"$DIR/.lock"
+flock -n 9 || die "another coalesce.sh is running in $DIR"
+FILE=$DIR/disk.img
+SOCK=$DIR/nbd.sock
+PIDF=$DIR/server.pid
+CSV=$DIR/results.csv
+URI="nbd+unix:///?socket=$SOCK"
+((${#SOCK} < 100)) || die "$SOCK: too long for a Unix socket path"
+rm -f -- "$DIR"/logs/*
+echo "round,workload,config,iops,client_writes,flushes,backend_writes,lightfoot_backend_writes,error" >"$CSV"
+
+config_name() {
+	case $1 in
+	lightfoot) echo "lightfoot" ;;
+	coalesce) echo "lightfoot --coalesce" ;;
+	nbdkit-none) echo "nbdkit file cache=none" ;;
+	qemu-none) echo "qemu-nbd --cache=none" ;;
+	nbdkit) echo "nbdkit file (page cache)" ;;
+	*) return 1 ;;
+	esac
+}
+
+server_cmd() {
+	local lf=("$LIGHTFOOT" serve --unix "$SOCK" --pid-file "$PIDF")
+	case $1 in
+	lightfoot) SCMD=("${lf[@]}" "$FILE") ;;
+	coalesce) SCMD=("${lf[@]}" --coalesce --stats --json "$FILE") ;;
+	nbdkit-none) SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$FILE" cache=none) ;;
+	qemu-none) SCMD=(qemu-nbd -f raw -e "$JOBS" -t -k "$SOCK" --pid-file="$PIDF" --cache=none "$FILE") ;;
+	nbdkit) SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$FILE") ;;
+	esac
+}
+
+client_cmd() {
+	local fio=(fio --name="$1" --ioengine=nbd --uri="$URI" --numjobs="$JOBS" --iodepth=1
+		--runtime="$RUNTIME" --time_based --group_reporting --eta=never --fsync="$FSYNC"
+		--end_fsync=1 --output-format=json --output="$2")
+	local quarter=$((SIZE_BYTES / JOBS))
+	case $1 in
+	strided) CMD=("${fio[@]}" --rw=write:3k --bs=1k --size="$quarter" --offset_increment="$quarter") ;;
+	rand64m) CMD=("${fio[@]}" --rw=randwrite --bs=1k --size=64m --offset_increment=64m) ;;
+	randall) CMD=("${fio[@]}" --rw=randwrite --bs=1k) ;;
+	rand4k) CMD=("${fio[@]}" --rw=randwrite --bs=4k) ;;
+	*) return 1 ;;
+	esac
+}
+
+read -r -a CONFIG_KEYS <<<"${CONFIGS//,/ }"
+read -r -a WORKLOAD_KEYS <<<"${WORKLOADS//,/ }"
+for k in "${CONFIG_KEYS[@]}"; do config_name "$k" >/dev/null || die "CONFIGS: unknown $k"; done
+for k in "${WORKLOAD_KEYS[@]}"; do client_cmd "$k" x || die "WORKLOADS: unknown $k"; done
+
+prepare_file() {
+	if [[ $TARGET == sparse ]]; then
+		rm -f -- "$FILE"
+		truncate -s "$SIZE_BYTES" -- "$FILE"
+	elif [[ ! -f $FILE || $(stat -c %s -- "$FILE") != "$SIZE_BYTES" || ! -f $FILE.data ]]; then
+		say "writing $FILE: $SIZE of random data (TARGET=data)"
+		rm -f -- "$FILE" "$FILE.data"
+		dd if=/dev/urandom of="$FILE" bs=1M iflag=fullblock,count_bytes count="$SIZE_BYTES" status=none
+		touch -- "$FILE.data"
+	fi
+	sync -- "$FILE"
+	[[ $DROP == 0 ]] || echo 3 >/proc/sys/vm/drop_caches
+}
+
+SERVER_PID=""
+REAL_PID=""
+cleanup() {
+	[[ -z $REAL_PID ]] || kill -KILL "$REAL_PID" 2>/dev/null || true
+	[[ -z $SERVER_PID ]] || kill -KILL "$SERVER_PID" 2>/dev/null || true
+	wait 2>/dev/null || true
+}
+trap cleanup EXIT
+
+# start_server KEY LOG PERF_OUT: the server runs under `perf stat`, which counts the file
+# writes of all its threads (inherited); SERVER_PID is perf's, REAL_PID the server's.
+start_server() {
+	rm -f -- "$SOCK" "$PIDF"
+	server_cmd "$1"
+	echo "+ ${SCMD[*]}" >"$2"
+	perf stat -x, -o "$3" -e syscalls:sys_enter_pwrite64,syscalls:sys_enter_pwritev,syscalls:sys_enter_pwritev2 \
+		-- "${SCMD[@]}" >>"$2" 2>&1 &
+	SERVER_PID=$!
+	local i
+	for ((i = 0; i < 200; i++)); do
+		if [[ -S $SOCK && -s $PIDF ]]; then
+			REAL_PID=$(<"$PIDF")
+			return 0
+		fi
+		kill -0 "$SERVER_PID" 2>/dev/null || return 1
+		sleep 0.05
+	done
+	return 1
+}
+
+stop_server() {
+	[[ -n $SERVER_PID ]] || return 0
+	[[ -z $REAL_PID ]] || kill -TERM "$REAL_PID" 2>/dev/null || true
+	local i
+	for ((i = 0; i < 600; i++)); do
+		kill -0 "$SERVER_PID" 2>/dev/null || break
+		sleep 0.1
+	done
+	[[ -z $REAL_PID ]] || kill -KILL "$REAL_PID" 2>/dev/null || true
+	kill -KILL "$SERVER_PID" 2>/dev/null || true
+	wait "$SERVER_PID" 2>/dev/null || true
+	SERVER_PID=""
+	rm -f -- "$SOCK" "$PIDF"
+}
+
+# One run: prints nothing, appends a CSV line.
+run_one() {
+	local round=$1 w=$2 c=$3 base=$DIR/logs/$2-$3-$1
+	prepare_file
+	REAL_PID=""
+	if ! start_server "$c" "$base.server" "$base.perf"; then
+		echo "$round,$w,$c,,,,,,server did not start" >>"$CSV"
+		stop_server
+		return
+	fi
+	client_cmd "$w" "$base.fio"
+	local err=""
+	timeout $((RUNTIME * 3 + 300)) "${CMD[@]}" >"$base.client" 2>&1 || err="client failed"
+	# The client's last flush (end_fsync) wrote everything back: the count at exit covers the
+	# run only.
+	stop_server
+	python3 - "$round" "$w" "$c" "$base.fio" "$base.perf" "$base.server" "$err" >>"$CSV" <<'EOF'
+import json, sys
+rnd, w, c, fio, perf, server, err = sys.argv[1:]
+iops = writes = syncs = backend = lf = ""
+try:
+    text = open(fio).read()
+    job = json.loads(text[text.index("{"):])["jobs"][0]
+    iops = f'{job["write"]["iops"]:.1f}'
+    writes = job["write"]["total_ios"]
+    syncs = job.get("sync", {}).get("total_ios", "")
+    if job.get("error"):
+        err = err or f'fio error {job["error"]}'
+except (OSError, ValueError, KeyError) as e:
+    err = err or "fio output unparsable"
+try:
+    n = 0
+    for line in open(perf):
+        f = line.strip().split(",")
+        if len(f) > 2 and f[2].startswith("syscalls:") and f[0].isdigit():
+            n += int(f[0])
+    backend = n
+except OSError:
+    pass
+try:
+    for line in open(server):
+        if line.startswith("{") and '"coalesce"' in line:
+            lf = json.loads(line)["coalesce"]["backend_writes"]
+except (OSError, ValueError, KeyError):
+    pass
+print(f"{rnd},{w},{c},{iops},{writes},{syncs},{backend},{lf},{err}")
+EOF
+	tail -n 1 "$CSV" | sed 's/^/   /' >&2
+}
+
+for ((r = 1; r <= RUNS; r++)); do
+	for w in "${WORKLOAD_KEYS[@]}"; do
+		for c in "${CONFIG_KEYS[@]}"; do
+			say "round $r/$RUNS: $w, $(config_name "$c")"
+			run_one "$r" "$w" "$c"
+		done
+	done
+done
+
+python3 - "$CSV" "$CONFIGS" <<'EOF' | tee "$DIR/table.md"
+import csv, statistics, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+names = {"lightfoot": "lightfoot", "coalesce": "lightfoot --coalesce",
+         "nbdkit-none": "nbdkit file cache=none", "qemu-none": "qemu-nbd --cache=none",
+         "nbdkit": "nbdkit file (page cache)"}
+def med(xs):
+    xs = [float(x) for x in xs if x not in ("", None)]
+    return statistics.median(xs) if xs else None
+for w in dict.fromkeys(r["workload"] for r in rows):
+    print(f"\n### {w} (fio nbd, 4 jobs x iodepth 1, flush every 64 writes)\n")
+    print("| server | IOPS | × lightfoot | backend writes / client write | failed runs |")
+    print("|---|---|---|---|---|")
+    base = med(r["iops"] for r in rows if r["workload"] == w and r["config"] == "lightfoot")
+    for c in sys.argv[2].replace(",", " ").split():
+        rs = [r for r in rows if r["workload"] == w and r["config"] == c]
+        ok = [r for r in rs if not r["error"]]
+        iops = med(r["iops"] for r in ok)
+        ratio = f"{iops / base:.2f}" if iops and base else "-"
+        per = med(float(r["backend_writes"]) / float(r["client_writes"]) for r in ok
+                  if r["backend_writes"] and r["client_writes"] and float(r["client_writes"]) > 0)
+        print(f"| {names.get(c, c)} | {iops or '-':.0f} | {ratio} | {per if per is None else f'{per:.3f}'} | {len(rs) - len(ok)} |"
+              if iops else f"| {names.get(c, c)} | - | - | - | {len(rs) - len(ok)} |")
+EOF
