@@ -353,7 +353,7 @@ fn print_stats(server: &Server, prefetch: Option<&Prefetch>, coalesce: Option<&C
     }
     if let Some(c) = cstats {
         t += &format!(
-            "coalesce: {} client writes ({} held), {} backend writes, {} written, {} read to fill gaps in {} reads, {} flushes, {} write-back errors, {} held\n",
+            "coalesce: {} client writes ({} held), {} backend writes, {} written, {} read to fill gaps in {} reads, {} flushes ({} below), {} write-back errors, {} held\n",
             c.client_writes,
             c.absorbed,
             c.backend_writes,
@@ -361,6 +361,7 @@ fn print_stats(server: &Server, prefetch: Option<&Prefetch>, coalesce: Option<&C
             super::human::bytes(c.bytes_filled),
             c.fill_reads,
             c.flushes,
+            c.backend_flushes,
             c.errors,
             super::human::bytes(c.held)
         );
