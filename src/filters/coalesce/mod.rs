@@ -719,7 +719,9 @@ impl Coalesce {
         if buf.is_empty() {
             return Ok(());
         }
-        if (buf.len() as u64) <= sh.cfg.max_request && (buf.len() as u64) <= sh.cfg.size {
+        // After `finish` nothing would write held bytes back: write through.
+        let open = !self.finished.load(SeqCst);
+        if open && (buf.len() as u64) <= sh.cfg.max_request && (buf.len() as u64) <= sh.cfg.size {
             return self.write_small(buf, offset, fua);
         }
         self.pass(offset, buf.len() as u64, || {
@@ -1111,5 +1113,11 @@ mod tests {
         c.write(&[9u8; 100], 5000, false).unwrap();
         drop(c);
         assert_eq!(read(&*mem, 5000, 100), [9u8; 100]);
+        // After finish, writes go straight through: nothing would write them back.
+        let c = Coalesce::new(mem.clone(), cfg());
+        c.finish().unwrap();
+        c.write(&[7u8; 100], 5000, false).unwrap();
+        assert_eq!((c.stats().held, c.stats().backend_writes), (0, 1));
+        assert_eq!(read(&*mem, 5000, 100), [7u8; 100]);
     }
 }
