@@ -72,20 +72,27 @@ impl Buffer {
         self.chunks.contains_key(&start)
     }
 
-    /// Copies `[offset, offset+buf.len())` out of the buffer if chunks hold all of it.
-    pub fn serve(&mut self, buf: &mut [u8], offset: u64) -> bool {
-        let end = offset + buf.len() as u64;
-        // Check the whole range first: a partial hit still goes to the backend.
+    /// True if chunks hold all of `[offset, offset+len)`.
+    pub fn covers(&self, offset: u64, len: u64) -> bool {
+        let end = offset + len;
         let mut at = offset;
         while at < end {
             let start = at / CHUNK * CHUNK;
             match self.chunks.get(&start) {
                 Some(c) if start + (c.data.len() as u64) > at => at = (start + c.data.len() as u64).min(end),
-                _ => {
-                    self.stats.misses += 1;
-                    return false;
-                }
+                _ => return false,
             }
+        }
+        true
+    }
+
+    /// Copies `[offset, offset+buf.len())` out of the buffer if chunks hold all of it.
+    pub fn serve(&mut self, buf: &mut [u8], offset: u64) -> bool {
+        let end = offset + buf.len() as u64;
+        // Check the whole range first: a partial hit still goes to the backend.
+        if !self.covers(offset, buf.len() as u64) {
+            self.stats.misses += 1;
+            return false;
         }
         self.tick += 1;
         let mut at = offset;

@@ -254,21 +254,40 @@ impl Prefetch {
         PrefetchFront { prefetch: self.clone(), front }
     }
 
-    fn read_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {
+    /// Whether a read is small enough to be shown to the detector and served from the buffer.
+    fn small(&self, len: u64) -> bool {
+        len != 0 && len <= self.shared.cfg.max_request
+    }
+
+    /// Shows a small read to the detector, queues the read-ahead its stream calls for, and
+    /// serves it from the buffer if the buffer holds all of it. With `only_hits`, a read the
+    /// buffer cannot serve is left alone, unrecorded (it comes again through `read_via`).
+    fn serve(&self, buf: &mut [u8], offset: u64, only_hits: bool) -> bool {
         let len = buf.len() as u64;
-        if len == 0 || len > self.shared.cfg.max_request {
-            return front.read(buf, offset);
-        }
         let mut st = self.shared.state.lock().unwrap();
+        if only_hits && !st.buffer.covers(offset, len) {
+            return false;
+        }
         let v = st.detector.observe(offset, len);
         let hit = st.buffer.serve(buf, offset);
         let jobs = if v.stream { self.shared.plan(&mut st, v.chain, v.frontier, hit) } else { Vec::new() };
         drop(st);
         self.submit(jobs);
-        if hit {
+        hit
+    }
+
+    fn read_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {
+        if self.small(buf.len() as u64) && self.serve(buf, offset, false) {
             return Ok(buf.len());
         }
         front.read(buf, offset)
+    }
+
+    fn read_at_hand_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        if !self.small(buf.len() as u64) {
+            return front.read_at_hand(buf, offset);
+        }
+        self.serve(buf, offset, true).then_some(Ok(buf.len()))
     }
 
     fn write_via(&self, front: &dyn Backend, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
@@ -330,6 +349,10 @@ impl Backend for Prefetch {
         self.read_via(&*self.shared.inner, buf, offset)
     }
 
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        self.read_at_hand_via(&*self.shared.inner, buf, offset)
+    }
+
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.write_via(&*self.shared.inner, buf, offset, fua)
     }
@@ -387,6 +410,10 @@ impl Backend for PrefetchFront {
 
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
         self.prefetch.read_via(&*self.front, buf, offset)
+    }
+
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        self.prefetch.read_at_hand_via(&*self.front, buf, offset)
     }
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
@@ -473,6 +500,32 @@ mod tests {
         assert!(s.buffer.hits >= CHUNK / K4, "{s:?}");
         assert!(s.held <= PrefetchConfig::default().size);
         p.finish().unwrap();
+    }
+
+    #[test]
+    fn reads_at_hand_are_hits_only_and_misses_leave_no_trace() {
+        let inner = patterned(8 * MIB);
+        let p = Prefetch::new(inner.clone(), PrefetchConfig::default());
+        let (mut got, mut want) = ([0u8; 4096], [0u8; 4096]);
+        // Nothing buffered: no answer, and nothing seen (the detector finds no stream in
+        // reads that never reached it).
+        for i in 0..8 {
+            assert!(p.read_at_hand(&mut got, i * K4).is_none());
+        }
+        assert_eq!((p.stats().streams_found, p.stats().buffer.misses), (0, 0));
+        for i in 0..3 {
+            p.read(&mut got, i * K4).unwrap();
+        }
+        wait_until("read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
+        // Read-ahead starts at the next chunk.
+        for i in CHUNK / K4..3 * CHUNK / K4 {
+            let n = p.read_at_hand(&mut got, i * K4).expect("a hit").unwrap();
+            inner.read(&mut want, i * K4).unwrap();
+            assert_eq!((n, got), (4096, want), "block {i}");
+        }
+        // Large reads are the layer below's to answer: a memory backend has them at hand.
+        let mut big = vec![0u8; 1 << 20];
+        assert!(p.read_at_hand(&mut big, 0).is_some());
     }
 
     #[test]
