@@ -223,7 +223,8 @@ impl Shared {
             self.state.lock().unwrap().in_flight.remove(&job.start);
             return;
         }
-        let mut data = vec![0u8; job.len as usize];
+        let spare = self.state.lock().unwrap().buffer.spare();
+        let mut data = buffer::Data::new(spare, job.len as usize);
         let read = crate::backend::read_exact(&*self.inner, &mut data, job.start);
         let mut st = self.state.lock().unwrap();
         st.in_flight.remove(&job.start);
@@ -239,9 +240,12 @@ impl Shared {
                     }
                 }
             }
-            Ok(()) => {}
+            Ok(()) => st.buffer.recycle(data),
             // The client's own read of this range will meet and report the error.
-            Err(e) => tracing::debug!("prefetch: {e}"),
+            Err(e) => {
+                st.buffer.recycle(data);
+                tracing::debug!("prefetch: {e}")
+            }
         }
     }
 }
