@@ -468,6 +468,8 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
     const K4: u64 = 4096;
+    /// 4 KiB reads in a row that make a stream (64 KiB: `DetectConfig::min_run`).
+    const STREAM: u64 = 16;
 
     /// A memory backend whose every 4 KiB block holds its own number (mod 251).
     fn patterned(size: u64) -> Arc<dyn Backend> {
@@ -491,8 +493,8 @@ mod tests {
         let p = Prefetch::new(inner.clone(), PrefetchConfig::default());
         let (mut got, mut want) = ([0u8; 4096], [0u8; 4096]);
         for i in 0..8 * MIB / K4 {
-            if i == 3 {
-                // The stream was found at the third read: its read-ahead is queued.
+            if i == STREAM {
+                // The stream was found at the 16th read (64 KiB): its read-ahead is queued.
                 wait_until("read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
             }
             p.read(&mut got, i * K4).unwrap();
@@ -517,7 +519,7 @@ mod tests {
             assert!(p.read_at_hand(&mut got, i * K4).is_none());
         }
         assert_eq!((p.stats().streams_found, p.stats().buffer.misses), (0, 0));
-        for i in 0..3 {
+        for i in 0..STREAM {
             p.read(&mut got, i * K4).unwrap();
         }
         wait_until("read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
@@ -578,12 +580,12 @@ mod tests {
             st.windows.values().find(|w| w.next < limit).map(|w| w.chunks)
         };
         let mut buf = [0u8; 4096];
-        for i in 0..3 {
+        for i in 0..STREAM {
             p.read(&mut buf, i * K4).unwrap();
         }
         wait_until("A's read-ahead", idle);
         assert_eq!(window_below(MIB), Some(cfg.window_min));
-        for i in 0..3 {
+        for i in 0..STREAM {
             p.read(&mut buf, 6 * MIB + i * K4).unwrap();
         }
         wait_until("B's read-ahead", idle);
@@ -608,7 +610,7 @@ mod tests {
         let late = Rule::new(Op::Read, Fault::Late(Duration::from_millis(300))).at(CHUNK, CHUNK).times(1);
         let p = Prefetch::new(Arc::new(FaultInjector::new(mem, vec![late])), PrefetchConfig::default());
         let mut buf = [0u8; 4096];
-        for i in 0..3 {
+        for i in 0..STREAM {
             p.read(&mut buf, i * K4).unwrap();
         }
         std::thread::sleep(Duration::from_millis(100));
