@@ -6,11 +6,13 @@
 # plugin and qemu-nbd (each with and without the page cache), and runs four client workloads
 # against each: a sequential read and a sequential write with nbdcopy, 4 KiB random reads
 # and 4 KiB random writes (a flush every 64 writes) with fio's nbd engine. Prints a table of
-# medians per workload.
+# medians per workload. PRESET=prefetch runs the matrix of issue 5 (`serve --prefetch`)
+# instead: small sequential, interleaved, random and mixed reads.
 #
 # Usage (as root: it drops caches):
 #     bench/serve.sh [DIR]
 #     SIZE=256M WORKSET=64M RUNS=1 RUNTIME=3 bench/serve.sh        # smoke test
+#     PRESET=prefetch bench/serve.sh                               # issue 5's matrix
 #
 # Environment:
 #     SIZE       size of the served file (default 4G; K, M, G suffixes, powers of 1024)
@@ -23,8 +25,15 @@
 #                made once and overwritten run after run, as a VM's disk image would be)
 #     VERIFY     1 (default): after each sequential write, compare the file with what was sent
 #     CONFIGS    servers to run, by key (default: "lightfoot lightfoot-keep nbdkit nbdkit-none
-#                qemu-wb qemu-none control"; also lightfoot-drop, lightfoot-direct)
-#     WORKLOADS  workloads to run, by key (default: "seqread seqwrite randread randwrite")
+#                qemu-wb qemu-none control"; also lightfoot-drop, lightfoot-direct,
+#                lightfoot-prefetch, lightfoot-direct-prefetch, nbdkit-readahead, nbdkit-memory)
+#     WORKLOADS  workloads to run, by key (default: "seqread seqwrite randread randwrite"; also
+#                seqread4k, interleave3, mixed)
+#     PRESET     prefetch: CONFIGS and WORKLOADS default to issue 5's matrix (lightfoot with and
+#                without --prefetch in both modes, nbdkit, nbdkit-readahead, qemu-none;
+#                seqread4k interleave3 randread mixed); CONFIGS or WORKLOADS, if set, win
+#     INTERLEAVE the interleave3 client (default ../target/release/examples/interleave beside
+#                this script: cargo build --release --examples)
 #     DIR        work directory: files, logs, results (default: the first argument, else
 #                /work/tmp/bench-serve). Needs 2 x SIZE free.
 #     LIGHTFOOT  the binary to test (default ../target/release/lightfoot beside this script)
@@ -59,14 +68,32 @@ WORKSET=${WORKSET:-512M}
 RUNTIME=${RUNTIME:-20}
 TARGET=${TARGET:-sparse}
 VERIFY=${VERIFY:-1}
-CONFIGS=${CONFIGS:-lightfoot lightfoot-keep nbdkit nbdkit-none qemu-wb qemu-none control}
-WORKLOADS=${WORKLOADS:-seqread seqwrite randread randwrite}
+PRESET=${PRESET:-}
+case $PRESET in
+"")
+	DEFAULT_CONFIGS="lightfoot lightfoot-keep nbdkit nbdkit-none qemu-wb qemu-none control"
+	DEFAULT_WORKLOADS="seqread seqwrite randread randwrite"
+	;;
+prefetch)
+	# Issue 5: lightfoot with and without --prefetch in both modes, against nbdkit with the
+	# page cache (the reference), nbdkit's readahead filter and qemu-nbd with O_DIRECT.
+	DEFAULT_CONFIGS="lightfoot lightfoot-prefetch lightfoot-direct lightfoot-direct-prefetch nbdkit nbdkit-readahead qemu-none"
+	DEFAULT_WORKLOADS="seqread4k interleave3 randread mixed"
+	;;
+*) die "PRESET=$PRESET: unknown (prefetch, or unset)" ;;
+esac
+CONFIGS=${CONFIGS:-$DEFAULT_CONFIGS}
+WORKLOADS=${WORKLOADS:-$DEFAULT_WORKLOADS}
 DIR=${DIR:-${1:-/work/tmp/bench-serve}}
 LIGHTFOOT=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
+INTERLEAVE=${INTERLEAVE:-$HERE/../target/release/examples/interleave}
 
 MiB=$((1 << 20))
 FIO_JOBS=4        # fio: jobs (one NBD connection each), iodepth 1 per job
 FIO_FSYNC=64      # fio randwrite: a flush every 64 writes per job
+FIO_BS=4096       # fio and interleave3: bytes per request
+FIO_RANDOM=70     # fio mixed: % of requests at a random offset (the rest continue the last one)
+STREAMS=3         # interleave3: sequential streams on its one connection
 QEMU_SHARED=4     # qemu-nbd -e: nbdcopy and fio open 4 connections at once
 CLIENT_TIMEOUT=${CLIENT_TIMEOUT:-$((RUNTIME * 3 + 600))} # a hung client is a failed run
 
@@ -81,10 +108,14 @@ WS_BYTES=$(to_bytes "$WORKSET" WORKSET)
 	die "WORKSET=$WORKSET: must be a positive multiple of 2M (eviction works on 2 MiB folios)"
 ((WS_BYTES < SIZE_BYTES)) || die "WORKSET=$WORKSET must be smaller than SIZE=$SIZE"
 ((SIZE_BYTES % 4096 == 0)) || die "SIZE=$SIZE: must be a multiple of 4K (fio's block size)"
+# seqread4k: each fio job reads its own quarter of the file beyond the working set, in whole
+# blocks.
+FIO_REGION=$(((SIZE_BYTES - WS_BYTES) / FIO_JOBS / FIO_BS * FIO_BS))
 
 [[ -x $LIGHTFOOT ]] ||
 	die "lightfoot binary not found at $LIGHTFOOT: build it (cargo build --release) or set LIGHTFOOT="
 LIGHTFOOT=$(realpath -- "$LIGHTFOOT")
+if [[ -x $INTERLEAVE ]]; then INTERLEAVE=$(realpath -- "$INTERLEAVE"); fi
 command -v python3 >/dev/null || die "python3 is needed to parse results"
 
 mkdir -p -- "$DIR" "$DIR/logs"
@@ -155,8 +186,12 @@ config_name() {
 	lightfoot-keep) echo "lightfoot --cache=keep" ;;
 	lightfoot-drop) echo "lightfoot --cache=drop" ;;
 	lightfoot-direct) echo "lightfoot --cache=direct" ;;
+	lightfoot-prefetch) echo "lightfoot --prefetch" ;;
+	lightfoot-direct-prefetch) echo "lightfoot --cache=direct --prefetch" ;;
 	nbdkit) echo "nbdkit file" ;;
 	nbdkit-none) echo "nbdkit file cache=none" ;;
+	nbdkit-readahead) echo "nbdkit --filter=readahead file" ;;
+	nbdkit-memory) echo "nbdkit memory (no disk)" ;;
 	qemu-wb) echo "qemu-nbd --cache=writeback" ;;
 	qemu-none) echo "qemu-nbd --cache=none" ;;
 	control) echo "sleep (control)" ;;
@@ -179,6 +214,9 @@ workload_name() {
 	seqwrite) echo "sequential write, nbdcopy --flush [ nbdkit pattern ] URI (MiB/s)" ;;
 	randread) echo "4 KiB random read, fio nbd engine, $FIO_JOBS jobs x iodepth 1 (IOPS)" ;;
 	randwrite) echo "4 KiB random write + flush every $FIO_FSYNC writes, fio nbd engine, $FIO_JOBS jobs x iodepth 1 (IOPS)" ;;
+	seqread4k) echo "4 KiB sequential read, fio nbd engine, $FIO_JOBS jobs x iodepth 1, each in its own region (IOPS)" ;;
+	interleave3) echo "$STREAMS interleaved 4 KiB sequential streams on one connection, one request at a time (IOPS)" ;;
+	mixed) echo "4 KiB reads, $FIO_RANDOM % random + $((100 - FIO_RANDOM)) % continuing the last, fio nbd engine, $FIO_JOBS jobs x iodepth 1 (IOPS)" ;;
 	*) return 1 ;;
 	esac
 }
@@ -188,21 +226,24 @@ workload_tools() {
 	case $1 in
 	seqread) echo nbdcopy ;;
 	seqwrite) echo nbdcopy nbdkit ;;
-	randread | randwrite) echo fio ;;
+	randread | randwrite | seqread4k | mixed) echo fio ;;
+	interleave3) echo interleave ;;
 	esac
 }
 
 for key in "${CONFIG_KEYS[@]}"; do
 	config_name "$key" >/dev/null ||
-		die "CONFIGS: unknown server $key (lightfoot lightfoot-keep lightfoot-drop lightfoot-direct nbdkit nbdkit-none qemu-wb qemu-none control)"
+		die "CONFIGS: unknown server $key (lightfoot lightfoot-keep lightfoot-drop lightfoot-direct lightfoot-prefetch lightfoot-direct-prefetch nbdkit nbdkit-none nbdkit-readahead nbdkit-memory qemu-wb qemu-none control)"
 done
 for key in "${WORKLOAD_KEYS[@]}"; do
-	workload_name "$key" >/dev/null || die "WORKLOADS: unknown workload $key (seqread seqwrite randread randwrite)"
+	workload_name "$key" >/dev/null ||
+		die "WORKLOADS: unknown workload $key (seqread seqwrite randread randwrite seqread4k interleave3 mixed)"
 done
 
 tool_present() {
 	case $1 in
 	lightfoot) true ;;
+	interleave) [[ -x $INTERLEAVE ]] ;;
 	*) command -v "$1" >/dev/null ;;
 	esac
 }
@@ -218,25 +259,34 @@ job_missing() {
 # The file a workload serves.
 served_file() {
 	case $1 in
-	seqread | randread) echo "$SRC" ;;
+	seqread | randread | seqread4k | interleave3 | mixed) echo "$SRC" ;;
 	*) echo "$DST" ;;
 	esac
 }
 
 # Sets SCMD to the command line of server $1 serving file $2 on $SOCK, writing its process id
 # to $PIDF once it accepts connections. Each runs in the foreground (the script starts it in
-# the background and stops it with SIGTERM), writable, with its defaults otherwise.
+# the background and stops it with SIGTERM), writable, with its defaults otherwise. lightfoot
+# prints its --stats as one JSON line to stderr when it exits (into the server log): request
+# counts, and the prefetch buffer's hits and misses. (It counts requests with or without
+# --stats; the option only adds the report.)
 server_cmd() {
-	local lf=("$LIGHTFOOT" serve --unix "$SOCK" --pid-file "$PIDF")
-	local nk=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$2")
+	local lf=("$LIGHTFOOT" serve --unix "$SOCK" --pid-file "$PIDF" --stats --json)
+	local nk=(nbdkit -f -U "$SOCK" -P "$PIDF")
 	local qn=(qemu-nbd -f raw -e "$QEMU_SHARED" -t -k "$SOCK" --pid-file="$PIDF")
 	case $1 in
 	lightfoot) SCMD=("${lf[@]}" "$2") ;;
 	lightfoot-keep) SCMD=("${lf[@]}" --cache=keep "$2") ;;
 	lightfoot-drop) SCMD=("${lf[@]}" --cache=drop "$2") ;;
 	lightfoot-direct) SCMD=("${lf[@]}" --cache=direct "$2") ;;
-	nbdkit) SCMD=("${nk[@]}") ;;
-	nbdkit-none) SCMD=("${nk[@]}" cache=none) ;;
+	lightfoot-prefetch) SCMD=("${lf[@]}" --prefetch "$2") ;;
+	lightfoot-direct-prefetch) SCMD=("${lf[@]}" --cache=direct --prefetch "$2") ;;
+	nbdkit) SCMD=("${nk[@]}" file "$2") ;;
+	nbdkit-none) SCMD=("${nk[@]}" file "$2" cache=none) ;;
+	nbdkit-readahead) SCMD=("${nk[@]}" --filter=readahead file "$2") ;;
+	# Zeroes from memory, the file untouched: a lower bound on what the clients and the socket
+	# allow (lightfoot --prefetch answered interleave3 twice as fast here).
+	nbdkit-memory) SCMD=("${nk[@]}" memory "$SIZE_BYTES") ;;
 	qemu-wb) SCMD=("${qn[@]}" --cache=writeback "$2") ;;
 	qemu-none) SCMD=("${qn[@]}" --cache=none "$2") ;;
 	*) die "no server command for $1" ;;
@@ -249,16 +299,31 @@ server_cmd() {
 # The write source is nbdkit's pattern plugin (each 8 bytes hold their offset: no zero
 # blocks, nearly free to make); nbdkit's random plugin makes only ~270 MiB/s here, on both
 # cores, and would be the bottleneck.
+#
+# The sequential workloads read the file beyond the working set, so that every server starts
+# them cold (the working set is there to show whether a server leaves others' cache alone; in
+# the read regions it would speed up the servers that read through the page cache).
+# seqread4k gives each fio job its own quarter of that (--offset, --size, --offset_increment)
+# and is not time-based: a job stops after RUNTIME or at the end of its quarter, whichever
+# comes first, so nothing is read twice (a second pass would be served from the page cache by
+# the servers that use it). interleave3 (examples/interleave.rs, lightfoot's own NBD client,
+# one connection) does the same with thirds. mixed: fio's percentage_random draws, for each
+# request, a random offset (70 %) or the block right after the previous one (30 %), so the
+# sequential part comes in short runs (1.43 blocks on average, counting the random request
+# that starts each run; 99 % of runs are at most 4 blocks).
 client_cmd() {
-	local fio=(fio --name="$1" --ioengine=nbd --uri="$URI" --bs=4k --numjobs="$FIO_JOBS"
-		--iodepth=1 --runtime="$RUNTIME" --time_based --group_reporting --eta=never
+	local fio=(fio --name="$1" --ioengine=nbd --uri="$URI" --bs="$FIO_BS" --numjobs="$FIO_JOBS"
+		--iodepth=1 --runtime="$RUNTIME" --group_reporting --eta=never
 		--output-format=json --output="$2")
 	case $1 in
 	seqread) CMD=(nbdcopy -- "$URI" null:) ;;
 	# (The brackets are quoted: inside ( ) bash would read "[ ... ]" as one word.)
 	seqwrite) CMD=(nbdcopy --flush -- "[" nbdkit pattern size="$SIZE_BYTES" "]" "$URI") ;;
-	randread) CMD=("${fio[@]}" --rw=randread) ;;
-	randwrite) CMD=("${fio[@]}" --rw=randwrite --fsync="$FIO_FSYNC" --end_fsync=1) ;;
+	randread) CMD=("${fio[@]}" --time_based --rw=randread) ;;
+	randwrite) CMD=("${fio[@]}" --time_based --rw=randwrite --fsync="$FIO_FSYNC" --end_fsync=1) ;;
+	seqread4k) CMD=("${fio[@]}" --rw=read --offset="$WS_BYTES" --size="$FIO_REGION" --offset_increment="$FIO_REGION") ;;
+	mixed) CMD=("${fio[@]}" --time_based --rw=randread --percentage_random="$FIO_RANDOM") ;;
+	interleave3) CMD=("$INTERLEAVE" "$URI" --streams "$STREAMS" --block "$FIO_BS" --seconds "$RUNTIME" --start "$WS_BYTES") ;;
 	*) die "no client command for $1" ;;
 	esac
 }
@@ -269,7 +334,7 @@ client_cmd() {
 declare -A LIGHTFOOT_WALLS=()
 control_seconds() {
 	case $1 in
-	randread | randwrite) echo "$RUNTIME" ;;
+	randread | randwrite | mixed) echo "$RUNTIME" ;;
 	*)
 		if [[ -z ${LIGHTFOOT_WALLS[$1]:-} ]]; then
 			echo 4
@@ -384,7 +449,8 @@ print(" ".join(out))
 EOF
 }
 
-# Prints "iops total_ios syncs error" of a fio JSON report for direction $2 (read, write).
+# Prints "iops total_ios syncs error bytes" of a fio JSON report for direction $2 (read,
+# write).
 parse_fio() {
 	python3 - "$1" "$2" <<'EOF'
 import json, sys
@@ -394,9 +460,44 @@ try:
     # fio may print warnings before the JSON object.
     job = json.loads(text[text.index("{"):])["jobs"][0]
     side = job[sys.argv[2]]
-    print(f'{side["iops"]:.1f} {side["total_ios"]} {job.get("sync", {}).get("total_ios", "-")} {job.get("error", 0)}')
+    print(f'{side["iops"]:.1f} {side["total_ios"]} {job.get("sync", {}).get("total_ios", "-")} '
+          f'{job.get("error", 0)} {side.get("io_bytes", "-")}')
 except (OSError, ValueError, KeyError, IndexError) as e:
-    print("- - - unparsable")
+    print("- - - unparsable -")
+EOF
+}
+
+# Prints "iops ios bytes" from the JSON line examples/interleave.rs printed into log $1.
+parse_interleave() {
+	python3 - "$1" <<'EOF'
+import json, sys
+try:
+    with open(sys.argv[1]) as f:
+        line = [l for l in f if l.startswith('{"streams"')][-1]
+    r = json.loads(line)
+    print(f'{r["iops"]:.1f} {r["ios"]} {r["bytes"]}')
+except (OSError, ValueError, KeyError, IndexError):
+    print("- - -")
+EOF
+}
+
+# Prints "streams hits misses read_ahead unread" of the prefetch filter from the --stats JSON
+# line lightfoot wrote to its log $1 at exit, "-" where unknown (no --prefetch, no report).
+parse_prefetch() {
+	python3 - "$1" <<'EOF'
+import json, sys
+p = {}
+try:
+    with open(sys.argv[1], errors="replace") as f:
+        for line in f:
+            if line.startswith("{"):
+                try:
+                    p = json.loads(line).get("prefetch") or {}
+                except ValueError:
+                    pass
+except OSError:
+    pass
+print(" ".join(str(p.get(k, "-")) for k in ("streams_found", "hits", "misses", "prefetched", "wasted")))
 EOF
 }
 
@@ -405,7 +506,7 @@ add_pages() {
 	if [[ $1 =~ ^[0-9]+$ && $2 =~ ^[0-9]+$ ]]; then echo $(($1 + $2)); else echo -; fi
 }
 
-echo "round,workload,config,status,client_exit,server_exit,wall_s,throughput,unit,ios,syncs,server_peak_rss_kib,server_cpu_s,ws_bytes,ws_cached_before,beyond_before,ws_cached,beyond,dirty_pages,writeback_pages,verify" >"$CSV"
+echo "round,workload,config,status,client_exit,server_exit,wall_s,throughput,unit,ios,syncs,server_peak_rss_kib,server_cpu_s,ws_bytes,ws_cached_before,beyond_before,ws_cached,beyond,dirty_pages,writeback_pages,verify,bytes,pf_streams,pf_hits,pf_misses,pf_read_ahead,pf_unread" >"$CSV"
 
 csv_row() {
 	local IFS=,
@@ -436,15 +537,16 @@ run_one() {
 	"$LIGHTFOOT" cache evict --range "$WS_BYTES:" "$file" >/dev/null
 
 	local status=ok rc="" src_rc="" wall="" tput="" unit="" ios="" syncs="" usage="- -" verify=n/a
+	local bytes="" pf=(- - - - -)
 	if [[ $key != control ]] && ! start_server "$key" "$file" "$slog"; then
 		status=no-server
 		echo "!!! FAILED: round $round, $wl, $name: the server did not start; see $slog:" >&2
 		tail -n 5 -- "$slog" | sed 's/^/!!!   /' >&2
 		stop_server
 		csv_row "$round" "$wl" "\"$name\"" "$status" "" "$SERVER_RC" "" "" "" "" "" "" "" \
-			"$WS_BYTES" "" "" "" "" "" "" ""
+			"$WS_BYTES" "" "" "" "" "" "" "" "" "" "" "" "" ""
 		FAILURES=$((FAILURES + 1))
-		printf '   %-10s %-28s %s\n' "$wl" "$name" "$status" >&2
+		printf '   %-11s %-36s %s\n' "$wl" "$name" "$status" >&2
 		return
 	fi
 	local before_ws before_beyond
@@ -470,6 +572,7 @@ run_one() {
 	[[ $key == control ]] || usage=$(server_usage "$SERVER_REAL")
 	stop_server
 	src_rc=$SERVER_RC
+	if [[ $key == lightfoot* ]]; then read -r -a pf <<<"$(parse_prefetch "$slog")"; fi
 
 	# EPOCHREALTIME always has 6 decimals: drop the dot for microseconds.
 	local wall_us=$((${t1/./} - ${t0/./}))
@@ -493,21 +596,32 @@ run_one() {
 		case $wl in
 		seqread | seqwrite)
 			unit=MiB/s
+			bytes=$SIZE_BYTES
 			tput=$(awk -v b="$SIZE_BYTES" -v us="$wall_us" 'BEGIN { printf "%.1f", b / 1048576 / (us / 1e6) }')
 			;;
-		randread | randwrite)
+		randread | randwrite | seqread4k | mixed)
 			unit=IOPS
 			local dir=read
 			[[ $wl == randwrite ]] && dir=write
 			read -r -a f <<<"$(parse_fio "$json" "$dir")"
-			tput=${f[0]} ios=${f[1]} syncs=${f[2]}
+			tput=${f[0]} ios=${f[1]} syncs=${f[2]} bytes=${f[4]}
 			if [[ ${f[3]} != 0 ]]; then
 				status=fio-error
 				echo "!!! FAILED: round $round, $wl, $name: fio reported error ${f[3]}; see $json" >&2
 			fi
-			[[ $tput == - ]] && tput=""
+			;;
+		interleave3)
+			unit=IOPS
+			read -r -a f <<<"$(parse_interleave "$log")"
+			tput=${f[0]} ios=${f[1]} bytes=${f[2]}
+			if [[ $tput == - ]]; then
+				status=failed
+				echo "!!! FAILED: round $round, $wl, $name: no result from the client; see $log" >&2
+			fi
 			;;
 		esac
+		[[ $tput == - ]] && tput=""
+		[[ $bytes == - ]] && bytes=""
 	fi
 
 	# Correctness, only now that the cache figures are taken and the server has exited.
@@ -528,8 +642,9 @@ run_one() {
 
 	csv_row "$round" "$wl" "\"$name\"" "$status" "$rc" "$src_rc" "$wall" "$tput" "$unit" \
 		"$ios" "$syncs" "${u[0]/-/}" "${u[1]/-/}" "$WS_BYTES" "${s[0]}" "${s[3]}" "${s[6]}" \
-		"${s[9]}" "$(add_pages "${s[7]}" "${s[10]}")" "$(add_pages "${s[8]}" "${s[11]}")" "$verify"
-	printf '   %-10s %-28s %8.2f s %12s %-6s %s\n' "$wl" "$name" "$wall" "${tput:--}" "$unit" "$status" >&2
+		"${s[9]}" "$(add_pages "${s[7]}" "${s[10]}")" "$(add_pages "${s[8]}" "${s[11]}")" "$verify" \
+		"$bytes" "${pf[0]/-/}" "${pf[1]/-/}" "${pf[2]/-/}" "${pf[3]/-/}" "${pf[4]/-/}"
+	printf '   %-11s %-36s %8.2f s %12s %-6s %s\n' "$wl" "$name" "$wall" "${tput:--}" "$unit" "$status" >&2
 }
 
 # --- the rounds ----------------------------------------------------------------------------------
@@ -558,8 +673,8 @@ for ((round = 1; round <= RUNS; round++)); do
 			m=$(job_missing "$wl" "$key")
 			if [[ -n $m ]]; then
 				csv_row "$round" "$wl" "\"$(config_name "$key")\"" "missing:$m" "" "" "" "" "" "" "" \
-					"" "" "$WS_BYTES" "" "" "" "" "" "" ""
-				printf '   %-10s %-28s MISSING: %s\n' "$wl" "$(config_name "$key")" "$m" >&2
+					"" "" "$WS_BYTES" "" "" "" "" "" "" "" "" "" "" "" "" ""
+				printf '   %-11s %-36s MISSING: %s\n' "$wl" "$(config_name "$key")" "$m" >&2
 				continue
 			fi
 			run_one "$round" "$wl" "$key"
@@ -572,7 +687,7 @@ done
 
 rev=$(git -C "$HERE/.." describe --always --dirty 2>/dev/null || echo unknown)
 python3 "$HERE/summarize_serve.py" "$CSV" "$DIR/table.md" \
-	"SIZE=$SIZE, WORKSET=$WORKSET, RUNS=$RUNS, RUNTIME=${RUNTIME}s, TARGET=$TARGET; $(uname -r), $FSTYPE in $DIR; lightfoot $rev; ${VERSIONS#*; }; $(date -u +'%Y-%m-%d %H:%M UTC')"
+	"${PRESET:+PRESET=$PRESET, }SIZE=$SIZE, WORKSET=$WORKSET, RUNS=$RUNS, RUNTIME=${RUNTIME}s, TARGET=$TARGET; $(uname -r), $FSTYPE in $DIR; lightfoot $rev; ${VERSIONS#*; }; $(date -u +'%Y-%m-%d %H:%M UTC')"
 say "raw runs: $CSV; tables: $DIR/table.md; client and server output: $DIR/logs/"
 if ((FAILURES > 0)); then
 	echo "!!! $FAILURES run(s) failed: see the lines marked !!! above" >&2

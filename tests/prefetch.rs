@@ -86,7 +86,12 @@ fn mix(seed: u64, steps: usize, late_read_ahead: bool) -> Result<(), String> {
     if s.held > cfg.size {
         return Err(format!("seed {seed}: {} bytes held, bound {}", s.held, cfg.size));
     }
-    if s.streams_found == 0 || s.buffer.hits == 0 {
+    if s.streams_found == 0 {
+        return Err(format!("seed {seed}: no stream found: {s:?}"));
+    }
+    // Whether read-ahead answering late is ever read depends on how the threads are scheduled
+    // (reads never wait for it, and writes void it): that variant checks coherence only.
+    if !late_read_ahead && s.buffer.hits == 0 {
         return Err(format!("seed {seed}: read-ahead never served a read: {s:?}"));
     }
     Ok(())

@@ -155,6 +155,11 @@ impl Backend for FileBackend {
         self.file.read_at(buf, offset)
     }
 
+    /// Even a cached page may need a device read: never at hand.
+    fn read_at_hand(&self, _buf: &mut [u8], _offset: u64) -> Option<Result<usize>> {
+        None
+    }
+
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         debug_assert!(!self.read_only);
         self.file.write_at(buf, offset, fua)

@@ -102,6 +102,10 @@ impl Backend for MemoryBackend {
         Ok(buf.len())
     }
 
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        Some(self.read(buf, offset))
+    }
+
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
         debug_assert!(offset + buf.len() as u64 <= self.size);
         Self::pieces(offset, buf.len() as u64, |page, in_page, r| {

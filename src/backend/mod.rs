@@ -107,6 +107,14 @@ pub trait Backend: Send + Sync {
     /// inside the request (a pipe at end of input, or a file that shrank).
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize>;
 
+    /// Reads only if the bytes are at hand in memory (a prefetch-buffer hit, a memory
+    /// backend): `None` means the read could wait for a device, so call [`Backend::read`]
+    /// from a thread that may block. The server's reader thread answers hits itself this
+    /// way; handing a 4 KiB hit to a worker thread cost more than the copy (a wake-up and two
+    /// context switches per request). Must not record anything when it returns `None`: the
+    /// same read arrives again through `read`.
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>>;
+
     /// Writes `buf` at `offset`; with `fua`, durable on return.
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
 

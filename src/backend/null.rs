@@ -53,6 +53,10 @@ impl Backend for NullBackend {
         Ok(buf.len())
     }
 
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        Some(self.read(buf, offset))
+    }
+
     fn write(&self, _buf: &[u8], _offset: u64, _fua: bool) -> Result<()> {
         Ok(())
     }

@@ -103,6 +103,10 @@ impl Backend for PipeBackend {
         Ok(done)
     }
 
+    fn read_at_hand(&self, _buf: &mut [u8], _offset: u64) -> Option<Result<usize>> {
+        None
+    }
+
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
         let mut state = self.state.lock().unwrap();
         let (file, pos) = &mut *state;

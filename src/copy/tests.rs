@@ -177,6 +177,10 @@ impl Backend for CountFinish {
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
         self.0.read(buf, offset)
     }
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        self.0.read_at_hand(buf, offset)
+    }
+
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.0.write(buf, offset, fua)
     }

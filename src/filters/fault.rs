@@ -162,6 +162,15 @@ impl Backend for FaultInjector {
         }
     }
 
+    /// Reads with a rule go through `read`, where the rule applies; others are the inner
+    /// backend's.
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        if self.rules.iter().any(|(r, _, _)| r.ops.contains(&Op::Read)) {
+            return None;
+        }
+        self.inner.read_at_hand(buf, offset)
+    }
+
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         match self.check(Op::Write, offset, buf.len() as u64) {
             Some(Fault::Fail(k)) => Err(self.fail(k, "write", offset, buf.len() as u64)),

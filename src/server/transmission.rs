@@ -1,6 +1,8 @@
 //! The transmission phase of one connection: a reader that parses and validates requests,
 //! a few workers that carry them out in parallel against the connection's backend, and
 //! replies written whole (one `writev`) under a lock, in whatever order they complete.
+//! Small reads whose bytes the backend has at hand (prefetch hits) are answered by the reader
+//! itself: for them the hand-off to a worker was most of the cost.
 
 use std::io::{self, Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -95,6 +97,8 @@ fn read_requests(
     reader: &mut dyn Read,
     tx: &mpsc::SyncSender<Job>,
 ) -> io::Result<()> {
+    // The reader's own buffer for reads it answers itself.
+    let mut at_hand = AlignedBuf::new(HOLE_LOOKUP_MIN);
     loop {
         let mut h = [0u8; REQUEST_LEN];
         match reader.read_exact(&mut h) {
@@ -134,6 +138,12 @@ fn read_requests(
             conn.reply_error(&req, e, "request refused");
             server.stats.record(req.cmd, 0, arrived.elapsed(), false);
             continue;
+        }
+        if req.cmd == CMD_READ {
+            if let Some(ok) = conn.read_at_hand(&req, &mut at_hand) {
+                server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
+                continue;
+            }
         }
         if tx.send(Job { req, payload, arrived }).is_err() {
             return Ok(());
@@ -228,12 +238,45 @@ impl Conn<'_> {
         false
     }
 
+    /// Answers a small READ on the reader thread if the backend has its bytes at hand (a
+    /// prefetch hit: see [`Backend::read_at_hand`]); `None` sends it to a worker. Only reads
+    /// below [`HOLE_LOOKUP_MIN`]: their reply is one data chunk, with no extent lookup.
+    fn read_at_hand(&self, req: &Request, buf: &mut [u8]) -> Option<bool> {
+        let len = req.len as usize;
+        if len == 0 || len > buf.len().min(HOLE_LOOKUP_MIN - 1) {
+            return None;
+        }
+        let data = &mut buf[..len];
+        match self.backend.read_at_hand(data, req.offset)? {
+            Ok(n) if n == len => {
+                self.send_data(req, data);
+                Some(true)
+            }
+            // A short read: the worker's path reports it.
+            Ok(_) => None,
+            Err(e) => Some(self.fail(req, &e)),
+        }
+    }
+
+    /// The reply to a READ whose bytes are all data: a simple reply, or one `OFFSET_DATA`
+    /// chunk flagged done.
+    fn send_data(&self, req: &Request, data: &[u8]) {
+        if !self.agreed.structured {
+            self.send(&[&simple_reply(req.cookie, 0), data]);
+            return;
+        }
+        let mut h =
+            chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, req.cookie, 8 + data.len() as u32).to_vec();
+        h.extend_from_slice(&req.offset.to_be_bytes());
+        self.send(&[&h, data]);
+    }
+
     fn read(&self, req: &Request, buf: &mut [u8]) -> bool {
         let len = req.len as usize;
         if !self.agreed.structured {
             return match crate::backend::read_exact(self.backend, &mut buf[..len], req.offset) {
                 Ok(()) => {
-                    self.send(&[&simple_reply(req.cookie, 0), &buf[..len]]);
+                    self.send_data(req, &buf[..len]);
                     true
                 }
                 Err(e) => self.fail(req, &e),

@@ -89,6 +89,10 @@ impl Backend for PowerLoss {
         Ok(buf.len())
     }
 
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        Some(self.read(buf, offset))
+    }
+
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.change(offset, buf.len() as u64, fua, |d| d.copy_from_slice(buf));
         Ok(())

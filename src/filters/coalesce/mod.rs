@@ -278,6 +278,20 @@ impl Shared {
         Locked { idx, guards }
     }
 
+    /// Like `read_locks`, but `None` rather than wait.
+    fn try_read_locks(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Option<Locked<RwLockReadGuard<'_, HashMap<u64, Block>>>> {
+        let idx = self.stripe_set(offset, len);
+        let mut guards = Vec::with_capacity(idx.len());
+        for &i in &idx {
+            guards.push(self.stripes[i].try_read().ok()?);
+        }
+        Some(Locked { idx, guards })
+    }
+
     /// The dirty blocks among `[offset, offset+len)`, ascending, with the part of the range
     /// in each (relative to the block). Their stripes are locked in `locks`.
     fn dirty_in<G: std::ops::Deref<Target = HashMap<u64, Block>>>(
@@ -606,20 +620,47 @@ impl Shared {
 
 impl Coalesce {
     fn read_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.overlaid(buf, offset, true, |buf| Some(front.read(buf, offset))).expect("read always answers")
+    }
+
+    /// A read of what is at hand: held bytes, laid over what the layer below has at hand.
+    /// `None` (and nothing recorded) when the layer below would have to wait for a device, or
+    /// a stripe is locked (a write-back holds it across device I/O).
+    fn read_at_hand_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        self.overlaid(buf, offset, false, |buf| front.read_at_hand(buf, offset))
+    }
+
+    /// Reads with `below` and lays the held bytes over the result, holding the stripes'
+    /// read locks across both (a write-back cannot slip between them). Reads that held bytes
+    /// cover entirely do not call `below`. Without `wait`, `None` if a stripe is locked.
+    fn overlaid(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        wait: bool,
+        below: impl FnOnce(&mut [u8]) -> Option<Result<usize>>,
+    ) -> Option<Result<usize>> {
         let sh = &self.shared;
         let len = buf.len() as u64;
         // Nothing dirty: every completed write is below (bytes are counted until written).
         if len == 0 || sh.held.load(SeqCst) == 0 {
-            return front.read(buf, offset);
+            return below(buf);
         }
-        let locks = sh.read_locks(offset, len);
+        let locks = if wait { sh.read_locks(offset, len) } else { sh.try_read_locks(offset, len)? };
         let dirty = sh.dirty_in(&locks, offset, len);
         let bs = sh.cfg.block;
         let block = |b: u64| &locks.map(Shared::stripe_of(b))[&b];
         // Entirely dirty: nothing to read from below.
         let covered = sh.block_of(offset + len - 1) - sh.block_of(offset) + 1 == dirty.len() as u64
             && dirty.iter().all(|(b, r)| block(*b).covers(r.start, r.len() as u32));
-        let n = if covered { buf.len() } else { front.read(buf, offset)? };
+        let n = if covered {
+            buf.len()
+        } else {
+            match below(buf)? {
+                Ok(n) => n,
+                Err(e) => return Some(Err(e)),
+            }
+        };
         for (b, r) in dirty {
             let blk = block(b);
             let at = (b * bs + u64::from(r.start) - offset) as usize;
@@ -629,7 +670,7 @@ impl Coalesce {
             let end = (at + r.len()).min(n);
             blk.overlay(&mut buf[at..end], r.start);
         }
-        Ok(n)
+        Some(Ok(n))
     }
 
     fn write_small(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
@@ -793,6 +834,10 @@ impl Backend for Coalesce {
         self.read_via(&*self.shared.inner, buf, offset)
     }
 
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        self.read_at_hand_via(&*self.shared.inner, buf, offset)
+    }
+
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.write_via(buf, offset, fua)
     }
@@ -863,6 +908,10 @@ impl Backend for CoalesceFront {
 
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
         self.coalesce.read_via(&*self.front, buf, offset)
+    }
+
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        self.coalesce.read_at_hand_via(&*self.front, buf, offset)
     }
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
@@ -1104,6 +1153,20 @@ mod tests {
         for t in 0..4 {
             assert_eq!(read(&*mem, t * 70 * K, 100), [t as u8 + 1; 100]);
         }
+    }
+
+    #[test]
+    fn reads_at_hand_see_held_bytes_and_never_wait() {
+        let mem = full(MIB);
+        let c = Coalesce::new(mem.clone(), cfg());
+        c.write(&[9u8; 100], 5000, false).unwrap();
+        let mut buf = [0u8; 200];
+        assert_eq!(c.read_at_hand(&mut buf, 4950).unwrap().unwrap(), 200);
+        assert_eq!(&buf[50..150], &[9u8; 100]);
+        assert_eq!(buf[0], read(&*mem, 4950, 1)[0]);
+        // A write-back holding the stripe: the reader thread must not wait for it.
+        let _busy = c.shared.stripes[0].write().unwrap();
+        assert!(c.read_at_hand(&mut buf, 4950).is_none());
     }
 
     #[test]

@@ -8,13 +8,52 @@
 
 use std::collections::BTreeMap;
 
+use crate::io::AlignedBuf;
+
 /// Bytes per chunk: the unit of read-ahead and of eviction.
 pub const CHUNK: u64 = 256 << 10;
 const PIECE: u64 = 4096;
 const PIECES: u32 = (CHUNK / PIECE) as u32;
 
+/// The bytes of one chunk: an aligned buffer (O_DIRECT reads land in it without a bounce
+/// buffer) holding `len` bytes (less than a chunk only at the end of the export).
+pub struct Data {
+    buf: AlignedBuf,
+    len: usize,
+}
+
+impl Data {
+    /// A chunk-sized buffer for read-ahead: a spare one if there is one (see
+    /// [`Buffer::spare`]), else a new one.
+    pub fn new(spare: Option<AlignedBuf>, len: usize) -> Data {
+        debug_assert!(len as u64 <= CHUNK);
+        Data { buf: spare.unwrap_or_else(|| AlignedBuf::new(CHUNK as usize)), len }
+    }
+
+    pub fn into_spare(self) -> AlignedBuf {
+        self.buf
+    }
+}
+
+impl std::ops::Deref for Data {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+impl std::ops::DerefMut for Data {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[..self.len]
+    }
+}
+
+/// Spare chunk buffers kept for reuse. A fresh 256 KiB allocation is an mmap, 64 page faults
+/// and a munmap on release, and these VMs make fresh pages dearer still (KERNEL-NOTES).
+const SPARES: usize = 8;
+
 struct Chunk {
-    data: Vec<u8>,
+    data: Data,
     /// The stream it was read ahead for (a tag the caller chooses), if any.
     owner: Option<u64>,
     /// Pieces read by a client (bit i: bytes [i*PIECE, (i+1)*PIECE)).
@@ -44,6 +83,7 @@ pub struct BufferStats {
 
 pub struct Buffer {
     chunks: BTreeMap<u64, Chunk>,
+    spares: Vec<AlignedBuf>,
     /// Owners of chunks evicted for room before anyone read them (see [`Buffer::take_unread`]).
     unread: Vec<u64>,
     bytes: u64,
@@ -56,6 +96,7 @@ impl Buffer {
     pub fn new(limit: u64) -> Buffer {
         Buffer {
             chunks: BTreeMap::new(),
+            spares: Vec::new(),
             unread: Vec::new(),
             bytes: 0,
             limit: limit.max(CHUNK),
@@ -68,24 +109,43 @@ impl Buffer {
         self.bytes
     }
 
+    /// A buffer from a chunk that was dropped, for the next read-ahead.
+    pub fn spare(&mut self) -> Option<AlignedBuf> {
+        self.spares.pop()
+    }
+
+    /// Keeps a dropped chunk's buffer for reuse (up to [`SPARES`] of them).
+    pub fn recycle(&mut self, data: Data) {
+        if self.spares.len() < SPARES {
+            self.spares.push(data.into_spare());
+        }
+    }
+
     pub fn contains(&self, start: u64) -> bool {
         self.chunks.contains_key(&start)
+    }
+
+    /// True if chunks hold all of `[offset, offset+len)`.
+    pub fn covers(&self, offset: u64, len: u64) -> bool {
+        let end = offset + len;
+        let mut at = offset;
+        while at < end {
+            let start = at / CHUNK * CHUNK;
+            match self.chunks.get(&start) {
+                Some(c) if start + (c.data.len() as u64) > at => at = (start + c.data.len() as u64).min(end),
+                _ => return false,
+            }
+        }
+        true
     }
 
     /// Copies `[offset, offset+buf.len())` out of the buffer if chunks hold all of it.
     pub fn serve(&mut self, buf: &mut [u8], offset: u64) -> bool {
         let end = offset + buf.len() as u64;
         // Check the whole range first: a partial hit still goes to the backend.
-        let mut at = offset;
-        while at < end {
-            let start = at / CHUNK * CHUNK;
-            match self.chunks.get(&start) {
-                Some(c) if start + (c.data.len() as u64) > at => at = (start + c.data.len() as u64).min(end),
-                _ => {
-                    self.stats.misses += 1;
-                    return false;
-                }
-            }
+        if !self.covers(offset, buf.len() as u64) {
+            self.stats.misses += 1;
+            return false;
         }
         self.tick += 1;
         let mut at = offset;
@@ -110,9 +170,9 @@ impl Buffer {
             }
             c.last_use = self.tick;
             if c.done() {
-                let len = c.data.len() as u64;
-                self.chunks.remove(&start);
-                self.bytes -= len;
+                let c = self.chunks.remove(&start).expect("just used");
+                self.bytes -= c.data.len() as u64;
+                self.recycle(c.data);
             }
             at += n as u64;
         }
@@ -122,11 +182,12 @@ impl Buffer {
 
     /// Adds a chunk read ahead (`start` is chunk-aligned) for `owner`, evicting others to make
     /// room.
-    pub fn insert(&mut self, start: u64, data: Vec<u8>, owner: Option<u64>) {
+    pub fn insert(&mut self, start: u64, data: Data, owner: Option<u64>) {
         debug_assert_eq!(start % CHUNK, 0);
         let len = data.len() as u64;
         if let Some(old) = self.chunks.remove(&start) {
             self.bytes -= old.data.len() as u64;
+            self.recycle(old.data);
         }
         while self.bytes + len > self.limit && !self.chunks.is_empty() {
             self.evict_one();
@@ -148,6 +209,7 @@ impl Buffer {
                 self.stats.wasted += c.data.len() as u64;
                 self.unread.extend(c.owner);
             }
+            self.recycle(c.data);
         }
     }
 
@@ -167,6 +229,7 @@ impl Buffer {
             if c.read == 0 {
                 self.stats.wasted += c.data.len() as u64;
             }
+            self.recycle(c.data);
         }
     }
 }
@@ -175,8 +238,10 @@ impl Buffer {
 mod tests {
     use super::*;
 
-    fn chunk(fill: u8) -> Vec<u8> {
-        vec![fill; CHUNK as usize]
+    fn chunk(fill: u8) -> Data {
+        let mut d = Data::new(None, CHUNK as usize);
+        d.fill(fill);
+        d
     }
 
     #[test]
@@ -190,6 +255,20 @@ mod tests {
         }
         assert_eq!(b.bytes(), 0);
         assert!(!b.serve(&mut buf, 0));
+    }
+
+    #[test]
+    fn dropped_chunks_leave_their_buffers_for_reuse() {
+        let mut b = Buffer::new(CHUNK);
+        b.insert(0, chunk(1), None);
+        let mut buf = vec![0u8; CHUNK as usize];
+        assert!(b.serve(&mut buf, 0));
+        let spare = b.spare().expect("the read-through chunk's buffer");
+        assert_eq!(spare.len() as u64, CHUNK);
+        b.insert(0, Data::new(Some(spare), 4096), None);
+        b.insert(CHUNK, chunk(2), None);
+        assert!(b.spare().is_some(), "the evicted chunk's buffer");
+        assert!(b.spare().is_none());
     }
 
     #[test]

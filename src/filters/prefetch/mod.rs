@@ -223,7 +223,8 @@ impl Shared {
             self.state.lock().unwrap().in_flight.remove(&job.start);
             return;
         }
-        let mut data = vec![0u8; job.len as usize];
+        let spare = self.state.lock().unwrap().buffer.spare();
+        let mut data = buffer::Data::new(spare, job.len as usize);
         let read = crate::backend::read_exact(&*self.inner, &mut data, job.start);
         let mut st = self.state.lock().unwrap();
         st.in_flight.remove(&job.start);
@@ -239,9 +240,12 @@ impl Shared {
                     }
                 }
             }
-            Ok(()) => {}
+            Ok(()) => st.buffer.recycle(data),
             // The client's own read of this range will meet and report the error.
-            Err(e) => tracing::debug!("prefetch: {e}"),
+            Err(e) => {
+                st.buffer.recycle(data);
+                tracing::debug!("prefetch: {e}")
+            }
         }
     }
 }
@@ -254,21 +258,40 @@ impl Prefetch {
         PrefetchFront { prefetch: self.clone(), front }
     }
 
-    fn read_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {
+    /// Whether a read is small enough to be shown to the detector and served from the buffer.
+    fn small(&self, len: u64) -> bool {
+        len != 0 && len <= self.shared.cfg.max_request
+    }
+
+    /// Shows a small read to the detector, queues the read-ahead its stream calls for, and
+    /// serves it from the buffer if the buffer holds all of it. With `only_hits`, a read the
+    /// buffer cannot serve is left alone, unrecorded (it comes again through `read_via`).
+    fn serve(&self, buf: &mut [u8], offset: u64, only_hits: bool) -> bool {
         let len = buf.len() as u64;
-        if len == 0 || len > self.shared.cfg.max_request {
-            return front.read(buf, offset);
-        }
         let mut st = self.shared.state.lock().unwrap();
+        if only_hits && !st.buffer.covers(offset, len) {
+            return false;
+        }
         let v = st.detector.observe(offset, len);
         let hit = st.buffer.serve(buf, offset);
         let jobs = if v.stream { self.shared.plan(&mut st, v.chain, v.frontier, hit) } else { Vec::new() };
         drop(st);
         self.submit(jobs);
-        if hit {
+        hit
+    }
+
+    fn read_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {
+        if self.small(buf.len() as u64) && self.serve(buf, offset, false) {
             return Ok(buf.len());
         }
         front.read(buf, offset)
+    }
+
+    fn read_at_hand_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        if !self.small(buf.len() as u64) {
+            return front.read_at_hand(buf, offset);
+        }
+        self.serve(buf, offset, true).then_some(Ok(buf.len()))
     }
 
     fn write_via(&self, front: &dyn Backend, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
@@ -330,6 +353,10 @@ impl Backend for Prefetch {
         self.read_via(&*self.shared.inner, buf, offset)
     }
 
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        self.read_at_hand_via(&*self.shared.inner, buf, offset)
+    }
+
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.write_via(&*self.shared.inner, buf, offset, fua)
     }
@@ -389,6 +416,10 @@ impl Backend for PrefetchFront {
         self.prefetch.read_via(&*self.front, buf, offset)
     }
 
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        self.prefetch.read_at_hand_via(&*self.front, buf, offset)
+    }
+
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.prefetch.write_via(&*self.front, buf, offset, fua)
     }
@@ -437,6 +468,8 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
     const K4: u64 = 4096;
+    /// 4 KiB reads in a row that make a stream (64 KiB: `DetectConfig::min_run`).
+    const STREAM: u64 = 16;
 
     /// A memory backend whose every 4 KiB block holds its own number (mod 251).
     fn patterned(size: u64) -> Arc<dyn Backend> {
@@ -460,8 +493,8 @@ mod tests {
         let p = Prefetch::new(inner.clone(), PrefetchConfig::default());
         let (mut got, mut want) = ([0u8; 4096], [0u8; 4096]);
         for i in 0..8 * MIB / K4 {
-            if i == 3 {
-                // The stream was found at the third read: its read-ahead is queued.
+            if i == STREAM {
+                // The stream was found at the 16th read (64 KiB): its read-ahead is queued.
                 wait_until("read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
             }
             p.read(&mut got, i * K4).unwrap();
@@ -473,6 +506,32 @@ mod tests {
         assert!(s.buffer.hits >= CHUNK / K4, "{s:?}");
         assert!(s.held <= PrefetchConfig::default().size);
         p.finish().unwrap();
+    }
+
+    #[test]
+    fn reads_at_hand_are_hits_only_and_misses_leave_no_trace() {
+        let inner = patterned(8 * MIB);
+        let p = Prefetch::new(inner.clone(), PrefetchConfig::default());
+        let (mut got, mut want) = ([0u8; 4096], [0u8; 4096]);
+        // Nothing buffered: no answer, and nothing seen (the detector finds no stream in
+        // reads that never reached it).
+        for i in 0..8 {
+            assert!(p.read_at_hand(&mut got, i * K4).is_none());
+        }
+        assert_eq!((p.stats().streams_found, p.stats().buffer.misses), (0, 0));
+        for i in 0..STREAM {
+            p.read(&mut got, i * K4).unwrap();
+        }
+        wait_until("read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
+        // Read-ahead starts at the next chunk.
+        for i in CHUNK / K4..3 * CHUNK / K4 {
+            let n = p.read_at_hand(&mut got, i * K4).expect("a hit").unwrap();
+            inner.read(&mut want, i * K4).unwrap();
+            assert_eq!((n, got), (4096, want), "block {i}");
+        }
+        // Large reads are the layer below's to answer: a memory backend has them at hand.
+        let mut big = vec![0u8; 1 << 20];
+        assert!(p.read_at_hand(&mut big, 0).is_some());
     }
 
     #[test]
@@ -521,12 +580,12 @@ mod tests {
             st.windows.values().find(|w| w.next < limit).map(|w| w.chunks)
         };
         let mut buf = [0u8; 4096];
-        for i in 0..3 {
+        for i in 0..STREAM {
             p.read(&mut buf, i * K4).unwrap();
         }
         wait_until("A's read-ahead", idle);
         assert_eq!(window_below(MIB), Some(cfg.window_min));
-        for i in 0..3 {
+        for i in 0..STREAM {
             p.read(&mut buf, 6 * MIB + i * K4).unwrap();
         }
         wait_until("B's read-ahead", idle);
@@ -551,7 +610,7 @@ mod tests {
         let late = Rule::new(Op::Read, Fault::Late(Duration::from_millis(300))).at(CHUNK, CHUNK).times(1);
         let p = Prefetch::new(Arc::new(FaultInjector::new(mem, vec![late])), PrefetchConfig::default());
         let mut buf = [0u8; 4096];
-        for i in 0..3 {
+        for i in 0..STREAM {
             p.read(&mut buf, i * K4).unwrap();
         }
         std::thread::sleep(Duration::from_millis(100));
