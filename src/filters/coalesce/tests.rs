@@ -1,0 +1,237 @@
+//! Unit tests of the filter over memory backends (with faults injected where needed).
+
+use super::*;
+use crate::backend::MemoryBackend;
+use crate::filters::fault::{Fault, FaultInjector, Op, Rule};
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+const K: u64 = 1024;
+
+/// A memory backend with data everywhere (no holes).
+fn full(size: u64) -> Arc<MemoryBackend> {
+    let m = MemoryBackend::new(size);
+    let buf: Vec<u8> = (0..size).map(|i| (i / 4096 % 251) as u8 + 1).collect();
+    m.write(&buf, 0, false).unwrap();
+    Arc::new(m)
+}
+
+fn cfg() -> CoalesceConfig {
+    // No background write-back unless a test asks for it.
+    CoalesceConfig { age: Duration::from_secs(3600), ..CoalesceConfig::default() }
+}
+
+fn read(b: &dyn Backend, off: u64, len: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len as usize];
+    crate::backend::read_exact(b, &mut v, off).unwrap();
+    v
+}
+
+#[test]
+fn strided_writes_become_one_request_per_block() {
+    let mem = full(4 * MIB);
+    let c = Coalesce::new(mem.clone(), cfg());
+    let mut want = read(&*mem, 0, 4 * MIB);
+    for i in 0..MIB / (4 * K) {
+        let data = vec![(i % 200) as u8; K as usize];
+        c.write(&data, i * 4 * K, false).unwrap();
+        want[(i * 4 * K) as usize..(i * 4 * K + K) as usize].copy_from_slice(&data);
+    }
+    // Reads see the dirty data before anything is written back.
+    assert_eq!(read(&c, 0, 4 * MIB), want);
+    assert_eq!(c.stats().backend_writes, 0);
+    c.flush().unwrap();
+    let s = c.stats();
+    assert_eq!((s.client_writes, s.absorbed, s.held), (256, 256, 0), "{s:?}");
+    assert_eq!(s.backend_writes, MIB / (64 * K), "{s:?}");
+    assert!(s.fill_reads > 0 && s.bytes_filled > 0, "{s:?}");
+    assert_eq!(read(&*mem, 0, 4 * MIB), want);
+}
+
+#[test]
+fn gaps_over_holes_are_not_filled() {
+    // A fresh memory backend is all holes: each range is written as it is.
+    let mem = Arc::new(MemoryBackend::new(4 * MIB));
+    let c = Coalesce::new(mem.clone(), cfg());
+    for i in 0..64 {
+        c.write(&[7u8; 1024], i * MIB / 16, false).unwrap();
+    }
+    // Touching writes still merge: one request for the two.
+    c.write(&[8u8; 512], 3 * MIB + 20000, false).unwrap();
+    c.write(&[9u8; 512], 3 * MIB + 20512, false).unwrap();
+    c.flush().unwrap();
+    let s = c.stats();
+    assert_eq!((s.backend_writes, s.fill_reads), (65, 0), "{s:?}");
+    // 64 KiB pages, one per MiB/16: nothing allocated beyond the pages written.
+    assert_eq!(mem.allocated(), 64 * 64 * K);
+    assert_eq!(read(&*mem, 3 * MIB + 20000, 4), [8; 4]);
+    assert_eq!(read(&*mem, 3 * MIB + 21000, 24), [9; 24]);
+}
+
+#[test]
+fn strided_writes_into_holes_merge_within_touched_units() {
+    // 1 KiB every 4 KiB: every 4 KiB unit is allocated anyway, so each block is one
+    // request; 1 KiB every 8 KiB: the units between were never written, so not filled.
+    for (stride, writes) in [(4 * K, 16), (8 * K, 128)] {
+        let mem = Arc::new(MemoryBackend::new(4 * MIB));
+        let c = Coalesce::new(mem.clone(), cfg());
+        for i in 0..MIB / stride {
+            c.write(&[0xaa; 1024], i * stride + 512, false).unwrap();
+        }
+        c.flush().unwrap();
+        assert_eq!(c.stats().backend_writes, writes, "stride {stride}: {:?}", c.stats());
+        let got = read(&*mem, 0, MIB);
+        for (i, x) in got.iter().enumerate() {
+            let written = (i as u64 % stride) >= 512 && (i as u64 % stride) < 1536;
+            assert_eq!(*x, if written { 0xaa } else { 0 }, "stride {stride} byte {i}");
+        }
+    }
+}
+
+#[test]
+fn trims_and_zeroes_discard_earlier_writes_and_lose_to_later_ones() {
+    let mem = full(MIB);
+    let c = Coalesce::new(mem.clone(), cfg());
+    c.write(&[1u8; 4096], 8192, false).unwrap();
+    c.zero(8192 + 1024, 1024, ZeroFlags::default()).unwrap();
+    c.write(&[2u8; 512], 8192 + 1024 + 256, false).unwrap();
+    let mut want = vec![1u8; 4096];
+    want[1024..2048].fill(0);
+    want[1280..1792].fill(2);
+    assert_eq!(read(&c, 8192, 4096), want);
+    c.trim(0, 64 * K, false).unwrap();
+    c.write(&[3u8; 100], 9000, false).unwrap();
+    c.flush().unwrap();
+    assert_eq!(read(&*mem, 9000, 100), [3u8; 100]);
+    // The trimmed bytes around it are whatever the layer below says (zeroes here), not
+    // the dirty bytes written before the trim.
+    assert_eq!(read(&*mem, 8192, 100), [0u8; 100]);
+    // A large write passes through and supersedes dirty bytes under it.
+    c.write(&[4u8; 100], 200 * K, false).unwrap();
+    c.write(&vec![5u8; 256 * K as usize], 128 * K, false).unwrap();
+    assert_eq!(read(&c, 200 * K, 100), [5u8; 100]);
+    c.flush().unwrap();
+    assert_eq!(read(&*mem, 200 * K, 100), [5u8; 100]);
+}
+
+#[test]
+fn extents_report_dirty_data_as_data() {
+    let mem = Arc::new(MemoryBackend::new(4 * MIB));
+    let c = Coalesce::new(mem.clone(), cfg());
+    assert_eq!(c.extents(0, 4 * MIB).unwrap(), [Extent::hole(4 * MIB)]);
+    c.write(&[1u8; 1000], MIB + 24, false).unwrap();
+    assert_eq!(
+        c.extents(0, 4 * MIB).unwrap(),
+        [Extent::hole(MIB + 24), Extent::data(1000), Extent::hole(3 * MIB - 1024)]
+    );
+    c.flush().unwrap();
+    assert!(c.extents(0, 4 * MIB).unwrap().iter().any(|e| !e.hole));
+}
+
+#[test]
+fn a_failed_write_back_fails_every_later_flush_and_fua() {
+    let mem = full(MIB);
+    let bad = Rule::new(Op::Write, Fault::Fail(ErrorKind::Io)).at(64 * K, 64 * K).times(1);
+    let f = Arc::new(FaultInjector::new(mem.clone(), vec![bad]));
+    let c = Coalesce::new(f, cfg());
+    c.write(&[1u8; 1024], 64 * K + 10, false).unwrap();
+    c.write(&[2u8; 1024], 10, false).unwrap();
+    let e = c.flush().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Io);
+    // The data was kept: reads still see it, and the retry at the next flush lands.
+    assert_eq!(read(&c, 64 * K + 10, 1024), [1u8; 1024]);
+    assert!(c.flush().is_err(), "a later flush succeeded after a lost write-back");
+    assert_eq!(read(&*mem, 64 * K + 10, 1024), [1u8; 1024]);
+    assert!(c.write(&[3u8; 10], 0, true).is_err(), "a FUA write succeeded after the error");
+    assert!(c.finish().is_err());
+    assert_eq!(c.stats().errors, 1);
+}
+
+#[test]
+fn writers_wait_within_the_memory_bound() {
+    let mem = full(16 * MIB);
+    let cfg = CoalesceConfig { size: 256 * K, ..cfg() };
+    let c = Coalesce::new(mem.clone(), cfg);
+    let mut rng = crate::testing::conformance::Rng::new(5);
+    let mut want = read(&*mem, 0, 16 * MIB);
+    for _ in 0..4000 {
+        let off = rng.below(16 * MIB - 4096);
+        let mut data = vec![0u8; 1 + rng.below(4096) as usize];
+        rng.fill(&mut data);
+        c.write(&data, off, false).unwrap();
+        want[off as usize..off as usize + data.len()].copy_from_slice(&data);
+        assert!(c.stats().held <= cfg.size);
+    }
+    assert!(c.stats().backend_writes > 0);
+    assert_eq!(read(&c, 0, 16 * MIB), want);
+    c.finish().unwrap();
+    assert_eq!(c.stats().held, 0);
+    assert_eq!(read(&*mem, 0, 16 * MIB), want);
+}
+
+#[test]
+fn old_data_is_written_back_in_the_background() {
+    let mem = full(MIB);
+    let c = Coalesce::new(mem.clone(), CoalesceConfig { age: Duration::from_millis(20), ..cfg() });
+    c.write(&[9u8; 100], 5000, false).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.stats().held > 0 {
+        assert!(Instant::now() < deadline, "never written back");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(read(&*mem, 5000, 100), [9u8; 100]);
+}
+
+#[test]
+fn concurrent_flushes_share_flushes_below() {
+    let mem = full(MIB);
+    let slow = Rule::new(Op::Flush, Fault::Slow(Duration::from_millis(100)));
+    let c = Arc::new(Coalesce::new(Arc::new(FaultInjector::new(mem.clone(), vec![slow])), cfg()));
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                c.write(&[t as u8 + 1; 100], t * 70 * K, false).unwrap();
+                c.flush().unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let s = c.stats();
+    assert_eq!(s.flushes, 4);
+    assert!(s.backend_flushes >= 1 && s.backend_flushes <= 3, "{s:?}");
+    for t in 0..4 {
+        assert_eq!(read(&*mem, t * 70 * K, 100), [t as u8 + 1; 100]);
+    }
+}
+
+#[test]
+fn reads_at_hand_see_held_bytes_and_never_wait() {
+    let mem = full(MIB);
+    let c = Coalesce::new(mem.clone(), cfg());
+    c.write(&[9u8; 100], 5000, false).unwrap();
+    let mut buf = [0u8; 200];
+    assert_eq!(c.read_at_hand(&mut buf, 4950).unwrap().unwrap(), 200);
+    assert_eq!(&buf[50..150], &[9u8; 100]);
+    assert_eq!(buf[0], read(&*mem, 4950, 1)[0]);
+    // A write-back holding the stripe: the reader thread must not wait for it.
+    let _busy = c.shared.stripes[0].write().unwrap();
+    assert!(c.read_at_hand(&mut buf, 4950).is_none());
+}
+
+#[test]
+fn dropping_writes_everything_back() {
+    let mem = full(MIB);
+    let c = Coalesce::new(mem.clone(), cfg());
+    c.write(&[9u8; 100], 5000, false).unwrap();
+    drop(c);
+    assert_eq!(read(&*mem, 5000, 100), [9u8; 100]);
+    // After finish, writes go straight through: nothing would write them back.
+    let c = Coalesce::new(mem.clone(), cfg());
+    c.finish().unwrap();
+    c.write(&[7u8; 100], 5000, false).unwrap();
+    assert_eq!((c.stats().held, c.stats().backend_writes), (0, 1));
+    assert_eq!(read(&*mem, 5000, 100), [7u8; 100]);
+}

@@ -1,0 +1,309 @@
+//! Write-back: of one block (gaps filled only where safe, see [`super::dirty::plan`]), of
+//! everything on FLUSH (several threads, block order), of old blocks and under memory pressure
+//! (the background thread), and the flushes below (group commit). Errors are latched here.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::dirty::{self, Block};
+use super::Shared;
+use crate::error::{Error, ErrorKind, Result};
+
+impl Shared {
+    pub(super) fn latched(&self) -> Option<(ErrorKind, String)> {
+        self.latch.lock().unwrap().clone()
+    }
+
+    /// Fails with the latched write-back error, if any: for FLUSH and FUA.
+    pub(super) fn check_latch(&self, op: &'static str) -> Result<()> {
+        match self.latched() {
+            None => Ok(()),
+            Some((kind, first)) => Err(Error::new(kind, op)
+                .path(self.inner.name())
+                .detail(format!("an earlier write-back failed ({first}); data may be lost"))),
+        }
+    }
+
+    pub(super) fn set_latch(&self, e: &Error) {
+        self.counters.errors.fetch_add(1, SeqCst);
+        let mut l = self.latch.lock().unwrap();
+        if l.is_none() {
+            tracing::warn!("coalesce: write-back failed: {e}");
+            *l = Some((e.kind(), e.to_string()));
+        }
+    }
+
+    pub(super) fn release(&self, bytes: u64) {
+        if bytes > 0 {
+            self.held.fetch_sub(bytes, SeqCst);
+            let _g = self.signal.lock().unwrap();
+            self.room.notify_all();
+        }
+    }
+
+    pub(super) fn wrote(&self, len: usize) {
+        self.counters.backend_writes.fetch_add(1, SeqCst);
+        self.counters.bytes_written.fetch_add(len as u64, SeqCst);
+    }
+
+    /// Writes back the dirty data of block `b` (its stripe write-locked by the caller).
+    /// Bytes are dropped from `block` as they reach the layer below; on error the rest stays
+    /// dirty and the error is latched.
+    pub(super) fn write_back(&self, b: u64, block: &mut Block, fua: bool) -> Result<()> {
+        let base = b * self.cfg.block;
+        let ranges: Vec<Range<u32>> = block.ranges().collect();
+        if ranges.is_empty() {
+            return Ok(());
+        }
+        let holes = if ranges.len() > 1 {
+            self.holes(base, ranges[0].start..ranges[ranges.len() - 1].end)
+        } else {
+            vec![]
+        };
+        let limit = self.size.saturating_sub(base).min(self.cfg.block) as u32;
+        for run in dirty::plan(&ranges, &holes, self.cfg.unit, limit) {
+            let (s, e) = (run.range.start, run.range.end);
+            let r = if run.fill { self.write_filled(block, base, s..e, fua) } else { Err(None) };
+            let r = match r {
+                Ok(()) => Ok(()),
+                Err(Some(e)) => Err(e),
+                // Not filled (a hole, or the gap read failed): the exact ranges.
+                Err(None) => {
+                    let mut r = Ok(());
+                    for (rs, d) in block.runs().iter().filter(|(rs, _)| *rs >= s && *rs < e) {
+                        r = self.inner.write(d, base + u64::from(*rs), fua);
+                        if r.is_err() {
+                            break;
+                        }
+                        self.wrote(d.len());
+                    }
+                    r
+                }
+            };
+            if let Err(err) = r {
+                self.set_latch(&err);
+                return Err(err);
+            }
+            let dropped = block.discard(s, e - s);
+            self.release(dropped);
+        }
+        Ok(())
+    }
+
+    /// Writes `range` of a block as one request, its gaps read from below first. `Err(None)`
+    /// when the gaps could not be read (write the exact ranges instead).
+    pub(super) fn write_filled(
+        &self,
+        block: &Block,
+        base: u64,
+        range: Range<u32>,
+        fua: bool,
+    ) -> std::result::Result<(), Option<Error>> {
+        let mut buf = vec![0u8; range.len()];
+        let at = base + u64::from(range.start);
+        if let Err(e) = crate::backend::read_exact(&*self.inner, &mut buf, at) {
+            tracing::debug!("coalesce: gap read failed, writing exact ranges: {e}");
+            return Err(None);
+        }
+        let dirty: u64 = block
+            .ranges()
+            .filter(|r| r.start >= range.start && r.end <= range.end)
+            .map(|r| r.len() as u64)
+            .sum();
+        self.counters.fill_reads.fetch_add(1, SeqCst);
+        self.counters.bytes_filled.fetch_add(range.len() as u64 - dirty, SeqCst);
+        block.overlay(&mut buf, range.start);
+        self.inner.write(&buf, at, fua).map_err(Some)?;
+        self.wrote(buf.len());
+        Ok(())
+    }
+
+    /// The holes below within `span` of the block at `base`, relative to the block. Where the
+    /// layer below cannot say, it is all a hole: never fill what might be one.
+    pub(super) fn holes(&self, base: u64, span: Range<u32>) -> Vec<Range<u32>> {
+        let all = vec![span.clone()];
+        if !self.inner.caps().can_extents {
+            // It reports everything as data (block devices, nbd without block status).
+            return vec![];
+        }
+        let exts = match self.inner.extents(base + u64::from(span.start), span.len() as u64) {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::debug!("coalesce: extents failed, not filling gaps: {e}");
+                return all;
+            }
+        };
+        let mut out = Vec::new();
+        let mut at = span.start;
+        for e in exts {
+            let n = (e.len.min(u64::from(span.end - at))) as u32;
+            if e.hole {
+                out.push(at..at + n);
+            }
+            at += n;
+            if at >= span.end {
+                break;
+            }
+        }
+        if at < span.end {
+            out.push(at..span.end);
+        }
+        out
+    }
+
+    /// Writes back block `b`, if it is still dirty, and forgets it once written.
+    pub(super) fn write_back_one(&self, b: u64) -> Result<()> {
+        let mut map = self.stripes[Self::stripe_of(b)].write().unwrap();
+        let Some(block) = map.get_mut(&b) else { return Ok(()) };
+        match self.write_back(b, block, false) {
+            Ok(()) => {
+                map.remove(&b);
+                Ok(())
+            }
+            Err(e) => {
+                // Latched; tried again at the next flush or once it is old again.
+                block.since = Instant::now();
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes back everything dirty: in block order (the file sees ascending offsets), in
+    /// batches of neighbouring blocks shared among `threads` threads. A block being written
+    /// back by another thread holds its stripe: listing the blocks waits for it.
+    pub(super) fn write_back_all(&self) -> Result<()> {
+        const BATCH: usize = 4;
+        if self.held.load(SeqCst) == 0 {
+            return Ok(());
+        }
+        let mut keys: Vec<u64> = Vec::new();
+        for s in &self.stripes {
+            keys.extend(s.read().unwrap().keys().copied());
+        }
+        keys.sort_unstable();
+        let next = AtomicUsize::new(0);
+        let first_err = Mutex::new(None);
+        let work = || loop {
+            let i = next.fetch_add(BATCH, SeqCst);
+            if i >= keys.len() {
+                return;
+            }
+            for &b in &keys[i..(i + BATCH).min(keys.len())] {
+                if let Err(e) = self.write_back_one(b) {
+                    first_err.lock().unwrap().get_or_insert(e);
+                }
+            }
+        };
+        let threads = self.cfg.threads.max(1).min(keys.len().div_ceil(BATCH));
+        std::thread::scope(|s| {
+            for _ in 1..threads {
+                s.spawn(work);
+            }
+            work();
+        });
+        first_err.into_inner().unwrap().map_or(Ok(()), Err)
+    }
+
+    /// Writes back the blocks older than the age bound, and the oldest ones while more than
+    /// 3/4 of the size bound is dirty.
+    pub(super) fn write_back_old(&self) {
+        let mut all: Vec<(Instant, u64)> = Vec::new();
+        for s in &self.stripes {
+            all.extend(s.read().unwrap().iter().map(|(b, blk)| (blk.since, *b)));
+        }
+        all.sort_unstable();
+        let old = Instant::now().checked_sub(self.cfg.age);
+        let low = self.cfg.size / 4 * 3;
+        for (since, b) in all {
+            let too_old = old.is_some_and(|o| since <= o);
+            if !too_old && self.held.load(SeqCst) <= low {
+                break;
+            }
+            // Errors are latched; the block is tried again later.
+            let _ = self.write_back_one(b);
+        }
+    }
+
+    /// The background thread: wakes when a writer is over the bound, or every so often for
+    /// the age bound.
+    pub(super) fn background(&self) {
+        let tick = (self.cfg.age / 4).clamp(Duration::from_millis(1), Duration::from_millis(100));
+        loop {
+            {
+                let g = self.signal.lock().unwrap();
+                if self.stopping.load(SeqCst) {
+                    return;
+                }
+                let _ = self.work.wait_timeout(g, tick).unwrap();
+            }
+            if self.stopping.load(SeqCst) {
+                return;
+            }
+            if self.held.load(SeqCst) > 0 {
+                self.write_back_old();
+            }
+        }
+    }
+
+    /// Makes every write below that completed before the call durable. Concurrent callers
+    /// share flushes (group commit): a flush below that starts after the call covers it, so a
+    /// caller arriving while one runs waits for the next, which one of the waiters starts.
+    /// With 4 connections flushing every 64 writes, they often arrive together.
+    pub(super) fn flush_below(&self) -> Result<()> {
+        let mut st = self.syncs.lock().unwrap();
+        let need = st.started + 1;
+        loop {
+            if st.completed >= need {
+                drop(st);
+                // That flush's error, if it failed, is latched.
+                return self.check_latch("flush");
+            }
+            if !st.running {
+                st.running = true;
+                st.started += 1;
+                let me = st.started;
+                drop(st);
+                self.counters.backend_flushes.fetch_add(1, SeqCst);
+                let r = self.inner.flush();
+                if let Err(e) = &r {
+                    self.set_latch(e);
+                }
+                let mut st = self.syncs.lock().unwrap();
+                st.running = false;
+                st.completed = me;
+                self.synced.notify_all();
+                drop(st);
+                return r.and_then(|()| self.check_latch("flush"));
+            }
+            st = self.synced.wait(st).unwrap();
+        }
+    }
+
+    /// Backpressure: waits while adding `len` bytes would pass the bound. Returns false when
+    /// the write should go straight down instead (a write-back error is latched, so room may
+    /// never come).
+    pub(super) fn wait_for_room(&self, len: u64) -> bool {
+        let limit = self.cfg.size;
+        loop {
+            if self.held.load(SeqCst) + len <= limit {
+                return true;
+            }
+            if self.latched().is_some() {
+                return false;
+            }
+            if self.stopping.load(SeqCst) {
+                // No background thread: make room here.
+                self.write_back_old();
+                if self.held.load(SeqCst) + len > limit {
+                    return false;
+                }
+                continue;
+            }
+            let g = self.signal.lock().unwrap();
+            self.work.notify_one();
+            let _ = self.room.wait_timeout(g, Duration::from_millis(10)).unwrap();
+        }
+    }
+}
