@@ -232,3 +232,47 @@ fn strided_writes_into_a_sparse_file_merge_without_inflating_it() {
         }
     }
 }
+
+fn tool(name: &str, package: &str) -> Command {
+    let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().unwrap();
+    assert!(found.status.success(), "{name} is missing: `make test` installs it (Debian package {package})");
+    Command::new(name)
+}
+
+/// Held writes into a sparse file are data to clients that skip holes: nbdcopy and qemu-img
+/// read the export through block status (and OFFSET_HOLE chunks) before anything was flushed,
+/// and must copy every held byte.
+#[test]
+fn nbdcopy_and_qemu_img_see_held_writes_in_holes() {
+    let dir = scratch();
+    let file = dir.path().join("sparse.img");
+    std::fs::File::create(&file).unwrap().set_len(24 * MIB).unwrap();
+    let s = Served::start(&file, &["--coalesce-age", "1h"]);
+    let script = r#"
+import os, nbd
+h = nbd.NBD()
+h.connect_uri(os.environ['URI'])
+for i in range(24):
+    h.pwrite(bytes([i + 1]) * 1000, i * (1 << 20) + 4096 * i + 7)
+"#;
+    python(script, &s.uri());
+    let mut want = vec![0u8; 24 * MIB as usize];
+    for i in 0..24usize {
+        let at = i * MIB as usize + 4096 * i + 7;
+        want[at..at + 1000].fill(i as u8 + 1);
+    }
+    let (out1, out2) = (dir.path().join("o1"), dir.path().join("o2"));
+    let out = tool("nbdcopy", "libnbd-bin").args([&s.uri(), out1.to_str().unwrap()]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let out = tool("qemu-img", "qemu-utils")
+        .args(["convert", "-f", "raw", "-O", "raw", &s.uri()])
+        .arg(&out2)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(std::fs::read(&out1).unwrap() == want, "nbdcopy skipped held writes");
+    assert!(std::fs::read(&out2).unwrap() == want, "qemu-img skipped held writes");
+    let (status, err) = s.stop();
+    assert!(status.success(), "{err}");
+    assert!(std::fs::read(&file).unwrap() == want);
+}

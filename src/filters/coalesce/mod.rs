@@ -174,6 +174,10 @@ pub struct Coalesce {
 impl Coalesce {
     pub fn new(inner: Arc<dyn Backend>, cfg: CoalesceConfig) -> Coalesce {
         debug_assert!(cfg.block > 0 && cfg.block <= u32::MAX as u64);
+        debug_assert!(
+            cfg.unit > 0 && cfg.block.is_multiple_of(u64::from(cfg.unit)),
+            "blocks are whole units"
+        );
         let size = inner.size().unwrap_or(0);
         let shared = Arc::new(Shared {
             inner,
@@ -356,15 +360,24 @@ impl Coalesce {
         let locks = sh.read_locks(offset, len);
         let below = front.extents(offset, len)?;
         let total: u64 = below.iter().map(|e| e.len).sum();
-        let bs = sh.cfg.block;
+        let (bs, unit) = (sh.cfg.block, u64::from(sh.cfg.unit));
         let mut ranges: Vec<Range<u64>> = Vec::new();
-        let dirty = sh.dirty_in(&locks, offset, total);
+        // Dirty bytes in the units the request touches (the same blocks: blocks are whole
+        // units), so that the answer does not depend on where a request starts.
+        let (lo, hi) = (offset / unit * unit, (offset + total).div_ceil(unit) * unit);
+        let dirty = sh.dirty_in(&locks, lo, hi.min(sh.size) - lo);
         for (b, r) in dirty {
             let blk = &locks.map(Shared::stripe_of(b))[&b];
-            for d in blk.ranges() {
-                let (s, e) = (d.start.max(r.start), d.end.min(r.end));
-                if s < e {
-                    ranges.push(b * bs + u64::from(s)..b * bs + u64::from(e));
+            for d in blk.ranges().filter(|d| d.start < r.end && r.start < d.end) {
+                // Whole units: clients read in aligned pieces, and qemu rounds an unaligned
+                // extent so that a hole's status covers the dirty bytes sharing its 512-byte
+                // sector (it then reads them as zeroes). Data is the safe answer for the rest
+                // of the unit, which the filesystem allocates with the dirty bytes anyway.
+                let s = ((b * bs + u64::from(d.start)) / unit * unit).max(offset);
+                let e = (b * bs + u64::from(d.end)).div_ceil(unit).saturating_mul(unit).min(offset + total);
+                match ranges.last_mut() {
+                    Some(last) if last.end >= s => last.end = last.end.max(e),
+                    _ => ranges.push(s..e),
                 }
             }
         }
