@@ -29,6 +29,8 @@
 #     WORKLOADS  workloads by key (default: "strided rand64m randall rand4k")
 #     DIR        work directory (default: the first argument, else /work/tmp/bench-coalesce)
 #     LIGHTFOOT  the binary (default ../target/release/lightfoot beside this script)
+#     COALESCE_ARGS  more options for lightfoot --coalesce, e.g. "--coalesce-block 256K" (the
+#                block size is to be chosen by this measurement)
 #     DROP       1 (default): drop caches before each run; 0: don't (smoke tests on a machine
 #                where someone else is measuring)
 #
@@ -54,6 +56,7 @@ WORKLOADS=${WORKLOADS:-strided rand64m randall rand4k}
 DIR=${DIR:-${1:-/work/tmp/bench-coalesce}}
 LIGHTFOOT=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
 DROP=${DROP:-1}
+COALESCE_ARGS=${COALESCE_ARGS:-}
 
 JOBS=4
 FSYNC=64
@@ -94,7 +97,8 @@ server_cmd() {
 	local lf=("$LIGHTFOOT" serve --unix "$SOCK" --pid-file "$PIDF")
 	case $1 in
 	lightfoot) SCMD=("${lf[@]}" "$FILE") ;;
-	coalesce) SCMD=("${lf[@]}" --coalesce --stats --json "$FILE") ;;
+	# shellcheck disable=SC2086 # COALESCE_ARGS: words
+	coalesce) SCMD=("${lf[@]}" --coalesce --stats --json $COALESCE_ARGS "$FILE") ;;
 	nbdkit-none) SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$FILE" cache=none) ;;
 	qemu-none) SCMD=(qemu-nbd -f raw -e "$JOBS" -t -k "$SOCK" --pid-file="$PIDF" --cache=none "$FILE") ;;
 	nbdkit) SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$FILE") ;;

@@ -18,11 +18,14 @@ const SIZE: u64 = (4 << 20) + 4097;
 const K: u64 = 1024;
 
 /// Configurations that make write-back happen at different moments: only on flush; under
-/// memory pressure and by age all the time.
-fn configs() -> [CoalesceConfig; 2] {
+/// memory pressure and by age all the time; and with the smallest and a large block.
+fn configs() -> [CoalesceConfig; 4] {
     let lazy = CoalesceConfig { age: Duration::from_secs(3600), ..CoalesceConfig::default() };
     let busy = CoalesceConfig { size: 128 * K, age: Duration::from_millis(1), ..CoalesceConfig::default() };
-    [lazy, busy]
+    let small = CoalesceConfig { block: 4 * K, max_request: 4 * K, ..lazy };
+    let large =
+        CoalesceConfig { block: 1024 * K, max_request: 128 * K, age: Duration::from_millis(3), ..lazy };
+    [lazy, busy, small, large]
 }
 
 /// A request size: mostly small (coalesced), sometimes large (passed through).

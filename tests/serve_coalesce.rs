@@ -112,7 +112,9 @@ fn flushed_writes_survive_kill_9() {
         let file = dir.path().join(format!("{mode}.img"));
         random_file(&file, 16 * MIB);
         let want = strided_expected(&file);
-        let s = Served::start(&file, &["--prefetch", "--cache", mode]);
+        // One of them with a larger block.
+        let block = if mode == "direct" { "256K" } else { "64K" };
+        let s = Served::start(&file, &["--prefetch", "--cache", mode, "--coalesce-block", block]);
         python(STRIDED, &s.uri());
         s.kill9();
         assert!(

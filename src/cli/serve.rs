@@ -98,6 +98,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "TIME", default_value = "1s", value_parser = super::human::parse_duration)]
     coalesce_age: std::time::Duration,
 
+    /// With --coalesce: the block, the most one write-back request spans; writes up to this
+    /// size are held (a multiple of 4K, at most 16M; K, M suffixes).
+    #[arg(long, value_name = "SIZE", default_value = "64K", value_parser = parse_coalesce_block)]
+    coalesce_block: u64,
+
     /// Worker threads per connection (requests carried out in parallel).
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
     threads: u16,
@@ -151,8 +156,13 @@ pub fn run(a: ServeArgs) -> i32 {
     }) {
         None => None,
         Some(Ok(wb)) => {
-            let cfg =
-                CoalesceConfig { size: a.coalesce_size, age: a.coalesce_age, ..CoalesceConfig::default() };
+            let cfg = CoalesceConfig {
+                size: a.coalesce_size,
+                age: a.coalesce_age,
+                block: a.coalesce_block,
+                max_request: a.coalesce_block,
+                ..CoalesceConfig::default()
+            };
             Some(Arc::new(Coalesce::new(Arc::new(wb), cfg)))
         }
         Some(Err(e)) => {
@@ -306,6 +316,14 @@ pub fn run(a: ServeArgs) -> i32 {
     }
     let code = *status.lock().unwrap();
     code
+}
+
+fn parse_coalesce_block(s: &str) -> Result<u64, String> {
+    let n = parse_size(s)?;
+    if n == 0 || n % 4096 != 0 || n > 16 << 20 {
+        return Err(format!("'{s}': a multiple of 4K, at most 16M"));
+    }
+    Ok(n)
 }
 
 fn print_stats(server: &Server, prefetch: Option<&Prefetch>, coalesce: Option<&Coalesce>, json: bool) {
