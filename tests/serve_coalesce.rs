@@ -278,3 +278,59 @@ for i in range(24):
     assert!(status.success(), "{err}");
     assert!(std::fs::read(&file).unwrap() == want);
 }
+
+/// On a nearly full filesystem, held writes with gaps over holes between them are written back
+/// exactly (filling those gaps would need 4.5 times the space and fail with ENOSPC); once the
+/// space really runs out, the write-back error fails that FLUSH and every later one.
+#[test]
+fn a_full_filesystem_fails_flush_only_when_written_bytes_do_not_fit() {
+    if euid() != 0 {
+        eprintln!("SKIPPED a_full_filesystem: needs root to mount a small tmpfs");
+        return;
+    }
+    let dir = scratch();
+    let mnt = dir.path().join("small");
+    std::fs::create_dir(&mnt).unwrap();
+    let st =
+        Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"]).arg(&mnt).status().unwrap();
+    assert!(st.success(), "mount tmpfs");
+    let file = mnt.join("sparse.img");
+    std::fs::File::create(&file).unwrap().set_len(64 * MIB).unwrap();
+    let s = Served::start(&file, &["--coalesce-age", "1h"]);
+    // 1 MiB is 256 pages. 100 blocks with 1 KiB in their first and in their ninth 4 KiB page:
+    // 200 pages written exactly, 900 with the gaps filled.
+    let script = r#"
+import errno, os, nbd
+h = nbd.NBD()
+h.connect_uri(os.environ['URI'])
+def pieces(first):
+    for i in range(first, first + 100):
+        h.pwrite(b'\xab' * 1024, i * 65536)
+        h.pwrite(b'\xcd' * 1024, i * 65536 + 32768)
+pieces(0)
+h.flush()
+# Another 200 pages do not fit: the flush fails, and so does every later one.
+pieces(100)
+for _ in range(2):
+    try:
+        h.flush()
+        raise SystemExit('a flush succeeded after a lost write-back')
+    except nbd.Error as e:
+        assert e.errno in (errno.ENOSPC, 'ENOSPC'), e
+# The held bytes are still there to read.
+assert h.pread(1024, 150 * 65536 + 32768) == b'\xcd' * 1024
+print('ok')
+"#;
+    let out = Command::new("/usr/bin/python3").arg("-c").arg(script).env("URI", s.uri()).output().unwrap();
+    let (status, err) = s.stop();
+    let f = std::fs::read(&file);
+    let _ = Command::new("umount").arg(&mnt).status();
+    assert!(out.status.success() && text(&out).contains("ok"), "{}\nserver: {err}", text(&out));
+    // The write-back at exit fails too, and says so.
+    assert!(!status.success(), "exit status {status} after a lost write-back: {err}");
+    let f = f.unwrap();
+    for i in 0..100usize {
+        assert!(f[i * 65536..i * 65536 + 1024].iter().all(|&b| b == 0xab), "block {i}");
+        assert!(f[i * 65536 + 32768..i * 65536 + 33792].iter().all(|&b| b == 0xcd), "block {i}");
+    }
+}
