@@ -66,19 +66,34 @@ fn check_extents(
     Ok(())
 }
 
-/// One run: `steps` operations, each through a front picked at random. With `prefetch`, the
-/// fronts are those of a prefetch filter stacked above, as `serve --prefetch --coalesce` does,
-/// and a third of the reads are small sequential ones (streams it reads ahead for).
-fn mix(seed: u64, steps: usize, cfg: CoalesceConfig, prefetch: bool) -> Result<(), String> {
+/// What the requests of a mix go through.
+#[derive(Clone, Copy, PartialEq)]
+enum Via {
+    /// Three coalesce fronts.
+    Fronts,
+    /// Three fronts of a prefetch filter stacked above, as `serve --prefetch --coalesce` does;
+    /// a third of the reads are then small sequential ones (streams it reads ahead for).
+    Prefetch,
+    /// Three NBD connections to an in-process server, each over a coalesce front.
+    Server,
+}
+
+/// One run: `steps` operations, each through one of three fronts picked at random.
+fn mix(seed: u64, steps: usize, cfg: CoalesceConfig, via: Via) -> Result<(), String> {
     let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
     let c = Arc::new(Coalesce::new(mem.clone(), cfg));
     let pcfg = PrefetchConfig { size: 1 << 20, ..PrefetchConfig::default() };
+    let prefetch = via == Via::Prefetch;
     let pf = prefetch.then(|| Arc::new(Prefetch::new(Arc::new(c.front(mem.clone())), pcfg)));
-    let fronts: Vec<Arc<dyn Backend>> = if let Some(p) = &pf {
-        (0..3).map(|_| Arc::new(p.front(Arc::new(c.front(mem.clone())))) as Arc<dyn Backend>).collect()
-    } else {
-        (0..3).map(|_| Arc::new(c.front(mem.clone())) as Arc<dyn Backend>).collect()
+    let front = |_| -> Arc<dyn Backend> {
+        let cf = Arc::new(c.front(mem.clone()));
+        match (&pf, via) {
+            (Some(p), _) => Arc::new(p.front(cf)),
+            (None, Via::Server) => Arc::new(over_nbd(cf)),
+            (None, _) => cf,
+        }
     };
+    let fronts: Vec<Arc<dyn Backend>> = (0..3).map(front).collect();
     let mut cursor = 0;
     let mut m = Model::new(SIZE as usize, Expect::Store);
     // Bytes known to be non-zero (written non-zero, not since zeroed or trimmed).
@@ -152,7 +167,7 @@ fn mix(seed: u64, steps: usize, cfg: CoalesceConfig, prefetch: bool) -> Result<(
 fn mixes_through_three_fronts() {
     for (i, cfg) in configs().into_iter().enumerate() {
         for seed in 0..4 {
-            mix(seed + 100 * i as u64, 3000, cfg, false).unwrap();
+            mix(seed + 100 * i as u64, 3000, cfg, Via::Fronts).unwrap();
         }
     }
 }
@@ -161,8 +176,15 @@ fn mixes_through_three_fronts() {
 fn mixes_with_prefetch_stacked_above() {
     for (i, cfg) in configs().into_iter().enumerate() {
         for seed in 0..3 {
-            mix(seed + 500 + 100 * i as u64, 3000, cfg, true).unwrap();
+            mix(seed + 500 + 100 * i as u64, 3000, cfg, Via::Prefetch).unwrap();
         }
+    }
+}
+
+#[test]
+fn mixes_through_three_nbd_connections() {
+    for (i, cfg) in configs().into_iter().enumerate() {
+        mix(900 + i as u64, 2000, cfg, Via::Server).unwrap();
     }
 }
 
