@@ -207,29 +207,41 @@ impl Shared {
     }
 
     /// Writes back the blocks older than the age bound, and the oldest ones while more than
-    /// 3/4 of the size bound is dirty.
-    pub(super) fn write_back_old(&self) {
+    /// 3/4 of the size bound is dirty. Returns when a block can next be too old (no need to
+    /// look before then unless the bound is passed).
+    pub(super) fn write_back_old(&self) -> Instant {
+        let start = Instant::now();
         let mut all: Vec<(Instant, u64)> = Vec::new();
         for s in &self.stripes {
             all.extend(s.read().unwrap().iter().map(|(b, blk)| (blk.since, *b)));
         }
         all.sort_unstable();
-        let old = Instant::now().checked_sub(self.cfg.age);
-        let low = self.cfg.size / 4 * 3;
+        let old = start.checked_sub(self.cfg.age);
+        let mut earliest = start;
         for (since, b) in all {
             let too_old = old.is_some_and(|o| since <= o);
-            if !too_old && self.held.load(SeqCst) <= low {
+            if !too_old && self.held.load(SeqCst) <= self.low_mark() {
+                // The oldest block left; blocks written back and failed restart their clock.
+                earliest = earliest.min(since);
                 break;
             }
             // Errors are latched; the block is tried again later.
             let _ = self.write_back_one(b);
         }
+        earliest + self.cfg.age
     }
 
-    /// The background thread: wakes when a writer is over the bound, or every so often for
-    /// the age bound.
+    /// Where write-back under memory pressure stops.
+    fn low_mark(&self) -> u64 {
+        self.cfg.size / 4 * 3
+    }
+
+    /// The background thread: wakes when a writer is over the bound, and when a block may have
+    /// grown too old (looking every `tick` whether either happened; listing every block on each
+    /// tick would cost milliseconds with many blocks held).
     pub(super) fn background(&self) {
         let tick = (self.cfg.age / 4).clamp(Duration::from_millis(1), Duration::from_millis(100));
+        let mut due = Instant::now() + self.cfg.age;
         loop {
             {
                 let g = self.signal.lock().unwrap();
@@ -241,8 +253,12 @@ impl Shared {
             if self.stopping.load(SeqCst) {
                 return;
             }
-            if self.held.load(SeqCst) > 0 {
-                self.write_back_old();
+            let held = self.held.load(SeqCst);
+            if held > self.low_mark() || (held > 0 && Instant::now() >= due) {
+                due = self.write_back_old();
+            } else if held == 0 {
+                // Blocks dirtied from now on are due an age from now at the earliest.
+                due = due.max(Instant::now() + self.cfg.age);
             }
         }
     }
