@@ -66,10 +66,11 @@ pub struct CoalesceConfig {
     pub size: u64,
     /// Oldest dirty data kept before it is written back (`--coalesce-age`).
     pub age: Duration,
-    /// Block size: the most one write-back request spans. 64 KiB: a strided 1-in-4 KiB writer
-    /// fills 16 ranges per block, and reading 64 KiB to fill the gaps costs about one small
-    /// request on the disks measured (KERNEL-NOTES: small requests pay per call, not per
-    /// byte). Not yet tuned by the benchmark.
+    /// Block size: the most one write-back request spans (`--coalesce-block`). 64 KiB is a
+    /// guess, not yet a measurement (bench/coalesce.sh is to choose it): a strided 1-in-4 KiB
+    /// writer then merges 16 writes per request, and a flush every 64 writes of such a writer
+    /// covers 4 blocks. Larger blocks merge more (KERNEL-NOTES: small DONTCACHE writes are
+    /// slow, ≥ 1 MiB is best) but read more to fill gaps and cut fewer ranges at a flush.
     pub block: u64,
     /// The filesystem's allocation unit: a gap over a hole is filled only inside units that
     /// hold dirty bytes (see [`dirty::plan`]). 4 KiB, the block of ext4 and XFS as made by
