@@ -105,6 +105,14 @@ fn block_device() {
             run(&fb, Expect::Store, 50).unwrap_or_else(|e| panic!("{dev} --cache={mode}: {e}"));
             fb.finish().unwrap();
         }
+        // Coalescing over the device: no holes, so every gap is filled.
+        use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
+        let opts = OpenOptions { write: true, create: false, truncate: false };
+        let fb = FileBackend::open(Path::new(&dev), opts, CacheMode::Neutral, &Tuning::default()).unwrap();
+        fb.zero(0, 4 << 20, Default::default()).unwrap();
+        let c = Coalesce::new(Arc::new(fb), CoalesceConfig::default());
+        run(&c, Expect::Store, 51).unwrap_or_else(|e| panic!("{dev} with coalesce: {e}"));
+        c.finish().unwrap();
     });
     let _ = std::process::Command::new("losetup").args(["-d", &dev]).status();
     result.unwrap();
