@@ -163,12 +163,15 @@ struct Shared {
     room: Condvar,
     syncs: Mutex<Syncs>,
     synced: Condvar,
+    /// Hands FLUSH write-backs to the helper threads; `None` once stopped.
+    helpers: Mutex<Option<std::sync::mpsc::Sender<Arc<writeback::Job>>>>,
 }
 
 /// The write-coalescing filter: a [`Backend`] over a [`Backend`].
 pub struct Coalesce {
     shared: Arc<Shared>,
-    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The background thread and the write-back helpers.
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     finished: AtomicBool,
 }
 
@@ -194,13 +197,28 @@ impl Coalesce {
             room: Condvar::new(),
             syncs: Mutex::new(Syncs::default()),
             synced: Condvar::new(),
+            helpers: Mutex::new(None),
         });
         let s = shared.clone();
-        let worker = std::thread::Builder::new()
+        let mut threads = vec![std::thread::Builder::new()
             .name("coalesce".into())
             .spawn(move || s.background())
-            .expect("spawn the write-back thread");
-        Coalesce { shared, worker: Mutex::new(Some(worker)), finished: AtomicBool::new(false) }
+            .expect("spawn the write-back thread")];
+        // Helpers for FLUSH, started once: spawning them per FLUSH cost a few percent of a
+        // core at hundreds of flushes a second.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let rx = Arc::new(Mutex::new(rx));
+        for _ in 1..cfg.threads.max(1) {
+            let (s, rx) = (shared.clone(), rx.clone());
+            threads.push(
+                std::thread::Builder::new()
+                    .name("coalesce-wb".into())
+                    .spawn(move || s.helper(&rx))
+                    .expect("spawn a write-back helper"),
+            );
+        }
+        *shared.helpers.lock().unwrap() = Some(tx);
+        Coalesce { shared, threads: Mutex::new(threads), finished: AtomicBool::new(false) }
     }
 
     pub fn stats(&self) -> CoalesceStats {
@@ -226,7 +244,7 @@ impl Coalesce {
         CoalesceFront { coalesce: self.clone(), front }
     }
 
-    /// Stops the background thread; what is dirty stays dirty.
+    /// Stops the background thread and the helpers; what is dirty stays dirty.
     fn stop(&self) {
         self.shared.stopping.store(true, SeqCst);
         {
@@ -234,8 +252,10 @@ impl Coalesce {
             self.shared.work.notify_all();
             self.shared.room.notify_all();
         }
-        if let Some(w) = self.worker.lock().unwrap().take() {
-            let _ = w.join();
+        // Helpers end when the queue closes (a FLUSH in progress finishes its job alone).
+        drop(self.shared.helpers.lock().unwrap().take());
+        for t in self.threads.lock().unwrap().drain(..) {
+            let _ = t.join();
         }
     }
 }

@@ -4,11 +4,41 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-use std::sync::Mutex;
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::dirty::{self, Block};
 use super::Shared;
+
+/// Blocks a write-back thread takes at a time: neighbours, so the file sees runs of
+/// ascending offsets.
+const BATCH: usize = 4;
+
+/// One FLUSH's write-back, shared with the helper threads.
+pub(super) struct Job {
+    keys: Vec<u64>,
+    next: AtomicUsize,
+    /// Helpers working on it.
+    active: Mutex<usize>,
+    idle: Condvar,
+    first_err: Mutex<Option<Error>>,
+}
+
+impl Job {
+    fn work(&self, sh: &Shared) {
+        loop {
+            let i = self.next.fetch_add(BATCH, SeqCst);
+            if i >= self.keys.len() {
+                return;
+            }
+            for &b in &self.keys[i..(i + BATCH).min(self.keys.len())] {
+                if let Err(e) = sh.write_back_one(b) {
+                    self.first_err.lock().unwrap().get_or_insert(e);
+                }
+            }
+        }
+    }
+}
 use crate::error::{Error, ErrorKind, Result};
 
 impl Shared {
@@ -171,10 +201,10 @@ impl Shared {
     }
 
     /// Writes back everything dirty: in block order (the file sees ascending offsets), in
-    /// batches of neighbouring blocks shared among `threads` threads. A block being written
-    /// back by another thread holds its stripe: listing the blocks waits for it.
+    /// batches of neighbouring blocks shared between the caller and up to `threads - 1`
+    /// helpers. A block being written back by another thread holds its stripe: listing the
+    /// blocks waits for it.
     pub(super) fn write_back_all(&self) -> Result<()> {
-        const BATCH: usize = 4;
         if self.held.load(SeqCst) == 0 {
             return Ok(());
         }
@@ -183,27 +213,47 @@ impl Shared {
             keys.extend(s.read().unwrap().keys().copied());
         }
         keys.sort_unstable();
-        let next = AtomicUsize::new(0);
-        let first_err = Mutex::new(None);
-        let work = || loop {
-            let i = next.fetch_add(BATCH, SeqCst);
-            if i >= keys.len() {
-                return;
-            }
-            for &b in &keys[i..(i + BATCH).min(keys.len())] {
-                if let Err(e) = self.write_back_one(b) {
-                    first_err.lock().unwrap().get_or_insert(e);
+        // The list may be empty although bytes are counted: a zero or trim drops blocks just
+        // before it subtracts their bytes.
+        let helpers = self.cfg.threads.min(keys.len().div_ceil(BATCH)).saturating_sub(1);
+        let job = Arc::new(Job {
+            keys,
+            next: AtomicUsize::new(0),
+            active: Mutex::new(0),
+            idle: Condvar::new(),
+            first_err: Mutex::new(None),
+        });
+        if helpers > 0 {
+            if let Some(tx) = self.helpers.lock().unwrap().as_ref() {
+                for _ in 0..helpers {
+                    let _ = tx.send(job.clone());
                 }
             }
-        };
-        let threads = self.cfg.threads.max(1).min(keys.len().div_ceil(BATCH));
-        std::thread::scope(|s| {
-            for _ in 1..threads {
-                s.spawn(work);
+        }
+        job.work(self);
+        // Helpers that took the job finish their batches; those that come later find it done.
+        let mut active = job.active.lock().unwrap();
+        while *active > 0 {
+            active = job.idle.wait(active).unwrap();
+        }
+        drop(active);
+        let first_err = job.first_err.lock().unwrap().take();
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// A write-back helper thread: takes part in FLUSHes' write-backs until the filter stops.
+    pub(super) fn helper(&self, jobs: &Mutex<mpsc::Receiver<Arc<Job>>>) {
+        loop {
+            let job = jobs.lock().unwrap().recv();
+            let Ok(job) = job else { return };
+            *job.active.lock().unwrap() += 1;
+            job.work(self);
+            let mut active = job.active.lock().unwrap();
+            *active -= 1;
+            if *active == 0 {
+                job.idle.notify_all();
             }
-            work();
-        });
-        first_err.into_inner().unwrap().map_or(Ok(()), Err)
+        }
     }
 
     /// Writes back the blocks older than the age bound, and the oldest ones while more than
