@@ -2,7 +2,7 @@
 //! know which backend is below them.
 //!
 //! - [`fault`]: injects errors, short and slow operations (tests only).
-//! - [`prefetch`]: multi-stream read-ahead; so far only its stream detection (issue 5).
+//! - [`prefetch`]: multi-stream read-ahead into a bounded buffer.
 //! - [`coalesce`]: safe write coalescing of small scattered writes (issue 6).
 
 pub mod coalesce;

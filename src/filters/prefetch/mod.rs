@@ -24,7 +24,7 @@
 //!
 //! NBD CACHE requests fill the same buffer (up to its bound) instead of the page cache.
 //!
-//! Built in steps (issue 5). Not yet: the benchmark and the tuning it calls for.
+//! Benchmark: bench/serve.sh `PRESET=prefetch` (docs/benchmarks.md).
 
 pub mod buffer;
 pub mod detect;
