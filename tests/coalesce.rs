@@ -146,9 +146,13 @@ fn mix(seed: u64, steps: usize, cfg: CoalesceConfig, via: Via) -> Result<(), Str
             _ => check_extents(&**f, &m, &nonzero, off, len.max(64 * K).min(SIZE - off), &ctx("extents"))?,
         }
     }
+    // Read-ahead was set going (the stack was exercised). Whether it was also hit depends on
+    // scheduling (reads never wait for it, and writes void it): it failed a clean-clone
+    // `make test` under load with 27 streams and nothing read ahead yet. The prefetch unit
+    // tests check hits, waiting for the read-ahead.
     if let Some(p) = &pf {
-        if p.stats().buffer.hits == 0 {
-            return Err(format!("seed {seed}: read-ahead never served a read: {:?}", p.stats()));
+        if p.stats().streams_found == 0 {
+            return Err(format!("seed {seed}: no stream found: {:?}", p.stats()));
         }
     }
     check_extents(&*c, &m, &nonzero, 0, SIZE, &format!("seed {seed}: all extents"))?;
