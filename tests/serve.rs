@@ -5,60 +5,11 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-
-/// A server child process on a Unix socket, stopped on drop.
-struct Served {
-    child: Child,
-    sock: PathBuf,
-}
-
-impl Served {
-    fn start(file: &Path, extra: &[&str]) -> Served {
-        let sock = file.with_extension("sock");
-        let child = Command::new(bin())
-            .arg("serve")
-            .arg("--unix")
-            .arg(&sock)
-            .args(extra)
-            .arg(file)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !sock.exists() {
-            assert!(Instant::now() < deadline, "server did not create {}", sock.display());
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Served { child, sock }
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.sock.display())
-    }
-
-    /// Stops the server (SIGTERM) and returns its stderr.
-    fn stop(mut self) -> String {
-        let _ = Command::new("kill").arg(self.child.id().to_string()).status();
-        let mut err = String::new();
-        if let Some(mut e) = self.child.stderr.take() {
-            let _ = e.read_to_string(&mut err);
-        }
-        let _ = self.child.wait();
-        err
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn tool(name: &str, package: &str) -> Command {
     let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().unwrap();
@@ -179,7 +130,7 @@ fn qemu_img_and_nbdcopy_copy_in_and_out() {
         .arg(s.uri())
         .output()
         .unwrap());
-    let err = s.stop();
+    let (_, err) = s.stop();
     assert!(!err.contains("WARN"), "{err}");
     // Served neutrally: nothing of the export left in the cache (checked before reading it).
     assert!(cached(&img, 0, None) <= 24 * MIB / 100 + 2 * MIB, "left {} cached", cached(&img, 0, None));
@@ -660,7 +611,7 @@ fn stats_on_sigusr1_and_at_exit() {
     assert!(out.status.success(), "{}", text(&out));
     assert!(Command::new("kill").args(["-USR1", &pid.to_string()]).status().unwrap().success());
     std::thread::sleep(Duration::from_millis(400));
-    let err = s.stop();
+    let (_, err) = s.stop();
     assert!(!pid_file.exists(), "pid file left behind");
     let snaps: Vec<serde_json::Value> = err.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     assert_eq!(snaps.len(), 2, "one snapshot on SIGUSR1, one at exit: {err}");

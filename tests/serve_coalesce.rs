@@ -4,63 +4,14 @@
 
 mod common;
 
-use std::io::Read;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::{Command, Output};
 
 use common::*;
 
-struct Served {
-    child: Child,
-    sock: PathBuf,
-}
-
-impl Served {
-    fn start(file: &Path, extra: &[&str]) -> Served {
-        let sock = file.with_extension("sock");
-        let child = Command::new(bin())
-            .args(["serve", "--coalesce", "--unix"])
-            .arg(&sock)
-            .args(extra)
-            .arg(file)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !sock.exists() {
-            assert!(Instant::now() < deadline, "server did not create {}", sock.display());
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Served { child, sock }
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.sock.display())
-    }
-
-    /// SIGTERM (a clean shutdown); returns the exit status and stderr.
-    fn stop(mut self) -> (std::process::ExitStatus, String) {
-        let _ = Command::new("kill").arg(self.child.id().to_string()).status();
-        let mut err = String::new();
-        if let Some(mut e) = self.child.stderr.take() {
-            let _ = e.read_to_string(&mut err);
-        }
-        (self.child.wait().unwrap(), err)
-    }
-
-    /// SIGKILL: whatever was held and not flushed is lost.
-    fn kill9(mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// `lightfoot serve --coalesce EXTRA... FILE`.
+fn coalescing(file: &Path, extra: &[&str]) -> Served {
+    Served::start(file, &[&["--coalesce"], extra].concat())
 }
 
 fn python(script: &str, uri: &str) -> Output {
@@ -114,7 +65,7 @@ fn flushed_writes_survive_kill_9() {
         let want = strided_expected(&file);
         // One of them with a larger block.
         let block = if mode == "direct" { "256K" } else { "64K" };
-        let s = Served::start(&file, &["--prefetch", "--cache", mode, "--coalesce-block", block]);
+        let s = coalescing(&file, &["--prefetch", "--cache", mode, "--coalesce-block", block]);
         python(STRIDED, &s.uri());
         s.kill9();
         assert!(
@@ -133,7 +84,7 @@ fn clean_shutdown_writes_back_and_stats_count() {
     random_file(&file, 16 * MIB);
     let want = strided_expected(&file);
     evict(&file);
-    let s = Served::start(&file, &["--stats", "--json", "--coalesce-age", "1h"]);
+    let s = coalescing(&file, &["--stats", "--json", "--coalesce-age", "1h"]);
     // The same writes without the flush at the end.
     python(&STRIDED.replace("a.flush()", ""), &s.uri());
     let (status, err) = s.stop();
@@ -160,7 +111,7 @@ fn holes_stay_holes_in_a_sparse_file() {
     let dir = scratch();
     let file = dir.path().join("sparse.img");
     std::fs::File::create(&file).unwrap().set_len(64 * MIB).unwrap();
-    let s = Served::start(&file, &[]);
+    let s = coalescing(&file, &[]);
     let script = r#"
 import os, nbd
 h = nbd.NBD()
@@ -208,7 +159,7 @@ fn strided_writes_into_a_sparse_file_merge_without_inflating_it() {
     for stride in [4096u64, 8192] {
         let file = dir.path().join(format!("sparse{stride}.img"));
         std::fs::File::create(&file).unwrap().set_len(64 * MIB).unwrap();
-        let s = Served::start(&file, &["--stats", "--json"]);
+        let s = coalescing(&file, &["--stats", "--json"]);
         let script = format!(
             "import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\n\
              for i in range({n}):\n    h.pwrite(b'\\xab' * 1024, i * {stride})\nh.flush()\n",
@@ -249,7 +200,7 @@ fn nbdcopy_and_qemu_img_see_held_writes_in_holes() {
     let dir = scratch();
     let file = dir.path().join("sparse.img");
     std::fs::File::create(&file).unwrap().set_len(24 * MIB).unwrap();
-    let s = Served::start(&file, &["--coalesce-age", "1h"]);
+    let s = coalescing(&file, &["--coalesce-age", "1h"]);
     let script = r#"
 import os, nbd
 h = nbd.NBD()
@@ -296,7 +247,7 @@ fn a_full_filesystem_fails_flush_only_when_written_bytes_do_not_fit() {
     assert!(st.success(), "mount tmpfs");
     let file = mnt.join("sparse.img");
     std::fs::File::create(&file).unwrap().set_len(64 * MIB).unwrap();
-    let s = Served::start(&file, &["--coalesce-age", "1h"]);
+    let s = coalescing(&file, &["--coalesce-age", "1h"]);
     // 1 MiB is 256 pages. 100 blocks with 1 KiB in their first and in their ninth 4 KiB page:
     // 200 pages written exactly, 900 with the gaps filled.
     let script = r#"

@@ -131,3 +131,58 @@ impl Drop for Loop {
         let _ = Command::new("losetup").args(["-d", &self.dev]).status();
     }
 }
+
+/// A `lightfoot serve` of one file on a Unix socket beside it, killed if the test ends early.
+pub struct Served {
+    pub child: std::process::Child,
+    pub sock: PathBuf,
+}
+
+impl Served {
+    /// Starts `lightfoot serve --unix FILE.sock EXTRA... FILE` and waits for its socket.
+    pub fn start(file: &Path, extra: &[&str]) -> Served {
+        let sock = file.with_extension("sock");
+        let child = Command::new(bin())
+            .args(["serve", "--unix"])
+            .arg(&sock)
+            .args(extra)
+            .arg(file)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !sock.exists() {
+            assert!(std::time::Instant::now() < deadline, "server did not create {}", sock.display());
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        Served { child, sock }
+    }
+
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.sock.display())
+    }
+
+    /// SIGTERM (a clean shutdown); returns the exit status and stderr.
+    pub fn stop(mut self) -> (std::process::ExitStatus, String) {
+        use std::io::Read;
+        let _ = Command::new("kill").arg(self.child.id().to_string()).status();
+        let mut err = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
+        (self.child.wait().unwrap(), err)
+    }
+
+    /// SIGKILL: whatever the server held and had not flushed is lost.
+    pub fn kill9(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
