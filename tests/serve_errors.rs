@@ -103,3 +103,41 @@ print("ok")
     let out = with_server(rules, &script);
     assert!(out.status.success() && text(&out).contains("ok"), "{}", text(&out));
 }
+
+#[test]
+fn pipelined_reads_over_data_holes_and_a_bad_sector() {
+    // 64 reads of 32 KiB in flight at once, over data, holes (structured replies send them as
+    // OFFSET_HOLE) and one failing sector: the server may merge neighbours into one backend
+    // read, but every reply carries its own bytes, and only the bad sector's read fails.
+    let rules = vec![Rule::new(Op::Read, Fault::Fail(ErrorKind::Io)).at(MIB + 12 * 32768 + 512, 1)];
+    let script = format!(
+        "{PRELUDE}{}",
+        r#"
+h = connect()
+assert h.get_structured_replies_negotiated()
+M = 1 << 20
+want = bytearray(2 * M)
+# The first 24 pieces of 32 KiB are data, then every third; the rest are holes.
+for i in [i for i in range(64) if i < 24 or i % 3 == 0]:
+    piece = bytes([i + 1]) * 32768
+    h.pwrite(piece, M + i * 32768)
+    want[i * 32768:(i + 1) * 32768] = piece
+bufs = [nbd.Buffer(32768) for _ in range(64)]
+cookies = [h.aio_pread(bufs[i], M + i * 32768) for i in range(64)]
+while h.aio_in_flight() > 0:
+    h.poll(-1)
+failed = []
+for i, c in enumerate(cookies):
+    try:
+        h.aio_command_completed(c)
+    except nbd.Error as e:
+        failed.append(i)
+        continue
+    assert bufs[i].to_bytearray() == want[i * 32768:(i + 1) * 32768], i
+assert failed == [12], failed
+print("ok")
+"#
+    );
+    let out = with_server(rules, &script);
+    assert!(out.status.success() && text(&out).contains("ok"), "{}", text(&out));
+}

@@ -259,3 +259,65 @@ fn export_name_option_and_unknown_export() {
     assert_eq!(option_reply(&mut c).0, REP_ERR_UNKNOWN);
     assert_eq!(go(&mut c), MIB);
 }
+
+/// Sixteen 64 KiB READs sent in one write reach the server together and continue one
+/// another: they are served by one backend read, each still answered on its own. When that
+/// read fails, each request is retried alone, so only the one over the bad sector fails.
+#[test]
+fn adjacent_reads_are_merged_and_errors_stay_per_request() {
+    use lightfoot::backend::{Backend, MemoryBackend};
+    use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
+    use std::sync::Arc;
+
+    let dir = scratch();
+    let sock = dir.path().join("s");
+    let store = Arc::new(MemoryBackend::new(4 * MIB));
+    let pattern: Vec<u8> = (0..2 * MIB).map(|i| (i / 512 % 251) as u8).collect();
+    store.write(&pattern, MIB, false).unwrap();
+    let bad = MIB + 5 * 65536 + 4096;
+    let rules = vec![Rule::new(Op::Read, Fault::Fail(lightfoot::ErrorKind::Io)).at(bad, 1)];
+    let faulty: Arc<dyn Backend> = Arc::new(FaultInjector::new(store, rules));
+    let export = lightfoot::server::Export::new("", None, true, move || Ok(faulty.clone())).unwrap();
+    let server = Arc::new(lightfoot::server::Server::new(export, 4, 16));
+    let listener = lightfoot::server::Listener::unix(&sock).unwrap();
+    let s = server.clone();
+    let handle = std::thread::spawn(move || s.serve(&listener).unwrap());
+
+    let mut c = connect(&sock);
+    go(&mut c);
+    for (round, base) in [(0u64, MIB), (1, 2 * MIB)] {
+        let mut burst = Vec::new();
+        for i in 0..16u64 {
+            let req = Request {
+                flags: 0,
+                cmd: CMD_READ,
+                cookie: round * 100 + i,
+                offset: base + i * 65536,
+                len: 65536,
+            };
+            burst.extend_from_slice(&encode_request(&req));
+        }
+        c.write_all(&burst).unwrap();
+        let mut failed = Vec::new();
+        for _ in 0..16 {
+            let (cookie, err) = simple(&mut c);
+            let i = cookie - round * 100;
+            assert!(i < 16, "cookie {cookie}");
+            if err != 0 {
+                failed.push((i, err));
+                continue;
+            }
+            let mut data = vec![0u8; 65536];
+            c.read_exact(&mut data).unwrap();
+            let at = (base - MIB + i * 65536) as usize;
+            assert!(data == pattern[at..at + 65536], "request {i} of round {round}: wrong bytes");
+        }
+        let want = if round == 0 { vec![(5, EIO)] } else { vec![] };
+        assert_eq!(failed, want, "round {round}");
+    }
+    // Round 0 fell back to one read each; round 1 was one read for all sixteen.
+    assert_eq!(server.stats_snapshot().reads_merged, 15);
+    drop(c);
+    server.shutdown();
+    handle.join().unwrap();
+}

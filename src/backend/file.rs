@@ -72,6 +72,7 @@ impl FileBackend {
             .set_len(len)
             .map_err(|e| Error::io("truncate", e).path(self.file.path()).at(0, len))?;
         self.size.store(len, Ordering::Relaxed);
+        self.file.known_data().forget(len, u64::MAX);
         Ok(())
     }
 
@@ -188,6 +189,7 @@ impl Backend for FileBackend {
             sys::block_zeroout(fd, start, end - start)
         } else if flags.may_trim {
             sys::fallocate(fd, sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE, offset, len)
+                .inspect(|()| self.file.known_data().forget(offset, len))
         } else {
             sys::fallocate(fd, sys::FALLOC_ZERO_RANGE | sys::FALLOC_KEEP_SIZE, offset, len)
         };
@@ -218,6 +220,7 @@ impl Backend for FileBackend {
             sys::block_discard(fd, start, end - start)
         } else {
             sys::fallocate(fd, sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE, offset, len)
+                .inspect(|()| self.file.known_data().forget(offset, len))
         };
         match res {
             // Trimming is advisory: where it is unsupported the data simply stays.
@@ -245,6 +248,10 @@ impl Backend for FileBackend {
         if self.is_block() || len == 0 {
             return Ok(vec![Extent::data(len)]);
         }
+        let known = self.file.known_data();
+        if known.covers(offset, len) {
+            return Ok(vec![Extent::data(len)]);
+        }
         let fd = self.file.fd();
         let end = offset + len;
         let mut out = Vec::new();
@@ -270,12 +277,11 @@ impl Backend for FileBackend {
                     at = d;
                 }
                 Some(_) => {
-                    let h = sys::seek_hole(fd, at)
-                        .map_err(self.err("seek", at, end - at))?
-                        .unwrap_or(end)
-                        .min(end);
+                    let h = sys::seek_hole(fd, at).map_err(self.err("seek", at, end - at))?.unwrap_or(end);
                     // A hole at `at` right after SEEK_DATA said data: the file changed under us.
                     let h = h.max(at + 1);
+                    known.learn(at..h);
+                    let h = h.min(end);
                     out.push(Extent::data(h - at));
                     at = h;
                 }

@@ -358,6 +358,9 @@ fn print_stats(server: &Server, prefetch: Option<&Prefetch>, coalesce: Option<&C
             c.p99_us
         );
     }
+    if snap.reads_merged > 0 {
+        t += &format!("{} reads merged into the backend read before them\n", snap.reads_merged);
+    }
     if let Some(p) = pstats {
         t += &format!(
             "prefetch: {} streams, {} hits, {} misses, {} read ahead, {} of it unread, {} held\n",

@@ -52,17 +52,53 @@ impl WriteLatch {
     }
 }
 
-/// What every open of one file in one job shares: the latched write error, and the locks
+/// What every open of one file in one job shares: the latched write error, the locks
 /// that serialise read-modify-write of a block (a server opens one fd per connection; these
-/// must still be one per export).
+/// must still be one per export), and the last data extent found.
 pub struct Shared {
     latch: WriteLatch,
     rmw_locks: Vec<Mutex<()>>,
+    known_data: KnownData,
 }
 
 impl Default for Shared {
     fn default() -> Shared {
-        Shared { latch: WriteLatch::default(), rmw_locks: (0..64).map(|_| Mutex::new(())).collect() }
+        Shared {
+            latch: WriteLatch::default(),
+            rmw_locks: (0..64).map(|_| Mutex::new(())).collect(),
+            known_data: KnownData::default(),
+        }
+    }
+}
+
+/// The last data extent `SEEK_HOLE` reported, so that reads of a file that is all data do
+/// not seek twice each. `SEEK_HOLE` costs a walk of the extent tree on ext4 and of every
+/// cached page up to the next hole on tmpfs (4 GiB of pages per call for a full image), and
+/// takes the file position lock that the fd's other users wait on.
+///
+/// Remembering data is always safe: a range that became a hole since reads back as zeroes,
+/// which "data" allows. Holes are never remembered (a write fills them). Our own hole
+/// punching forgets the range, so the server's answers stay exact for its own trims.
+#[derive(Default)]
+pub struct KnownData(Mutex<std::ops::Range<u64>>);
+
+impl KnownData {
+    /// Whether `[offset, offset + len)` lies inside the remembered data extent.
+    pub fn covers(&self, offset: u64, len: u64) -> bool {
+        let r = self.0.lock().unwrap();
+        r.start <= offset && offset.saturating_add(len) <= r.end
+    }
+
+    pub fn learn(&self, data: std::ops::Range<u64>) {
+        *self.0.lock().unwrap() = data;
+    }
+
+    /// Forgets the extent if it overlaps `[offset, offset + len)` (a hole was punched).
+    pub fn forget(&self, offset: u64, len: u64) {
+        let mut r = self.0.lock().unwrap();
+        if offset < r.end && r.start < offset.saturating_add(len) {
+            *r = 0..0;
+        }
     }
 }
 
@@ -270,6 +306,11 @@ impl PolicyFile {
 
     pub fn latch(&self) -> &WriteLatch {
         &self.shared.latch
+    }
+
+    /// The export's remembered data extent (see [`KnownData`]).
+    pub fn known_data(&self) -> &KnownData {
+        &self.shared.known_data
     }
 
     pub fn mechanism(&self) -> Mechanism {
@@ -567,4 +608,25 @@ fn write_full(fd: BorrowedFd, buf: &[u8], offset: u64, flags: i32) -> io::Result
         done += n;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod known_data_tests {
+    use super::KnownData;
+
+    #[test]
+    fn remembers_one_extent_and_forgets_it_on_overlap_only() {
+        let k = KnownData::default();
+        assert!(!k.covers(0, 1), "nothing is known at first");
+        k.learn(4096..65536);
+        assert!(k.covers(4096, 4096) && k.covers(8192, 57344));
+        assert!(!k.covers(0, 8192) && !k.covers(60000, 8192));
+        k.forget(65536, 4096);
+        assert!(k.covers(4096, 4096), "a punch beside the extent keeps it");
+        k.forget(60000, 1);
+        assert!(!k.covers(4096, 4096), "a punch inside forgets it");
+        k.learn(0..1 << 20);
+        k.forget(u64::MAX - 1, u64::MAX);
+        assert!(k.covers(0, 4096), "no overflow at the far end");
+    }
 }

@@ -33,6 +33,8 @@ pub struct Stats {
     start: Instant,
     commands: Vec<PerCommand>,
     pub connections: AtomicU64,
+    /// READ requests served by a backend read merged with the request before them.
+    pub reads_merged: AtomicU64,
 }
 
 impl Default for Stats {
@@ -49,6 +51,7 @@ impl Default for Stats {
                 })
                 .collect(),
             connections: AtomicU64::new(0),
+            reads_merged: AtomicU64::new(0),
         }
     }
 }
@@ -117,6 +120,7 @@ impl Stats {
         Snapshot {
             seconds: self.start.elapsed().as_secs_f64(),
             connections: self.connections.load(Ordering::Relaxed),
+            reads_merged: self.reads_merged.load(Ordering::Relaxed),
             commands,
             cache: None,
         }
@@ -139,6 +143,8 @@ pub struct Snapshot {
     pub seconds: f64,
     /// Connections accepted so far.
     pub connections: u64,
+    /// READ requests whose bytes came with the previous request's backend read.
+    pub reads_merged: u64,
     pub commands: Vec<CommandSnapshot>,
     /// Bytes of the export in the page cache, where visible.
     pub cache: Option<u64>,
