@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests of the binary.
 #![allow(dead_code)]
 
+pub mod certs;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
