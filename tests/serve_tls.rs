@@ -297,6 +297,9 @@ fn lightfoot_copy_over_tls_both_ways_on_tcp_and_unix_sockets() {
     let out = lightfoot(&["copy", "--connections", "4", &unix, s(&out_img)]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(same_contents(&img, &out_img));
+    // libnbd over the same socket, with and without a name to check.
+    sees_tls_export(&unix);
+    sees_tls_export(&format!("{unix}&tls-hostname=localhost"));
     let out = lightfoot(&["copy", &format!("{unix}&tls-hostname=localhost"), "null:"]);
     assert!(out.status.success(), "{}", text(&out));
     let out = lightfoot(&["copy", &format!("{unix}&tls-hostname=elsewhere.example"), "null:"]);
