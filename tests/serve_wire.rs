@@ -321,3 +321,56 @@ fn adjacent_reads_are_merged_and_errors_stay_per_request() {
     server.shutdown();
     handle.join().unwrap();
 }
+
+/// A client that pipelines large WRITEs to a slow backend gets only about 64 MiB of them read
+/// by the server (the connection's in-flight budget); the rest wait in the socket, not in the
+/// server's memory.
+#[test]
+fn a_connection_holds_a_bounded_amount_of_request_data() {
+    use lightfoot::backend::{Backend, MemoryBackend};
+    use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    let dir = scratch();
+    let sock = dir.path().join("s");
+    let store = Arc::new(MemoryBackend::new(64 * MIB));
+    let rules = vec![Rule::new(Op::Write, Fault::Slow(Duration::from_secs(2)))];
+    let slow: Arc<dyn Backend> = Arc::new(FaultInjector::new(store, rules));
+    let export = lightfoot::server::Export::new("", None, true, move || Ok(slow.clone())).unwrap();
+    let server = Arc::new(lightfoot::server::Server::new(export, 4, 16));
+    let listener = lightfoot::server::Listener::unix(&sock).unwrap();
+    let s = server.clone();
+    let handle = std::thread::spawn(move || s.serve(&listener).unwrap());
+
+    let mut c = connect(&sock);
+    go(&mut c);
+    let sent = Arc::new(AtomicU64::new(0));
+    let mut w = c.try_clone().unwrap();
+    let counter = sent.clone();
+    std::thread::spawn(move || {
+        let payload = vec![7u8; 32 << 20];
+        for i in 0..12u64 {
+            let req =
+                Request { flags: 0, cmd: CMD_WRITE, cookie: i, offset: (i % 2) * (32 << 20), len: 32 << 20 };
+            if w.write_all(&encode_request(&req)).is_err() {
+                return;
+            }
+            for chunk in payload.chunks(1 << 20) {
+                if w.write_all(chunk).is_err() {
+                    return;
+                }
+                counter.fetch_add(chunk.len() as u64, Ordering::SeqCst);
+            }
+        }
+    });
+    // Well before the first slow write (2 s) completes and frees its budget.
+    std::thread::sleep(Duration::from_millis(1000));
+    let taken = sent.load(Ordering::SeqCst);
+    // 64 MiB in flight, a third request's header read and waiting, and what the socket buffers
+    // hold (a few MiB): far below the 12 x 32 MiB the client tried to send.
+    assert!((64 * MIB..=72 * MIB).contains(&taken), "the server took {} MiB of writes", taken / MIB);
+    let _ = c.shutdown(std::net::Shutdown::Both);
+    server.shutdown();
+    handle.join().unwrap();
+}
