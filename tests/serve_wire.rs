@@ -374,3 +374,51 @@ fn a_connection_holds_a_bounded_amount_of_request_data() {
     server.shutdown();
     handle.join().unwrap();
 }
+
+/// A client that connects and never finishes the handshake (silent, or dribbling a byte at a
+/// time) is cut after the handshake timeout; one that has chosen its export may then idle.
+#[test]
+fn a_handshake_that_takes_too_long_is_cut() {
+    use lightfoot::backend::{Backend, MemoryBackend};
+    use std::sync::Arc;
+
+    let dir = scratch();
+    let sock = dir.path().join("s");
+    let store: Arc<dyn Backend> = Arc::new(MemoryBackend::new(MIB));
+    let export = lightfoot::server::Export::new("", None, true, move || Ok(store.clone())).unwrap();
+    let mut server = lightfoot::server::Server::new(export, 4, 16);
+    server.handshake_timeout = Duration::from_millis(300);
+    let server = Arc::new(server);
+    let listener = lightfoot::server::Listener::unix(&sock).unwrap();
+    let s = server.clone();
+    let handle = std::thread::spawn(move || s.serve(&listener).unwrap());
+
+    let mut ready = connect(&sock);
+    go(&mut ready);
+    let mut silent = connect(&sock);
+    let mut dribbler = connect(&sock);
+    let start = Instant::now();
+    // Well-formed NBD_OPT_LIST requests, a byte every 50 ms.
+    let mut option = IHAVEOPT.to_be_bytes().to_vec();
+    option.extend_from_slice(&OPT_LIST.to_be_bytes());
+    option.extend_from_slice(&0u32.to_be_bytes());
+    let mut cut_dribbler = false;
+    for b in option.iter().cycle().take(40) {
+        if dribbler.write_all(&[*b]).is_err() {
+            cut_dribbler = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(cut_dribbler || closed(&mut dribbler), "a dribbling handshake was not cut");
+    assert!(closed(&mut silent), "a silent handshake was not cut");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    // The connection that finished its handshake idled past the timeout and still works.
+    request(&mut ready, CMD_READ, 5, 0, 512);
+    assert_eq!(simple(&mut ready), (5, 0));
+    let mut data = [0u8; 512];
+    ready.read_exact(&mut data).unwrap();
+    drop(ready);
+    server.shutdown();
+    handle.join().unwrap();
+}
