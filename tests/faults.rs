@@ -9,16 +9,12 @@
 mod common;
 
 use std::os::unix::net::UnixStream;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
 use lightfoot::backend::{Backend, MemoryBackend, NbdBackend};
-use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
 use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
-use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
-use lightfoot::server::{Export, Listener, Server};
 use lightfoot::ErrorKind;
 
 const SIZE: u64 = 8 * MIB;
@@ -43,6 +39,10 @@ impl Stack {
     fn holds_writes(self) -> bool {
         matches!(self, Stack::Coalesce | Stack::Both)
     }
+
+    fn prefetch(self) -> bool {
+        matches!(self, Stack::Prefetch | Stack::Both)
+    }
 }
 
 fn rules() -> Vec<Rule> {
@@ -55,76 +55,28 @@ fn rules() -> Vec<Rule> {
     ]
 }
 
-/// A server of `stack` over a fault-injecting memory store, on a Unix socket in `dir`.
+/// A server of `stack` over a fault-injecting memory store.
 struct Rig {
-    server: Arc<Server>,
-    handle: Option<std::thread::JoinHandle<std::io::Result<()>>>,
-    sock: std::path::PathBuf,
+    srv: InProcess,
     store: Arc<MemoryBackend>,
 }
 
 impl Rig {
-    fn start(dir: &Path, stack: Stack) -> Rig {
+    fn start(stack: Stack) -> Rig {
         let store = Arc::new(MemoryBackend::new(SIZE));
         // All data: a hole would be skipped by copy's extent lookups, never read.
         let mut image = vec![0u8; SIZE as usize];
         lightfoot::testing::conformance::Rng::new(SIZE).fill(&mut image);
         store.write(&image, 0, false).unwrap();
         let faulty: Arc<dyn Backend> = Arc::new(FaultInjector::new(store.clone(), rules()));
-        // As `lightfoot serve` stacks them: one filter for the export, a front per connection.
-        let pcfg = PrefetchConfig::default();
-        let coalesce =
-            stack.holds_writes().then(|| Arc::new(Coalesce::new(faulty.clone(), CoalesceConfig::default())));
-        let below_prefetch: Arc<dyn Backend> = match &coalesce {
-            Some(c) => Arc::new(c.front(faulty.clone())),
-            None => faulty.clone(),
-        };
-        let prefetch = matches!(stack, Stack::Prefetch | Stack::Both)
-            .then(|| Arc::new(Prefetch::new(below_prefetch, pcfg)));
-        let opener = move || -> lightfoot::Result<Arc<dyn Backend>> {
-            let mut b: Arc<dyn Backend> = faulty.clone();
-            if let Some(c) = &coalesce {
-                b = Arc::new(c.front(b));
-            }
-            if let Some(p) = &prefetch {
-                b = Arc::new(p.front(b));
-            }
-            Ok(b)
-        };
-        let export = Export::new("", None, true, opener).unwrap();
-        let server = Arc::new(Server::new(export, 4, 16));
-        let sock = dir.join(format!("{stack:?}.sock"));
-        let listener = Listener::unix(&sock).unwrap();
-        let s = server.clone();
-        let handle = Some(std::thread::spawn(move || s.serve(&listener)));
-        Rig { server, handle, sock, store }
+        let srv = InProcess::start(stack_opener(faulty, stack.prefetch(), stack.holds_writes()), |_| {});
+        Rig { srv, store }
     }
 
     fn client(&self) -> NbdBackend {
-        let s = UnixStream::connect(&self.sock).unwrap();
+        let s = UnixStream::connect(&self.srv.sock).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         NbdBackend::from_stream(Box::new(s), "", "faults").unwrap()
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.sock.display())
-    }
-}
-
-impl Rig {
-    /// Shuts the server down (its final flush included) and returns how that went.
-    fn stop(mut self) -> std::io::Result<()> {
-        self.server.shutdown();
-        self.handle.take().unwrap().join().unwrap()
-    }
-}
-
-impl Drop for Rig {
-    fn drop(&mut self) {
-        self.server.shutdown();
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
     }
 }
 
@@ -145,7 +97,7 @@ fn still_serving(rig: &Rig, want: &[u8]) {
 
 fn faults_through(stack: Stack) {
     let dir = scratch();
-    let rig = Rig::start(dir.path(), stack);
+    let rig = Rig::start(stack);
     let a = rig.client();
     let b = rig.client();
     let mut flushed = vec![0u8; 256 << 10];
@@ -197,7 +149,7 @@ fn faults_through(stack: Stack) {
     assert_eq!(held, flushed, "{stack:?}: flushed bytes lost from the store");
 
     // lightfoot copy through the server stops at the bad sector and names it.
-    let out = lightfoot(&["copy", &rig.uri(), dir.path().join("out.img").to_str().unwrap()]);
+    let out = lightfoot(&["copy", &rig.srv.uri(), dir.path().join("out.img").to_str().unwrap()]);
     assert!(!out.status.success(), "{stack:?}: copy over a bad sector succeeded");
     let msg = text(&out);
     let named = [READ_EIO, SHORT_READ].iter().any(|o| msg.contains(&format!("offset {o}")));
@@ -206,7 +158,7 @@ fn faults_through(stack: Stack) {
     // The shutdown's final flush: a write the coalesce filter could never write back is an
     // error there too, not silently dropped.
     drop((a, b));
-    let end = rig.stop();
+    let end = rig.srv.stop();
     assert_eq!(end.is_err(), stack.holds_writes(), "{stack:?}: shutdown: {end:?}");
 }
 

@@ -269,21 +269,15 @@ fn adjacent_reads_are_merged_and_errors_stay_per_request() {
     use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
     use std::sync::Arc;
 
-    let dir = scratch();
-    let sock = dir.path().join("s");
     let store = Arc::new(MemoryBackend::new(4 * MIB));
     let pattern: Vec<u8> = (0..2 * MIB).map(|i| (i / 512 % 251) as u8).collect();
     store.write(&pattern, MIB, false).unwrap();
     let bad = MIB + 5 * 65536 + 4096;
     let rules = vec![Rule::new(Op::Read, Fault::Fail(lightfoot::ErrorKind::Io)).at(bad, 1)];
     let faulty: Arc<dyn Backend> = Arc::new(FaultInjector::new(store, rules));
-    let export = lightfoot::server::Export::new("", None, true, move || Ok(faulty.clone())).unwrap();
-    let server = Arc::new(lightfoot::server::Server::new(export, 4, 16));
-    let listener = lightfoot::server::Listener::unix(&sock).unwrap();
-    let s = server.clone();
-    let handle = std::thread::spawn(move || s.serve(&listener).unwrap());
+    let srv = InProcess::start(move || Ok(faulty.clone()), |_| {});
 
-    let mut c = connect(&sock);
+    let mut c = connect(&srv.sock);
     go(&mut c);
     for (round, base) in [(0u64, MIB), (1, 2 * MIB)] {
         let mut burst = Vec::new();
@@ -316,10 +310,9 @@ fn adjacent_reads_are_merged_and_errors_stay_per_request() {
         assert_eq!(failed, want, "round {round}");
     }
     // Round 0 fell back to one read each; round 1 was one read for all sixteen.
-    assert_eq!(server.stats_snapshot().reads_merged, 15);
+    assert_eq!(srv.server.stats_snapshot().reads_merged, 15);
     drop(c);
-    server.shutdown();
-    handle.join().unwrap();
+    srv.stop().unwrap();
 }
 
 /// A client that pipelines large WRITEs to a slow backend gets only about 64 MiB of them read
@@ -332,18 +325,12 @@ fn a_connection_holds_a_bounded_amount_of_request_data() {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Arc;
 
-    let dir = scratch();
-    let sock = dir.path().join("s");
     let store = Arc::new(MemoryBackend::new(64 * MIB));
     let rules = vec![Rule::new(Op::Write, Fault::Slow(Duration::from_secs(2)))];
     let slow: Arc<dyn Backend> = Arc::new(FaultInjector::new(store, rules));
-    let export = lightfoot::server::Export::new("", None, true, move || Ok(slow.clone())).unwrap();
-    let server = Arc::new(lightfoot::server::Server::new(export, 4, 16));
-    let listener = lightfoot::server::Listener::unix(&sock).unwrap();
-    let s = server.clone();
-    let handle = std::thread::spawn(move || s.serve(&listener).unwrap());
+    let srv = InProcess::start(move || Ok(slow.clone()), |_| {});
 
-    let mut c = connect(&sock);
+    let mut c = connect(&srv.sock);
     go(&mut c);
     let sent = Arc::new(AtomicU64::new(0));
     let mut w = c.try_clone().unwrap();
@@ -371,8 +358,7 @@ fn a_connection_holds_a_bounded_amount_of_request_data() {
     // hold (a few MiB): far below the 12 x 32 MiB the client tried to send.
     assert!((64 * MIB..=72 * MIB).contains(&taken), "the server took {} MiB of writes", taken / MIB);
     let _ = c.shutdown(std::net::Shutdown::Both);
-    server.shutdown();
-    handle.join().unwrap();
+    srv.stop().unwrap();
 }
 
 /// A client that connects and never finishes the handshake (silent, or dribbling a byte at a
@@ -382,16 +368,10 @@ fn a_handshake_that_takes_too_long_is_cut() {
     use lightfoot::backend::{Backend, MemoryBackend};
     use std::sync::Arc;
 
-    let dir = scratch();
-    let sock = dir.path().join("s");
     let store: Arc<dyn Backend> = Arc::new(MemoryBackend::new(MIB));
-    let export = lightfoot::server::Export::new("", None, true, move || Ok(store.clone())).unwrap();
-    let mut server = lightfoot::server::Server::new(export, 4, 16);
-    server.handshake_timeout = Duration::from_millis(300);
-    let server = Arc::new(server);
-    let listener = lightfoot::server::Listener::unix(&sock).unwrap();
-    let s = server.clone();
-    let handle = std::thread::spawn(move || s.serve(&listener).unwrap());
+    let srv =
+        InProcess::start(move || Ok(store.clone()), |s| s.handshake_timeout = Duration::from_millis(300));
+    let sock = srv.sock.clone();
 
     let mut ready = connect(&sock);
     go(&mut ready);
@@ -419,6 +399,5 @@ fn a_handshake_that_takes_too_long_is_cut() {
     let mut data = [0u8; 512];
     ready.read_exact(&mut data).unwrap();
     drop(ready);
-    server.shutdown();
-    handle.join().unwrap();
+    srv.stop().unwrap();
 }
