@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the tests and benchmarks need on a fresh Debian machine: the NBD peers and
-# tools the interop tests and benchmarks run against. Does nothing when all are present.
+# tools the interop tests and benchmarks run against, and openssl (the TLS tests make their
+# certificates with it). Does nothing when all are present.
 set -euo pipefail
 need=()
 command -v qemu-img  >/dev/null || need+=(qemu-utils)
@@ -12,6 +13,7 @@ command -v nocache   >/dev/null || need+=(nocache)
 [ -x /usr/bin/time ] || need+=(time)
 command -v losetup   >/dev/null || need+=(mount)
 command -v setpriv   >/dev/null || need+=(util-linux)
+command -v openssl   >/dev/null || need+=(openssl)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

@@ -11,7 +11,7 @@
 //! - [`io`]: the cache policy (`--cache=neutral|keep|drop|direct`) and every system call that
 //!   touches the page cache ([`io::PolicyFile`], [`io::policy::choose`]).
 //! - [`proto`]: the NBD wire format only (no sockets, no threads, no policy); [`stream`]: the
-//!   byte streams (TCP, Unix) NBD runs over.
+//!   byte streams (TCP, Unix) NBD runs over, and [`tls`] the TLS one over them (STARTTLS).
 //! - [`error`]: one error type with a kind, the operation and its context.
 //!
 //! [`testing`] holds the conformance suite every backend and filter stack must pass.
@@ -26,5 +26,6 @@ pub mod proto;
 pub mod server;
 pub mod stream;
 pub mod testing;
+pub mod tls;
 
 pub use error::{Error, ErrorKind, Result};

@@ -238,9 +238,9 @@ fn bad_endpoints_fail_before_writing() {
     let nowhere = format!("nbd+unix:///?socket={}", dir.path().join("none.sock").display());
     fails_with(&copy(&[s(&src), &nowhere]), &["connect", &nowhere, "no such file"]);
 
-    let out = copy(&[s(&src), "nbds://localhost/x"]);
+    let out = copy(&[s(&src), "nbds://localhost/x?tls-type=psk"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
-    assert!(text(&out).contains("TLS"));
+    assert!(text(&out).contains("TLS-PSK"));
     let out = copy(&[s(&src), "[", "qemu-nbd", s(&src)]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
 

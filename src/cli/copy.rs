@@ -23,7 +23,16 @@ ENDPOINTS:
   null:[SIZE] reads zeroes, discards writes (a DST of any size; SRC of SIZE bytes)
   nbd://HOST[:PORT]/EXPORT
   nbd+unix:///EXPORT?socket=PATH
-              an export on an NBD server (nbds:// and TLS are not supported yet)
+              an export on an NBD server
+  nbds://HOST[:PORT]/EXPORT?tls-certificates=DIR
+  nbds+unix:///EXPORT?socket=PATH&tls-certificates=DIR
+              the same over TLS (STARTTLS, X.509; required, never downgraded). DIR holds
+              ca-cert.pem (the CA the server's certificate must be signed by) and, if the
+              server asks for one, client-cert.pem and client-key.pem. Without
+              tls-certificates, libnbd's default directories are used. The server's
+              certificate must name HOST (or tls-hostname=NAME); over a Unix socket only
+              the CA is checked unless tls-hostname is given. tls-verify-peer=0 skips all
+              checks (encryption without authentication). TLS-PSK is not supported.
   [ CMD ARGS ]
               a captive NBD server: lightfoot starts CMD with a listening socket (systemd
               socket activation), uses it, and stops it at the end. Put -- before the

@@ -10,6 +10,7 @@ use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
 use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
 use lightfoot::io::{CacheMode, Fadvise, OpenOptions, Shared};
 use lightfoot::server::{Export, Listener, Server};
+use lightfoot::tls::ServerTls;
 
 use super::parse_enum;
 
@@ -23,7 +24,16 @@ advertises CAN_MULTI_CONN.
 URIs: nbd://127.0.0.1:10809/NAME over TCP, nbd+unix:///NAME?socket=PATH over a Unix socket.
 The empty export name always reaches the export too.
 
---run 'CMD' runs CMD through sh with $uri, $unixsocket (for --unix) and $port (for TCP) set,
+TLS (STARTTLS, X.509): --tls=require --tls-certificates DIR, where DIR holds ca-cert.pem,
+server-cert.pem and server-key.pem (the layout qemu-nbd and nbdkit read). Clients then use
+nbds:// or nbds+unix:// URIs, e.g.
+  nbdinfo 'nbds://localhost:10809/?tls-certificates=/etc/pki/client'
+  qemu-img info --object tls-creds-x509,id=tls0,endpoint=client,dir=/etc/pki/client \
+      --image-opts driver=nbd,host=localhost,port=10809,tls-creds=tls0
+TLS-PSK is not supported (rustls has no external PSK). See docs/tls.md.
+
+--run 'CMD' runs CMD through sh with $uri (nbds:// with --tls=require), $unixsocket (for
+--unix) and $port (for TCP) set,
 stops serving when it exits and exits with its status. Example:
   lightfoot serve --unix /tmp/s disk.img --run 'nbdcopy \"$uri\" backup.img'
 
@@ -103,6 +113,24 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "64K", value_parser = parse_coalesce_block)]
     coalesce_block: u64,
 
+    /// TLS: off (STARTTLS refused), on (offered; plaintext clients still served) or require
+    /// (only STARTTLS and ABORT are accepted before TLS: every other option gets
+    /// NBD_REP_ERR_TLS_REQD, NBD_OPT_EXPORT_NAME closes the connection). on and require need
+    /// --tls-certificates.
+    #[arg(long, value_name = "MODE", value_enum, default_value = "off")]
+    tls: TlsMode,
+
+    /// With --tls: the directory holding server-cert.pem (the server's certificate, then any
+    /// intermediates, PEM), server-key.pem (its private key: PKCS#8, PKCS#1 or SEC1 PEM) and,
+    /// for --tls-verify-peer, ca-cert.pem (the CA that signs client certificates).
+    #[arg(long, value_name = "DIR")]
+    tls_certificates: Option<PathBuf>,
+
+    /// With --tls: require every client to present a certificate signed by ca-cert.pem
+    /// (from client-cert.pem in qemu's and libnbd's layout); others fail the TLS handshake.
+    #[arg(long)]
+    tls_verify_peer: bool,
+
     /// Worker threads per connection (requests carried out in parallel).
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
     threads: u16,
@@ -140,8 +168,34 @@ pub struct ServeArgs {
     mechanisms: super::MechanismArgs,
 }
 
+/// `--tls`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum TlsMode {
+    Off,
+    On,
+    Require,
+}
+
 pub fn run(a: ServeArgs) -> i32 {
     super::init_logging(a.verbose);
+    let tls = match (a.tls, &a.tls_certificates) {
+        (TlsMode::Off, None) if !a.tls_verify_peer => None,
+        (TlsMode::Off, _) => {
+            super::report(&"--tls-certificates and --tls-verify-peer need --tls=on or --tls=require");
+            return 2;
+        }
+        (_, None) => {
+            super::report(&"--tls=on and --tls=require need --tls-certificates DIR");
+            return 2;
+        }
+        (mode, Some(dir)) => match ServerTls::load(dir, a.tls_verify_peer, mode == TlsMode::Require) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                super::report(&e);
+                return 1;
+            }
+        },
+    };
     let tuning = a.mechanisms.tuning(a.fadvise, true);
     let shared = Arc::new(Shared::default());
     let (path, mode, ro) = (a.file.clone(), a.cache, a.read_only);
@@ -239,8 +293,13 @@ pub fn run(a: ServeArgs) -> i32 {
             return 1;
         }
     };
-    let server = Arc::new(Server::new(export, a.threads as usize, a.max_connections as usize));
-    let uri = listener.uri(&a.export_name);
+    let mut server = Server::new(export, a.threads as usize, a.max_connections as usize);
+    let tls_required = tls.as_ref().is_some_and(|t| t.required);
+    if let Some(t) = tls {
+        server = server.with_tls(t);
+    }
+    let server = Arc::new(server);
+    let uri = listener.uri(&a.export_name, tls_required);
     tracing::info!("serving {} at {uri}", a.file.display());
     {
         let s = server.clone();

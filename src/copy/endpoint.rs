@@ -284,7 +284,8 @@ mod tests {
         assert_eq!("null:1G".parse::<Endpoint>().unwrap(), Endpoint::Null(Some(1 << 30)));
         assert_eq!("a/b".parse::<Endpoint>().unwrap(), Endpoint::Path("a/b".into()));
         assert!(matches!("nbd://h/e".parse::<Endpoint>().unwrap(), Endpoint::Nbd(Target::Uri(_))));
-        assert!("nbds://h/e".parse::<Endpoint>().is_err());
+        assert!(matches!("nbds://h/e".parse::<Endpoint>().unwrap(), Endpoint::Nbd(Target::Uri(_))));
+        assert!("nbds://h/e?tls-type=psk".parse::<Endpoint>().is_err());
         assert_eq!(parse_size("4M").unwrap(), 4 << 20);
         assert_eq!(parse_size("64KiB").unwrap(), 64 << 10);
         assert!(parse_size("4Q").is_err());

@@ -468,3 +468,9 @@ pub fn catch_sigusr1() -> io::Result<()> {
 pub fn take_sigusr1() -> bool {
     USR1.swap(false, std::sync::atomic::Ordering::Relaxed)
 }
+
+/// The effective user id (TLS clients look for certificates in root's or the user's place).
+pub fn euid() -> u32 {
+    // SAFETY: geteuid takes no arguments, touches no memory and cannot fail.
+    unsafe { libc::geteuid() }
+}

@@ -2,7 +2,8 @@
 //!
 //! - [`Server`] holds the export and the shared state (shutdown flag, connection count) and
 //!   runs the accept loop ([`Server::serve`]); each connection gets a thread.
-//! - [`negotiate`]: the fixed newstyle handshake, over any [`crate::stream::Stream`].
+//! - [`negotiate`]: the fixed newstyle handshake, over any [`crate::stream::Stream`]; with
+//!   [`Server::with_tls`], STARTTLS turns the connection into a [`crate::tls::TlsStream`].
 //! - [`transmission`]: requests read and validated ([`validate`]) by one thread, carried out
 //!   by `threads` workers against the connection's own backend, replies out of order.
 //! - [`Export`]: what is served, and how to open one backend per connection (one fd each:
@@ -144,15 +145,16 @@ impl Listener {
         Ok(Listener::Tcp(TcpListener::bind(addr)?))
     }
 
-    /// The NBD URI clients use to reach the export.
-    pub fn uri(&self, export: &str) -> String {
+    /// The NBD URI clients use to reach the export (`nbds` schemes when TLS is required).
+    pub fn uri(&self, export: &str, tls: bool) -> String {
+        let s = if tls { "s" } else { "" };
         match self {
             Listener::Tcp(l) => match l.local_addr() {
-                Ok(a) if a.is_ipv6() => format!("nbd://[{}]:{}/{}", a.ip(), a.port(), export),
-                Ok(a) => format!("nbd://{}:{}/{}", a.ip(), a.port(), export),
+                Ok(a) if a.is_ipv6() => format!("nbd{s}://[{}]:{}/{}", a.ip(), a.port(), export),
+                Ok(a) => format!("nbd{s}://{}:{}/{}", a.ip(), a.port(), export),
                 Err(_) => String::new(),
             },
-            Listener::Unix(_, p, _) => format!("nbd+unix:///{}?socket={}", export, p.display()),
+            Listener::Unix(_, p, _) => format!("nbd{s}+unix:///{}?socket={}", export, p.display()),
         }
     }
 }
@@ -174,6 +176,8 @@ pub struct Server {
     /// export: a client that connects and says nothing must not hold a connection slot.
     pub handshake_timeout: Duration,
     pub stats: stats::Stats,
+    /// STARTTLS offered (`--tls=on`) or required (`--tls=require`); `None`: `--tls=off`.
+    pub tls: Option<crate::tls::ServerTls>,
     shutdown: AtomicBool,
     active: AtomicUsize,
     /// Closers of the open connections, by connection number.
@@ -199,12 +203,19 @@ impl Server {
             max_connections,
             handshake_timeout: HANDSHAKE_TIMEOUT,
             stats: Default::default(),
+            tls: None,
             shutdown: AtomicBool::new(false),
             active: AtomicUsize::new(0),
             closers: Default::default(),
             handshakes: Default::default(),
             next_id: Default::default(),
         }
+    }
+
+    /// Offers (or requires) TLS to clients.
+    pub fn with_tls(mut self, tls: crate::tls::ServerTls) -> Server {
+        self.tls = Some(tls);
+        self
     }
 
     pub fn is_shutting_down(&self) -> bool {
@@ -337,10 +348,11 @@ impl Server {
     }
 
     /// [`Server::connection`] of accepted connection `id`, whose handshake is timed (see
-    /// [`Server::reap_handshakes`]) until the client has chosen its export.
-    fn connection_numbered(&self, mut s: Box<dyn crate::stream::Stream>, id: Option<u64>) -> io::Result<()> {
-        let (agreed, backend) = match negotiate::negotiate(self, &mut *s)? {
-            negotiate::Outcome::Go(a, b) => (a, b),
+    /// [`Server::reap_handshakes`]) until the client has chosen its export. The closer taken
+    /// at accept shuts the socket under any TLS session, so the deadline covers STARTTLS too.
+    fn connection_numbered(&self, s: Box<dyn crate::stream::Stream>, id: Option<u64>) -> io::Result<()> {
+        let (agreed, backend, s) = match negotiate::negotiate(self, s)? {
+            negotiate::Outcome::Go(a, b, s) => (a, b, s),
             negotiate::Outcome::Close => return Ok(()),
         };
         if let Some(id) = id {

@@ -1,5 +1,11 @@
 //! The fixed newstyle handshake: greeting, client flags, option haggling until the client
 //! picks the export (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`), aborts or breaks the protocol.
+//!
+//! With TLS configured, `NBD_OPT_STARTTLS` is acknowledged, the TLS handshake runs on the
+//! same socket and haggling starts again over TLS with nothing agreed (the spec: state
+//! negotiated before STARTTLS is reset). With TLS required (`--tls=require`, the spec's
+//! FORCEDTLS), every option before TLS but STARTTLS and ABORT gets `NBD_REP_ERR_TLS_REQD`,
+//! and `NBD_OPT_EXPORT_NAME`, which cannot be refused, ends the connection.
 
 use std::io::{self, Write};
 
@@ -9,6 +15,7 @@ use super::{Export, Server};
 use crate::backend::Backend;
 use crate::proto::handshake::*;
 use crate::proto::*;
+use crate::stream::Stream;
 
 /// Option data larger than this ends the connection (no option we know needs more than a
 /// few KiB; the spec lets servers set such a limit).
@@ -28,8 +35,9 @@ pub const BASE_ALLOCATION_ID: u32 = 1;
 
 /// How negotiation ended.
 pub enum Outcome {
-    /// Enter transmission with these agreements, on this connection's own backend.
-    Go(Agreed, Arc<dyn Backend>),
+    /// Enter transmission with these agreements, on this connection's own backend, over
+    /// this stream (a TLS one after STARTTLS).
+    Go(Agreed, Arc<dyn Backend>, Box<dyn Stream>),
     /// The client aborted or disconnected, or the server is shutting down.
     Close,
 }
@@ -39,9 +47,10 @@ fn reply(s: &mut dyn Write, option: u32, ty: u32, data: &[u8]) -> io::Result<()>
     crate::stream::write_all_vectored(s, &[&header, data])
 }
 
-/// Runs the handshake on `s`. `Err` is an I/O error or a protocol violation that ends the
-/// connection (the caller logs it; other connections are not affected).
-pub fn negotiate(server: &Server, s: &mut dyn crate::stream::Stream) -> io::Result<Outcome> {
+/// Runs the handshake on `s`. `Err` is an I/O error, a failed TLS handshake or a protocol
+/// violation that ends the connection (the caller logs it; other connections are not
+/// affected).
+pub fn negotiate(server: &Server, mut s: Box<dyn Stream>) -> io::Result<Outcome> {
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
     greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -56,6 +65,7 @@ pub fn negotiate(server: &Server, s: &mut dyn crate::stream::Stream) -> io::Resu
     let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
     let export = &server.export;
     let mut agreed = Agreed::default();
+    let mut tls_active = false;
 
     loop {
         let mut h = [0u8; 16];
@@ -68,9 +78,18 @@ pub fn negotiate(server: &Server, s: &mut dyn crate::stream::Stream) -> io::Resu
         }
         let mut data = vec![0u8; len as usize];
         s.read_exact(&mut data)?;
+        let s = &mut s;
         if server.is_shutting_down() {
             reply(s, option, REP_ERR_SHUTDOWN, b"server is shutting down")?;
             return Ok(Outcome::Close);
+        }
+        let tls_missing = !tls_active && server.tls.as_ref().is_some_and(|t| t.required);
+        if tls_missing && option != OPT_STARTTLS && option != OPT_ABORT {
+            if option == OPT_EXPORT_NAME {
+                return Err(invalid("NBD_OPT_EXPORT_NAME before STARTTLS, and TLS is required".into()));
+            }
+            reply(s, option, REP_ERR_TLS_REQD, b"TLS is required: send NBD_OPT_STARTTLS first")?;
+            continue;
         }
         match option {
             OPT_EXPORT_NAME => {
@@ -87,7 +106,7 @@ pub fn negotiate(server: &Server, s: &mut dyn crate::stream::Stream) -> io::Resu
                     out.extend_from_slice(&[0u8; 124]);
                 }
                 s.write_all(&out)?;
-                return Ok(Outcome::Go(agreed, backend));
+                return Ok(Outcome::Go(agreed, backend, std::mem::replace(s, Box::new(Gone))));
             }
             OPT_ABORT => {
                 let _ = reply(s, option, REP_ACK, &[]);
@@ -135,7 +154,7 @@ pub fn negotiate(server: &Server, s: &mut dyn crate::stream::Stream) -> io::Resu
                 reply(s, option, REP_ACK, &[])?;
                 if let Some(backend) = backend {
                     agreed.block_sizes = go.infos.contains(&INFO_BLOCK_SIZE);
-                    return Ok(Outcome::Go(agreed, backend));
+                    return Ok(Outcome::Go(agreed, backend, std::mem::replace(s, Box::new(Gone))));
                 }
             }
             OPT_STRUCTURED_REPLY => {
@@ -149,7 +168,20 @@ pub fn negotiate(server: &Server, s: &mut dyn crate::stream::Stream) -> io::Resu
             OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
                 meta_context(s, option, export, &data, &mut agreed)?;
             }
-            // STARTTLS included: this server does not do TLS yet (NOTLS mode answers UNSUP).
+            OPT_STARTTLS => match &server.tls {
+                // NOTLS mode (no --tls): as for any option the server does not do.
+                None => reply(s, option, REP_ERR_UNSUP, b"TLS is not enabled on this server")?,
+                Some(_) if tls_active => reply(s, option, REP_ERR_INVALID, b"TLS is already in use")?,
+                Some(_) if !data.is_empty() => reply(s, option, REP_ERR_INVALID, b"STARTTLS takes no data")?,
+                Some(tls) => {
+                    reply(s, option, REP_ACK, &[])?;
+                    let plain = std::mem::replace(s, Box::new(Gone));
+                    *s = Box::new(tls.accept(plain)?);
+                    tls_active = true;
+                    agreed = Agreed::default();
+                    tracing::debug!("TLS handshake done");
+                }
+            },
             _ => reply(s, option, REP_ERR_UNSUP, b"option not supported")?,
         }
     }
@@ -204,6 +236,35 @@ fn meta_context(
         reply(s, option, REP_META_CONTEXT, &rep_meta_context(id, BASE_ALLOCATION))?;
     }
     reply(s, option, REP_ACK, &[])
+}
+
+/// What is left in place of a stream moved out of negotiation (it is never used again).
+struct Gone;
+
+impl io::Read for Gone {
+    fn read(&mut self, _: &mut [u8]) -> io::Result<usize> {
+        Err(io::ErrorKind::NotConnected.into())
+    }
+}
+
+impl Write for Gone {
+    fn write(&mut self, _: &[u8]) -> io::Result<usize> {
+        Err(io::ErrorKind::NotConnected.into())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Stream for Gone {
+    fn split(self: Box<Self>) -> io::Result<(Box<dyn io::Read + Send>, Box<dyn Write + Send>)> {
+        Err(io::ErrorKind::NotConnected.into())
+    }
+
+    fn closer(&self) -> io::Result<crate::stream::Closer> {
+        Ok(Box::new(|| {}))
+    }
 }
 
 fn invalid(msg: String) -> io::Error {

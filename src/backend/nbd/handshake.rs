@@ -1,6 +1,10 @@
 //! The client side of the fixed newstyle handshake: structured replies, the `base:allocation`
 //! context, then `NBD_OPT_GO` asking for block sizes (with `NBD_OPT_EXPORT_NAME` as the
 //! fallback for servers without GO).
+//!
+//! For `nbds://` URIs the caller runs it in steps: [`greet`], [`starttls`], the TLS handshake
+//! on the same socket, then [`options`] over TLS (nothing is asked before TLS, so nothing
+//! leaks and nothing needs resetting).
 
 use std::io::{Read, Write};
 
@@ -39,16 +43,30 @@ const OLDSTYLE_MAGIC: u64 = 0x0000_4202_8186_1253;
 
 /// Negotiates `export` over `s`; `who` names the server in errors.
 pub fn negotiate<S: Read + Write + ?Sized>(s: &mut S, export: &str, who: &str) -> Result<ExportInfo> {
-    let fail = |kind, detail: String| Error::new(kind, "connect").path(who).detail(detail);
-    let io = |e: std::io::Error| match e.kind() {
+    let no_zeroes = greet(s, who)?;
+    options(s, export, who, no_zeroes)
+}
+
+fn failure(who: &str, kind: ErrorKind, detail: String) -> Error {
+    Error::new(kind, "connect").path(who).detail(detail)
+}
+
+fn io_error(who: &str) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |e: std::io::Error| match e.kind() {
         std::io::ErrorKind::UnexpectedEof => {
-            fail(ErrorKind::Io, "the server closed the connection during the handshake".into())
+            failure(who, ErrorKind::Io, "the server closed the connection during the handshake".into())
         }
         _ => Error::io("connect", e).path(who),
-    };
+    }
+}
 
+/// Reads the server's greeting and sends the client flags; true when the server omits the
+/// zeroes after `NBD_OPT_EXPORT_NAME`.
+pub fn greet<S: Read + Write + ?Sized>(s: &mut S, who: &str) -> Result<bool> {
+    let fail = |kind, detail: String| failure(who, kind, detail);
+    let io = io_error(who);
     let mut greeting = [0u8; 18];
-    s.read_exact(&mut greeting).map_err(io)?;
+    s.read_exact(&mut greeting).map_err(&io)?;
     if be64(&greeting[0..8]) != NBDMAGIC {
         return Err(fail(ErrorKind::Io, "not an NBD server (bad greeting)".into()));
     }
@@ -65,8 +83,36 @@ pub fn negotiate<S: Read + Write + ?Sized>(s: &mut S, export: &str, who: &str) -
     }
     let no_zeroes = server_flags & FLAG_NO_ZEROES != 0;
     let client_flags = FLAG_C_FIXED_NEWSTYLE | if no_zeroes { FLAG_C_NO_ZEROES } else { 0 };
-    s.write_all(&client_flags.to_be_bytes()).map_err(io)?;
+    s.write_all(&client_flags.to_be_bytes()).map_err(&io)?;
+    Ok(no_zeroes)
+}
 
+/// `NBD_OPT_STARTTLS`: `Ok` when the server agreed; the TLS handshake comes next.
+pub fn starttls<S: Read + Write + ?Sized>(s: &mut S, who: &str) -> Result<()> {
+    let io = io_error(who);
+    let mut haggle = Haggle { s, who, io: &io };
+    haggle.send(OPT_STARTTLS, &[])?;
+    let (ty, data) = haggle.reply(OPT_STARTTLS)?;
+    let why = match ty {
+        REP_ACK => return Ok(()),
+        REP_ERR_UNSUP | REP_ERR_POLICY => "the server does not offer TLS",
+        _ => "the server refused STARTTLS",
+    };
+    let msg = String::from_utf8_lossy(&data);
+    let detail = if msg.is_empty() { why.to_string() } else { format!("{why}: {msg}") };
+    Err(failure(who, ErrorKind::NotSupported, detail))
+}
+
+/// Option haggling after the greeting (and after TLS): structured replies, `base:allocation`,
+/// then GO.
+pub fn options<S: Read + Write + ?Sized>(
+    s: &mut S,
+    export: &str,
+    who: &str,
+    no_zeroes: bool,
+) -> Result<ExportInfo> {
+    let fail = |kind, detail: String| failure(who, kind, detail);
+    let io = io_error(who);
     let mut haggle = Haggle { s, who, io: &io };
     let structured = haggle.simple_option(OPT_STRUCTURED_REPLY, &[])?;
     let mut allocation = None;
@@ -123,7 +169,7 @@ fn refused(who: &str, export: &str, ty: u32, data: &[u8]) -> Error {
         REP_ERR_UNKNOWN => (ErrorKind::NotFound, format!("the server has no export named '{export}'")),
         REP_ERR_POLICY => (ErrorKind::Permission, "the server refused the connection".to_string()),
         REP_ERR_TLS_REQD => {
-            (ErrorKind::NotSupported, "the server requires TLS, not supported yet".to_string())
+            (ErrorKind::Permission, "the server requires TLS: use an nbds:// or nbds+unix:// URI".to_string())
         }
         REP_ERR_SHUTDOWN => (ErrorKind::Io, "the server is shutting down".to_string()),
         other => (ErrorKind::Io, format!("the server refused the export (error {:#x})", other)),

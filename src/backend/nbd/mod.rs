@@ -1,6 +1,7 @@
 //! The NBD client backend: an export on an NBD server, reached by URI
-//! ([`uri::Uri`]: `nbd://host[:port]/export`, `nbd+unix:///export?socket=PATH`) or on a captive
-//! server lightfoot starts itself ([`captive::Captive`]: `[ qemu-nbd disk.qcow2 ]`).
+//! ([`uri::Uri`]: `nbd://host[:port]/export`, `nbd+unix:///export?socket=PATH`, and over TLS
+//! `nbds://`, `nbds+unix://`) or on a captive server lightfoot starts itself
+//! ([`captive::Captive`]: `[ qemu-nbd disk.qcow2 ]`).
 //!
 //! - [`handshake`]: fixed newstyle negotiation: structured replies, `base:allocation`, GO with
 //!   block sizes.
@@ -27,10 +28,11 @@ use super::{write_zeroes, Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlag
 use crate::error::{Error, ErrorKind, Result};
 use crate::proto::*;
 use crate::stream::Stream;
+use crate::tls::{ClientTls, Verify};
 pub use captive::Captive;
 pub use conn::Connection;
 pub use handshake::ExportInfo;
-pub use uri::{Address, Uri};
+pub use uri::{Address, TlsParams, Uri};
 
 /// Zero, trim and cache requests carry a 32-bit length: larger ranges go in pieces of this.
 const RANGE_PIECE: u64 = 1 << 30;
@@ -72,13 +74,19 @@ impl NbdBackend {
     pub fn open(target: &Target, connections: usize) -> Result<NbdBackend> {
         match target {
             Target::Uri(uri) => {
-                Self::connect_all(uri.text.clone(), &uri.address, &uri.export, connections, None)
+                let tls = match &uri.tls {
+                    Some(params) => Some(client_tls(uri, params)?),
+                    None => None,
+                };
+                let how = How { address: &uri.address, export: &uri.export, tls: tls.as_ref() };
+                Self::connect_all(uri.text.clone(), how, connections, None)
             }
             Target::Captive(argv) => {
                 let captive = Captive::start(argv)?;
                 let address = Address::Unix(captive.socket().to_path_buf());
                 let name = captive.display.clone();
-                Self::connect_all(name, &address, "", connections, Some(captive))
+                let how = How { address: &address, export: "", tls: None };
+                Self::connect_all(name, how, connections, Some(captive))
             }
         }
     }
@@ -93,12 +101,11 @@ impl NbdBackend {
 
     fn connect_all(
         name: String,
-        address: &Address,
-        export: &str,
+        how: How,
         connections: usize,
         captive: Option<Captive>,
     ) -> Result<NbdBackend> {
-        let first = match connect(address, export, &name) {
+        let first = match connect(&how, &name) {
             Ok(c) => c,
             Err(e) => return Err(explain_captive(e, captive.as_ref())),
         };
@@ -106,7 +113,7 @@ impl NbdBackend {
         let mut conns = vec![first];
         if info.has(TF_CAN_MULTI_CONN) {
             for _ in 1..connections {
-                let c = connect(address, export, &name)?;
+                let c = connect(&how, &name)?;
                 if c.info.size != info.size || c.info.flags != info.flags {
                     return Err(Error::new(ErrorKind::Io, "connect")
                         .path(&name)
@@ -229,8 +236,38 @@ impl NbdBackend {
     }
 }
 
-fn connect(address: &Address, export: &str, who: &str) -> Result<Connection> {
-    let mut stream: Box<dyn Stream> = match address {
+/// How to reach the export, for each connection.
+struct How<'a> {
+    address: &'a Address,
+    export: &'a str,
+    tls: Option<&'a ClientTls>,
+}
+
+/// The TLS configuration of an `nbds` URI: its certificate directory (or libnbd's default
+/// one), and what of the server's certificate is checked: the name the URI gives
+/// (`tls-hostname`, else the host), only the CA over a Unix socket without `tls-hostname`,
+/// nothing with `tls-verify-peer=0`.
+fn client_tls(uri: &Uri, params: &TlsParams) -> Result<ClientTls> {
+    let verify = match (&params.hostname, &uri.address) {
+        _ if !params.verify_peer => Verify::Nothing,
+        (Some(name), _) => Verify::Name(name.clone()),
+        (None, Address::Tcp { host, .. }) => Verify::Name(host.clone()),
+        (None, Address::Unix(_)) => Verify::Chain,
+    };
+    let dir = match params.certificates.clone().or_else(crate::tls::default_client_dir) {
+        Some(d) => d,
+        None if verify == Verify::Nothing => std::path::PathBuf::new(),
+        None => {
+            return Err(Error::new(ErrorKind::InvalidInput, "connect").path(&uri.text).detail(
+                "no certificate directory: add ?tls-certificates=DIR (holding ca-cert.pem) to the URI",
+            ))
+        }
+    };
+    ClientTls::load(&dir, verify)
+}
+
+fn connect(how: &How, who: &str) -> Result<Connection> {
+    let mut stream: Box<dyn Stream> = match how.address {
         Address::Tcp { host, port } => {
             let s =
                 TcpStream::connect((host.as_str(), *port)).map_err(|e| Error::io("connect", e).path(who))?;
@@ -239,7 +276,14 @@ fn connect(address: &Address, export: &str, who: &str) -> Result<Connection> {
         }
         Address::Unix(path) => Box::new(connect_unix(path).map_err(|e| Error::io("connect", e).path(who))?),
     };
-    let info = handshake::negotiate(&mut *stream, export, who)?;
+    let no_zeroes = handshake::greet(&mut *stream, who)?;
+    if let Some(tls) = how.tls {
+        handshake::starttls(&mut *stream, who)?;
+        stream = Box::new(tls.connect(stream).map_err(|e| {
+            Error::new(ErrorKind::Io, "connect").path(who).detail(format!("TLS handshake failed: {e}"))
+        })?);
+    }
+    let info = handshake::options(&mut *stream, how.export, who, no_zeroes)?;
     Connection::new(stream, info, who)
 }
 

@@ -1,6 +1,10 @@
 //! NBD URIs (`../shared/reference/nbd-uri.md`): `nbd://host[:port]/export` and
-//! `nbd+unix:///export?socket=PATH`. The TLS schemes (`nbds`, `nbds+unix`) are recognised and
-//! refused until TLS exists, as the URI spec asks of clients without TLS.
+//! `nbd+unix:///export?socket=PATH`, and their TLS forms `nbds://` and `nbds+unix://`, which
+//! must use TLS (X.509). TLS query parameters, as libnbd reads them: `tls-certificates=DIR`
+//! (`ca-cert.pem`, and `client-cert.pem` with `client-key.pem`), `tls-hostname=NAME` (the
+//! name the server's certificate must carry; default: the URI's host, none over a Unix
+//! socket), `tls-verify-peer=0|1`, `tls-type=x509`. On `nbd://` URIs they are ignored: lightfoot
+//! does not upgrade plain URIs to TLS opportunistically.
 
 use std::path::PathBuf;
 
@@ -26,6 +30,19 @@ pub struct Uri {
     pub address: Address,
     /// The path without its leading `/`, percent-decoded (may be empty: the default export).
     pub export: String,
+    /// `nbds` schemes: TLS, with these settings.
+    pub tls: Option<TlsParams>,
+}
+
+/// The TLS settings of an `nbds://` or `nbds+unix://` URI.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TlsParams {
+    /// `tls-certificates=DIR`.
+    pub certificates: Option<PathBuf>,
+    /// `tls-hostname=NAME`.
+    pub hostname: Option<String>,
+    /// `tls-verify-peer=0` turns verification of the server off.
+    pub verify_peer: bool,
 }
 
 impl Uri {
@@ -47,16 +64,18 @@ impl std::str::FromStr for Uri {
 
     fn from_str(s: &str) -> Result<Uri, String> {
         let (scheme, rest) = s.split_once("://").ok_or_else(|| format!("'{s}' is not a URI"))?;
-        let unix = match scheme {
-            "nbd" => false,
-            "nbd+unix" => true,
-            "nbds" | "nbds+unix" => {
+        let (unix, tls) = match scheme {
+            "nbd" => (false, false),
+            "nbd+unix" => (true, false),
+            "nbds" => (false, true),
+            "nbds+unix" => (true, true),
+            _ => {
                 return Err(format!(
-                    "'{s}': TLS ({scheme}://) is not supported yet; use nbd:// or nbd+unix://"
+                    "'{s}': unknown scheme '{scheme}' (use nbd://, nbd+unix://, nbds:// or nbds+unix://)"
                 ))
             }
-            _ => return Err(format!("'{s}': unknown scheme '{scheme}' (use nbd:// or nbd+unix://)")),
         };
+        let mut params = TlsParams { verify_peer: true, ..TlsParams::default() };
         let rest = rest.split_once('#').map_or(rest, |(r, _)| r);
         let (before_query, query) = rest.split_once('?').unwrap_or((rest, ""));
         let (authority, path) = match before_query.find('/') {
@@ -70,8 +89,34 @@ impl std::str::FromStr for Uri {
             let (key, value) = param.split_once('=').unwrap_or((param, ""));
             match key {
                 "socket" => socket = Some(decode(value).map_err(|e| format!("'{s}': {e}"))?),
-                // Only meaningful with TLS, which a plain nbd:// connection does not use.
-                "tls-type" | "tls-hostname" | "tls-verify-peer" => {}
+                "tls-certificates" => {
+                    params.certificates = Some(PathBuf::from(decode(value).map_err(|e| format!("'{s}': {e}"))?))
+                }
+                "tls-hostname" => params.hostname = Some(decode(value).map_err(|e| format!("'{s}': {e}"))?),
+                "tls-verify-peer" => {
+                    params.verify_peer = match value {
+                        "1" | "true" | "on" | "yes" => true,
+                        "0" | "false" | "off" | "no" => false,
+                        _ => return Err(format!("'{s}': tls-verify-peer takes 0 or 1, not '{value}'")),
+                    }
+                }
+                "tls-type" => match value {
+                    "x509" => {}
+                    "psk" if tls => {
+                        return Err(format!(
+                            "'{s}': TLS-PSK is not supported (rustls has no external pre-shared keys; see docs/tls.md)"
+                        ))
+                    }
+                    "anon" if tls => return Err(format!("'{s}': anonymous TLS is not supported; use x509")),
+                    "psk" | "anon" => {}
+                    _ => return Err(format!("'{s}': unknown tls-type '{value}' (x509, psk or anon)")),
+                },
+                "tls-psk-file" | "tls-username" if tls => {
+                    return Err(format!(
+                        "'{s}': TLS-PSK is not supported (rustls has no external pre-shared keys; see docs/tls.md)"
+                    ))
+                }
+                "tls-psk-file" | "tls-username" => {}
                 _ => return Err(format!("'{s}': unknown query parameter '{key}'")),
             }
         }
@@ -91,7 +136,7 @@ impl std::str::FromStr for Uri {
             let (host, port) = host_port(authority).map_err(|e| format!("'{s}': {e}"))?;
             Address::Tcp { host, port }
         };
-        Ok(Uri { text: s.to_string(), address, export })
+        Ok(Uri { text: s.to_string(), address, export, tls: tls.then_some(params) })
     }
 }
 
@@ -174,8 +219,10 @@ mod tests {
     #[test]
     fn bad_uris_are_diagnosed() {
         for (uri, says) in [
-            ("nbds://h/e", "TLS"),
-            ("nbds+unix:///e?socket=s", "TLS"),
+            ("nbds://h/e?tls-type=psk", "TLS-PSK"),
+            ("nbds://h/e?tls-psk-file=k", "TLS-PSK"),
+            ("nbds://h/e?tls-verify-peer=maybe", "0 or 1"),
+            ("nbds+unix:///e", "socket="),
             ("http://h/e", "unknown scheme"),
             ("nbd+unix:///e", "socket="),
             ("nbd+unix://h/e?socket=s", "no host"),
@@ -191,6 +238,29 @@ mod tests {
             assert!(e.contains(says), "{uri}: {e}");
         }
         assert!(Uri::is_nbd("nbd+unix:///"));
+        assert!(Uri::is_nbd("nbds://h/"));
         assert!(!Uri::is_nbd("disk.img"));
+    }
+
+    #[test]
+    fn tls_schemes_and_parameters() {
+        assert_eq!(parse("nbd://h/e").tls, None);
+        // Plain URIs ignore TLS parameters, as libnbd does.
+        assert_eq!(parse("nbd://h/e?tls-certificates=/d&tls-type=psk").tls, None);
+        let u = parse("nbds://h:7/e");
+        assert_eq!(u.address, Address::Tcp { host: "h".into(), port: 7 });
+        assert_eq!(u.tls, Some(TlsParams { certificates: None, hostname: None, verify_peer: true }));
+        let u =
+            parse("nbds+unix:///e?socket=/s&tls-certificates=/my%20dir&tls-hostname=srv&tls-verify-peer=0");
+        assert_eq!(u.address, Address::Unix("/s".into()));
+        assert_eq!(
+            u.tls,
+            Some(TlsParams {
+                certificates: Some("/my dir".into()),
+                hostname: Some("srv".into()),
+                verify_peer: false
+            })
+        );
+        assert!(parse("nbds://h/?tls-type=x509").tls.is_some());
     }
 }
