@@ -10,29 +10,19 @@ use std::sync::Arc;
 use common::*;
 use lightfoot::backend::{Backend, MemoryBackend};
 use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
-use lightfoot::server::{Export, Listener, Server};
 use lightfoot::ErrorKind;
 
 /// Serves `rules` over one memory store shared by all connections; runs `script` with $URI.
 fn with_server(rules: Vec<Rule>, script: &str) -> std::process::Output {
-    let dir = scratch();
-    let sock = dir.path().join("s");
     let store: Arc<dyn Backend> = Arc::new(MemoryBackend::new(4 * MIB));
     // One injector shared by every connection, so rule counters are per export.
     let faulty: Arc<dyn Backend> = Arc::new(FaultInjector::new(store, rules));
-    let export = Export::new("", None, true, move || Ok(faulty.clone())).unwrap();
-    let server = Arc::new(Server::new(export, 4, 16));
-    let listener = Listener::unix(&sock).unwrap();
-    let s = server.clone();
-    let handle = std::thread::spawn(move || s.serve(&listener).unwrap());
-    let out = Command::new("/usr/bin/python3")
+    let srv = InProcess::start(move || Ok(faulty.clone()), |_| {});
+    Command::new("/usr/bin/python3")
         .args(["-c", script])
-        .env("URI", format!("nbd+unix:///?socket={}", sock.display()))
+        .env("URI", srv.uri())
         .output()
-        .expect("python3 with libnbd (make test installs python3-libnbd)");
-    server.shutdown();
-    handle.join().unwrap();
-    out
+        .expect("python3 with libnbd (make test installs python3-libnbd)")
 }
 
 const PRELUDE: &str = r#"

@@ -269,21 +269,15 @@ fn adjacent_reads_are_merged_and_errors_stay_per_request() {
     use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
     use std::sync::Arc;
 
-    let dir = scratch();
-    let sock = dir.path().join("s");
     let store = Arc::new(MemoryBackend::new(4 * MIB));
     let pattern: Vec<u8> = (0..2 * MIB).map(|i| (i / 512 % 251) as u8).collect();
     store.write(&pattern, MIB, false).unwrap();
     let bad = MIB + 5 * 65536 + 4096;
     let rules = vec![Rule::new(Op::Read, Fault::Fail(lightfoot::ErrorKind::Io)).at(bad, 1)];
     let faulty: Arc<dyn Backend> = Arc::new(FaultInjector::new(store, rules));
-    let export = lightfoot::server::Export::new("", None, true, move || Ok(faulty.clone())).unwrap();
-    let server = Arc::new(lightfoot::server::Server::new(export, 4, 16));
-    let listener = lightfoot::server::Listener::unix(&sock).unwrap();
-    let s = server.clone();
-    let handle = std::thread::spawn(move || s.serve(&listener).unwrap());
+    let srv = InProcess::start(move || Ok(faulty.clone()), |_| {});
 
-    let mut c = connect(&sock);
+    let mut c = connect(&srv.sock);
     go(&mut c);
     for (round, base) in [(0u64, MIB), (1, 2 * MIB)] {
         let mut burst = Vec::new();
@@ -316,8 +310,94 @@ fn adjacent_reads_are_merged_and_errors_stay_per_request() {
         assert_eq!(failed, want, "round {round}");
     }
     // Round 0 fell back to one read each; round 1 was one read for all sixteen.
-    assert_eq!(server.stats_snapshot().reads_merged, 15);
+    assert_eq!(srv.server.stats_snapshot().reads_merged, 15);
     drop(c);
-    server.shutdown();
-    handle.join().unwrap();
+    srv.stop().unwrap();
+}
+
+/// A client that pipelines large WRITEs to a slow backend gets only about 64 MiB of them read
+/// by the server (the connection's in-flight budget); the rest wait in the socket, not in the
+/// server's memory.
+#[test]
+fn a_connection_holds_a_bounded_amount_of_request_data() {
+    use lightfoot::backend::{Backend, MemoryBackend};
+    use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    let store = Arc::new(MemoryBackend::new(64 * MIB));
+    let rules = vec![Rule::new(Op::Write, Fault::Slow(Duration::from_secs(2)))];
+    let slow: Arc<dyn Backend> = Arc::new(FaultInjector::new(store, rules));
+    let srv = InProcess::start(move || Ok(slow.clone()), |_| {});
+
+    let mut c = connect(&srv.sock);
+    go(&mut c);
+    let sent = Arc::new(AtomicU64::new(0));
+    let mut w = c.try_clone().unwrap();
+    let counter = sent.clone();
+    std::thread::spawn(move || {
+        let payload = vec![7u8; 32 << 20];
+        for i in 0..12u64 {
+            let req =
+                Request { flags: 0, cmd: CMD_WRITE, cookie: i, offset: (i % 2) * (32 << 20), len: 32 << 20 };
+            if w.write_all(&encode_request(&req)).is_err() {
+                return;
+            }
+            for chunk in payload.chunks(1 << 20) {
+                if w.write_all(chunk).is_err() {
+                    return;
+                }
+                counter.fetch_add(chunk.len() as u64, Ordering::SeqCst);
+            }
+        }
+    });
+    // Well before the first slow write (2 s) completes and frees its budget.
+    std::thread::sleep(Duration::from_millis(1000));
+    let taken = sent.load(Ordering::SeqCst);
+    // 64 MiB in flight, a third request's header read and waiting, and what the socket buffers
+    // hold (a few MiB): far below the 12 x 32 MiB the client tried to send.
+    assert!((64 * MIB..=72 * MIB).contains(&taken), "the server took {} MiB of writes", taken / MIB);
+    let _ = c.shutdown(std::net::Shutdown::Both);
+    srv.stop().unwrap();
+}
+
+/// A client that connects and never finishes the handshake (silent, or dribbling a byte at a
+/// time) is cut after the handshake timeout; one that has chosen its export may then idle.
+#[test]
+fn a_handshake_that_takes_too_long_is_cut() {
+    use lightfoot::backend::{Backend, MemoryBackend};
+    use std::sync::Arc;
+
+    let store: Arc<dyn Backend> = Arc::new(MemoryBackend::new(MIB));
+    let srv =
+        InProcess::start(move || Ok(store.clone()), |s| s.handshake_timeout = Duration::from_millis(300));
+    let sock = srv.sock.clone();
+
+    let mut ready = connect(&sock);
+    go(&mut ready);
+    let mut silent = connect(&sock);
+    let mut dribbler = connect(&sock);
+    let start = Instant::now();
+    // Well-formed NBD_OPT_LIST requests, a byte every 50 ms.
+    let mut option = IHAVEOPT.to_be_bytes().to_vec();
+    option.extend_from_slice(&OPT_LIST.to_be_bytes());
+    option.extend_from_slice(&0u32.to_be_bytes());
+    let mut cut_dribbler = false;
+    for b in option.iter().cycle().take(40) {
+        if dribbler.write_all(&[*b]).is_err() {
+            cut_dribbler = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(cut_dribbler || closed(&mut dribbler), "a dribbling handshake was not cut");
+    assert!(closed(&mut silent), "a silent handshake was not cut");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    // The connection that finished its handshake idled past the timeout and still works.
+    request(&mut ready, CMD_READ, 5, 0, 512);
+    assert_eq!(simple(&mut ready), (5, 0));
+    let mut data = [0u8; 512];
+    ready.read_exact(&mut data).unwrap();
+    drop(ready);
+    srv.stop().unwrap();
 }

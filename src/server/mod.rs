@@ -172,6 +172,9 @@ pub struct Server {
     /// Workers per connection.
     pub threads: usize,
     pub max_connections: usize,
+    /// How long a client may take over the handshake, from connecting to choosing the
+    /// export: a client that connects and says nothing must not hold a connection slot.
+    pub handshake_timeout: Duration,
     pub stats: stats::Stats,
     /// STARTTLS offered (`--tls=on`) or required (`--tls=require`); `None`: `--tls=off`.
     pub tls: Option<crate::tls::ServerTls>,
@@ -179,6 +182,8 @@ pub struct Server {
     active: AtomicUsize,
     /// Closers of the open connections, by connection number.
     closers: std::sync::Mutex<std::collections::HashMap<u64, crate::stream::Closer>>,
+    /// When each connection still negotiating must have chosen its export.
+    handshakes: std::sync::Mutex<std::collections::HashMap<u64, Instant>>,
     next_id: std::sync::atomic::AtomicU64,
 }
 
@@ -187,6 +192,8 @@ pub struct Server {
 const GRACE: Duration = Duration::from_secs(5);
 /// How long cut connections get to run their cache clean-up.
 const CLEANUP: Duration = Duration::from_secs(5);
+/// The default [`Server::handshake_timeout`] (qemu-nbd's handshake limit is 10 s too).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Server {
     pub fn new(export: Export, threads: usize, max_connections: usize) -> Server {
@@ -194,11 +201,13 @@ impl Server {
             export,
             threads: threads.max(1),
             max_connections,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
             stats: Default::default(),
             tls: None,
             shutdown: AtomicBool::new(false),
             active: AtomicUsize::new(0),
             closers: Default::default(),
+            handshakes: Default::default(),
             next_id: Default::default(),
         }
     }
@@ -239,6 +248,7 @@ impl Server {
             Listener::Unix(l, _, _) => l.set_nonblocking(true)?,
         }
         while !self.is_shutting_down() {
+            self.reap_handshakes();
             let accepted: io::Result<Box<dyn crate::stream::Stream>> = match listener {
                 Listener::Tcp(l) => l.accept().and_then(|(s, _)| {
                     s.set_nonblocking(false)?;
@@ -290,6 +300,25 @@ impl Server {
         }
     }
 
+    /// Cuts connections whose handshake has outlasted [`Server::handshake_timeout`]. Called
+    /// by the accept loop, which wakes at least every 20 ms.
+    fn reap_handshakes(&self) {
+        let now = Instant::now();
+        let mut late = Vec::new();
+        self.handshakes.lock().unwrap().retain(|id, deadline| {
+            if *deadline <= now {
+                late.push(*id);
+            }
+            *deadline > now
+        });
+        for id in late {
+            tracing::warn!("connection {id}: handshake not finished in {:?}, closed", self.handshake_timeout);
+            if let Some(close) = self.closers.lock().unwrap().get(&id) {
+                close();
+            }
+        }
+    }
+
     fn spawn_connection(self: &Arc<Self>, s: Box<dyn crate::stream::Stream>) {
         if self.active.fetch_add(1, Ordering::SeqCst) >= self.max_connections {
             self.active.fetch_sub(1, Ordering::SeqCst);
@@ -300,23 +329,35 @@ impl Server {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         if let Ok(c) = s.closer() {
             self.closers.lock().unwrap().insert(id, c);
+            self.handshakes.lock().unwrap().insert(id, Instant::now() + self.handshake_timeout);
         }
         let server = self.clone();
         std::thread::spawn(move || {
-            if let Err(e) = server.connection(s) {
+            if let Err(e) = server.connection_numbered(s, Some(id)) {
                 tracing::info!("connection ended: {e}");
             }
             server.closers.lock().unwrap().remove(&id);
+            server.handshakes.lock().unwrap().remove(&id);
             server.active.fetch_sub(1, Ordering::SeqCst);
         });
     }
 
     /// Serves one connection from handshake to disconnect.
     pub fn connection(&self, s: Box<dyn crate::stream::Stream>) -> io::Result<()> {
+        self.connection_numbered(s, None)
+    }
+
+    /// [`Server::connection`] of accepted connection `id`, whose handshake is timed (see
+    /// [`Server::reap_handshakes`]) until the client has chosen its export. The closer taken
+    /// at accept shuts the socket under any TLS session, so the deadline covers STARTTLS too.
+    fn connection_numbered(&self, s: Box<dyn crate::stream::Stream>, id: Option<u64>) -> io::Result<()> {
         let (agreed, backend, s) = match negotiate::negotiate(self, s)? {
             negotiate::Outcome::Go(a, b, s) => (a, b, s),
             negotiate::Outcome::Close => return Ok(()),
         };
+        if let Some(id) = id {
+            self.handshakes.lock().unwrap().remove(&id);
+        }
         let (r, w) = s.split()?;
         transmission::run(self, backend, agreed, r, w)
     }

@@ -35,6 +35,59 @@ const MERGE_MAX: u64 = 1 << 20;
 /// What the reader buffers of the socket: many request headers arrive in one system call.
 const READER_BUFFER: usize = 64 << 10;
 
+/// Bytes of READ and WRITE requests one connection may have in flight (read, not yet
+/// answered). Beyond it the reader stops reading requests until replies go out, and TCP
+/// pushes back on the client: without it one client could make the server hold its queue's
+/// worth of 32 MiB payloads (16 of them per connection). One request is always let in, so a
+/// request up to the maximum payload is never refused by it.
+const IN_FLIGHT_MAX: u64 = 64 << 20;
+
+/// A worker's read buffer above this size is given back after the request: a client that
+/// sent one 32 MiB READ should not leave each worker holding 32 MiB for good.
+const KEEP_BUFFER_MAX: usize = MERGE_MAX as usize;
+
+/// Request bytes in flight on one connection (see [`IN_FLIGHT_MAX`]).
+#[derive(Default)]
+struct Budget {
+    used: Mutex<u64>,
+    freed: std::sync::Condvar,
+}
+
+impl Budget {
+    fn try_take(&self, n: u64) -> bool {
+        let mut used = self.used.lock().unwrap();
+        if *used == 0 || *used + n <= IN_FLIGHT_MAX {
+            *used += n;
+            return true;
+        }
+        false
+    }
+
+    fn take(&self, n: u64) {
+        let mut used = self.used.lock().unwrap();
+        while *used != 0 && *used + n > IN_FLIGHT_MAX {
+            used = self.freed.wait(used).unwrap();
+        }
+        *used += n;
+    }
+
+    fn give(&self, n: u64) {
+        if n > 0 {
+            *self.used.lock().unwrap() -= n;
+            self.freed.notify_one();
+        }
+    }
+}
+
+/// The bytes of a request that count against the budget.
+fn weight(req: &Request) -> u64 {
+    if matches!(req.cmd, CMD_READ | CMD_WRITE) {
+        req.len
+    } else {
+        0
+    }
+}
+
 struct Job {
     req: Request,
     payload: Option<Vec<u8>>,
@@ -47,6 +100,10 @@ struct Job {
 impl Job {
     fn end(&self) -> u64 {
         self.merged.last().map_or(self.req.offset + self.req.len, |(r, _)| r.offset + r.len)
+    }
+
+    fn weight(&self) -> u64 {
+        weight(&self.req) + self.merged.iter().map(|(r, _)| weight(r)).sum::<u64>()
     }
 
     fn merged_len(&self) -> u64 {
@@ -91,7 +148,15 @@ pub fn run(
     let broken = AtomicBool::new(false);
     let (tx, rx) = mpsc::sync_channel::<Job>(server.threads * 2);
     let rx = Mutex::new(rx);
-    let conn = Conn { backend: &*backend, agreed, writer: &writer, broken: &broken, latch: &export.latch };
+    let budget = Budget::default();
+    let conn = Conn {
+        backend: &*backend,
+        agreed,
+        writer: &writer,
+        broken: &broken,
+        latch: &export.latch,
+        budget: &budget,
+    };
 
     let result = std::thread::scope(|s| {
         for _ in 0..server.threads {
@@ -102,11 +167,19 @@ pub fn run(
                 loop {
                     let job = rx.lock().unwrap().recv();
                     match job {
-                        Ok(job) if !job.merged.is_empty() => conn.read_merged(server, job, &mut buf),
                         Ok(job) => {
-                            let (req, arrived) = (job.req, job.arrived);
-                            let ok = conn.handle(job, &mut buf);
-                            server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
+                            let weight = job.weight();
+                            if job.merged.is_empty() {
+                                let (req, arrived) = (job.req, job.arrived);
+                                let ok = conn.handle(job, &mut buf);
+                                server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
+                            } else {
+                                conn.read_merged(server, job, &mut buf);
+                            }
+                            budget.give(weight);
+                            if buf.len() > KEEP_BUFFER_MAX {
+                                buf = AlignedBuf::new(0);
+                            }
                         }
                         Err(_) => return,
                     }
@@ -166,6 +239,18 @@ fn read_requests(
         if verdict == Verdict::Disconnect {
             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("write of {} bytes", req.len)));
         }
+        // Room for this request in the connection's budget, given back when it is answered
+        // (or below, when it is refused or answered here). A held READ goes first if there
+        // is no room: it cannot be answered while it waits here.
+        let weight = weight(&req);
+        if !conn.budget.try_take(weight) {
+            if let Some(job) = held.take() {
+                if tx.send(job).is_err() {
+                    return Ok(());
+                }
+            }
+            conn.budget.take(weight);
+        }
         // A WRITE's payload is always read, so the stream stays in step even when refused.
         let payload = if req.cmd == CMD_WRITE {
             let mut p = vec![0u8; req.len as usize];
@@ -184,11 +269,13 @@ fn read_requests(
         };
         if let Some(e) = errno {
             conn.reply_error(&req, e, "request refused");
+            conn.budget.give(weight);
             server.stats.record(req.cmd, 0, arrived.elapsed(), false);
             continue;
         }
         if req.cmd == CMD_READ {
             if let Some(ok) = conn.read_at_hand(&req, &mut at_hand) {
+                conn.budget.give(weight);
                 server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
                 continue;
             }
@@ -216,6 +303,7 @@ struct Conn<'a> {
     /// A reply could not be written: the client is gone.
     broken: &'a AtomicBool,
     latch: &'a crate::io::WriteLatch,
+    budget: &'a Budget,
 }
 
 impl Conn<'_> {

@@ -188,3 +188,85 @@ impl Drop for Served {
         let _ = self.child.wait();
     }
 }
+
+/// A server running in this process on a Unix socket in a scratch directory, over whatever
+/// backend `open` returns per connection (see `Export::new`); shut down when dropped.
+pub struct InProcess {
+    pub server: std::sync::Arc<lightfoot::server::Server>,
+    pub sock: PathBuf,
+    handle: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+    _dir: tempfile::TempDir,
+}
+
+impl InProcess {
+    /// `tune` may change the server's settings before it starts (threads are 4, connections
+    /// 16).
+    pub fn start(
+        open: impl Fn() -> lightfoot::Result<std::sync::Arc<dyn lightfoot::backend::Backend>>
+            + Send
+            + Sync
+            + 'static,
+        tune: impl FnOnce(&mut lightfoot::server::Server),
+    ) -> InProcess {
+        let dir = scratch();
+        let sock = dir.path().join("s");
+        let export = lightfoot::server::Export::new("", None, true, open).unwrap();
+        let mut server = lightfoot::server::Server::new(export, 4, 16);
+        tune(&mut server);
+        let server = std::sync::Arc::new(server);
+        let listener = lightfoot::server::Listener::unix(&sock).unwrap();
+        let s = server.clone();
+        let handle = Some(std::thread::spawn(move || s.serve(&listener)));
+        InProcess { server, sock, handle, _dir: dir }
+    }
+
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.sock.display())
+    }
+
+    /// Shuts the server down (its final flush included) and returns how that went.
+    pub fn stop(mut self) -> std::io::Result<()> {
+        self.server.shutdown();
+        self.handle.take().unwrap().join().unwrap()
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        self.server.shutdown();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// What `lightfoot serve` opens per connection over `below` with `--prefetch` and/or
+/// `--coalesce`: one filter of each for the export, a front per connection.
+pub fn stack_opener(
+    below: std::sync::Arc<dyn lightfoot::backend::Backend>,
+    prefetch: bool,
+    coalesce: bool,
+) -> impl Fn() -> lightfoot::Result<std::sync::Arc<dyn lightfoot::backend::Backend>> + Send + Sync + 'static {
+    use lightfoot::backend::Backend;
+    use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
+    use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
+    use std::sync::Arc;
+    let coalesce = coalesce.then(|| Arc::new(Coalesce::new(below.clone(), CoalesceConfig::default())));
+    let prefetch = prefetch.then(|| {
+        let b: Arc<dyn Backend> = match &coalesce {
+            Some(c) => Arc::new(c.front(below.clone())),
+            None => below.clone(),
+        };
+        Arc::new(Prefetch::new(b, PrefetchConfig::default()))
+    });
+    move || {
+        let mut b = below.clone();
+        if let Some(c) = &coalesce {
+            b = Arc::new(c.front(b));
+        }
+        if let Some(p) = &prefetch {
+            b = Arc::new(p.front(b));
+        }
+        Ok(b)
+    }
+}
