@@ -453,3 +453,39 @@ impl<S: Read + Write> RawClient<S> {
         self.reply(option)
     }
 }
+
+/// A client that sends STARTTLS and then stalls inside the TLS handshake is cut like any
+/// client that does not choose an export in time; the server goes on serving.
+#[test]
+fn a_stalled_tls_handshake_is_cut_after_the_handshake_timeout() {
+    let certs = Certs::new();
+    let tls = lightfoot::tls::ServerTls::load(&certs.server, false, true).unwrap();
+    let server = InProcess::start(
+        || Ok(std::sync::Arc::new(lightfoot::backend::MemoryBackend::new(SIZE)) as _),
+        |s| {
+            s.handshake_timeout = Duration::from_millis(300);
+            s.tls = Some(tls);
+        },
+    );
+    let mut c = std::os::unix::net::UnixStream::connect(&server.sock).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut greeting = [0u8; 18];
+    c.read_exact(&mut greeting).unwrap();
+    c.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes()).unwrap();
+    let mut c = RawClient { s: c };
+    assert_eq!(c.option(OPT_STARTTLS, &[]).0, REP_ACK);
+    // No ClientHello: the server waits in the TLS handshake until the reaper cuts it.
+    let started = Instant::now();
+    let mut b = [0u8; 1];
+    match c.s.read(&mut b) {
+        Ok(0) => {}
+        other => panic!("expected the server to hang up, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(10), "cut after {:?}", started.elapsed());
+    // Others are still served (over TLS).
+    let uri =
+        format!("nbds+unix:///?socket={}&tls-certificates={}", server.sock.display(), certs.client.display());
+    let out = lightfoot(&["copy", &uri, "null:"]);
+    assert!(out.status.success(), "{}", text(&out));
+    server.stop().unwrap();
+}
