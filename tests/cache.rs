@@ -106,3 +106,34 @@ fn unprivileged_stat_says_residency_is_not_visible() {
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(cached(&f, 0, None), 0);
 }
+
+/// Neutral writes below 64 KiB are made through the cache (DONTCACHE per small write is slow:
+/// see `io::file::SMALL_WRITE`); a flush must still leave none of their pages behind, and
+/// pages that were cached before must stay.
+#[test]
+fn small_neutral_writes_leave_no_pages_after_a_flush_and_keep_the_cached_ones() {
+    use lightfoot::backend::{Backend, FileBackend};
+    use lightfoot::io::{CacheMode, OpenOptions, Tuning};
+    let dir = scratch();
+    let f = dir.path().join("f");
+    sample(&f, 64 * MIB, MIB);
+    evict(&f);
+    // Blocks 48-52 MiB cached before the job: they are not the job's to evict.
+    warm(&f, 48 * MIB, 4 * MIB);
+    let opts = OpenOptions { write: true, create: false, truncate: false };
+    let b = FileBackend::open(&f, opts, CacheMode::Neutral, &Tuning::default()).unwrap();
+    for i in 0..512u64 {
+        // 1 KiB every 3 KiB of the first 1.5 MiB, and 1 KiB scattered over the file.
+        b.write(&[0x5a; 1024], i * 3072, false).unwrap();
+        b.write(&[0xa5; 1024], (i * 7919 * 4096) % (64 * MIB), false).unwrap();
+    }
+    b.write(&[0x77; 4096], 49 * MIB, false).unwrap();
+    b.flush().unwrap();
+    assert_eq!(cached(&f, 0, Some(48 * MIB)), 0, "pages of small writes left after the flush");
+    assert_eq!(cached(&f, 52 * MIB, Some(12 * MIB)), 0, "pages of small writes left after the flush");
+    assert_eq!(cached(&f, 48 * MIB, Some(4 * MIB)), 4 * MIB, "pages cached before the job were evicted");
+    b.finish().unwrap();
+    let mut got = vec![0u8; 4096];
+    std::os::unix::fs::FileExt::read_exact_at(&std::fs::File::open(&f).unwrap(), &mut got, 49 * MIB).unwrap();
+    assert_eq!(got, [0x77; 4096]);
+}

@@ -52,6 +52,14 @@ impl WriteLatch {
     }
 }
 
+/// Writes smaller than this are made without RWF_DONTCACHE in neutral mode, and write-behind
+/// evicts them (by the next flush at the latest). DONTCACHE starts writeback in the writer,
+/// under ext4's inode lock, on every write: 1 KiB writes 1 in 4 KiB ran at 19k IOPS
+/// with it and 39k without (4 fio jobs, flush every 64 writes), random 1 KiB and 4 KiB at
+/// 15-17k and 19-22k. Large writes keep DONTCACHE: a 4 GiB nbdcopy of 256 KiB writes took
+/// 3.5-3.8 s with it and 3.9-4.6 s with write-behind.
+pub const SMALL_WRITE: usize = 64 << 10;
+
 /// What every open of one file in one job shares: the latched write error, the locks
 /// that serialise read-modify-write of a block (a server opens one fd per connection; these
 /// must still be one per export), and the last data extent found.
@@ -415,6 +423,8 @@ impl PolicyFile {
     }
 
     /// Writes all of `buf` at `offset`; with `fua`, durably.
+    ///
+    /// Neutral mode writes with RWF_DONTCACHE, except writes below [`SMALL_WRITE`].
     pub fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         let len = buf.len() as u64;
         let err = |e: io::Error| Error::io("write", e).path(&self.path).at(offset, len);
@@ -429,8 +439,12 @@ impl PolicyFile {
         }
         loop {
             let mech = self.write_mech();
+            // Small writes go through the cache even when DONTCACHE is the mechanism, and are
+            // evicted by write-behind (see [`SMALL_WRITE`]).
+            let small = mech == WriteMech::DontCache && buf.len() < SMALL_WRITE;
             let res = match mech {
                 WriteMech::Buffered => write_full(self.fd(), buf, offset, dsync),
+                WriteMech::DontCache if small => write_full(self.fd(), buf, offset, dsync),
                 WriteMech::DontCache => write_full(self.fd(), buf, offset, dsync | sys::RWF_DONTCACHE),
                 WriteMech::WriteBehind => write_full(self.fd(), buf, offset, dsync),
                 WriteMech::Direct => self.write_direct(buf, offset, dsync),
@@ -444,7 +458,8 @@ impl PolicyFile {
                 Ok(()) => {}
             }
             if matches!(mech, WriteMech::DontCache | WriteMech::WriteBehind) {
-                match self.write_behind.after_write(self.fd(), offset, len) {
+                let buffered = mech == WriteMech::WriteBehind || small;
+                match self.write_behind.after_write(self.fd(), offset, len, buffered) {
                     Ok(o) if o.pages_left && self.write_mech() == WriteMech::DontCache => {
                         self.switch_to_write_behind("DONTCACHE writes left pages cached after writeback");
                     }

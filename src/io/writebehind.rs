@@ -66,32 +66,44 @@ fn set_bit(map: &mut Vec<u64>, i: u64) {
     map[w] |= 1 << (i % 64);
 }
 
-/// Windows in the order they were first written, each with the bytes written into it (in
-/// whole pages: a 1 KiB write caches a page).
+/// A window with the bytes written into it (in whole pages: a 1 KiB write caches a page),
+/// and whether any of them were written without RWF_DONTCACHE (its pages are then expected
+/// in the cache until evicted, and say nothing about DONTCACHE).
+#[derive(Clone, Copy)]
+struct Entry {
+    window: u64,
+    bytes: u64,
+    buffered: bool,
+}
+
+/// Windows in the order they were first written.
 #[derive(Default)]
 struct Queue {
-    windows: VecDeque<(u64, u64)>,
+    windows: VecDeque<Entry>,
     bytes: u64,
 }
 
 impl Queue {
-    fn add(&mut self, w: u64, n: u64) {
-        match self.windows.iter_mut().find(|(x, _)| *x == w) {
-            Some((_, b)) => *b += n,
-            None => self.windows.push_back((w, n)),
+    fn add(&mut self, e: Entry) {
+        match self.windows.iter_mut().find(|x| x.window == e.window) {
+            Some(x) => {
+                x.bytes += e.bytes;
+                x.buffered |= e.buffered;
+            }
+            None => self.windows.push_back(e),
         }
-        self.bytes += n;
+        self.bytes += e.bytes;
     }
 
-    fn pop(&mut self) -> Option<(u64, u64)> {
-        let (w, n) = self.windows.pop_front()?;
-        self.bytes -= n;
-        Some((w, n))
+    fn pop(&mut self) -> Option<Entry> {
+        let e = self.windows.pop_front()?;
+        self.bytes -= e.bytes;
+        Some(e)
     }
 
-    fn take_all(&mut self) -> impl Iterator<Item = u64> + '_ {
+    fn take_all(&mut self) -> impl Iterator<Item = Entry> + '_ {
         self.bytes = 0;
-        self.windows.drain(..).map(|(w, _)| w)
+        self.windows.drain(..)
     }
 }
 
@@ -141,26 +153,27 @@ impl WriteBehind {
         }
     }
 
-    /// Call after each successful write of `[offset, offset+len)`.
-    pub fn after_write(&self, fd: BorrowedFd, offset: u64, len: u64) -> io::Result<Outcome> {
+    /// Call after each successful write of `[offset, offset+len)`; `buffered` when it was
+    /// written without RWF_DONTCACHE.
+    pub fn after_write(&self, fd: BorrowedFd, offset: u64, len: u64, buffered: bool) -> io::Result<Outcome> {
         let (start, wait) = {
             let mut inner = self.inner.lock().unwrap();
             let page = sys::page_size() as u64;
-            for w in windows(offset, len) {
-                let (s, e) = (offset.max(w * WINDOW), (offset + len).min((w + 1) * WINDOW));
-                inner.dirty.add(w, (e.div_ceil(page) - s / page) * page);
+            for window in windows(offset, len) {
+                let (s, e) = (offset.max(window * WINDOW), (offset + len).min((window + 1) * WINDOW));
+                inner.dirty.add(Entry { window, bytes: (e.div_ceil(page) - s / page) * page, buffered });
             }
             // The newest window stays dirty whatever it holds: a stream is still filling it.
             let mut start = Vec::new();
             while inner.dirty.bytes > self.max_dirty && inner.dirty.windows.len() > 1 {
-                let (w, n) = inner.dirty.pop().unwrap();
-                start.push(w);
+                let e = inner.dirty.pop().unwrap();
+                start.push(e.window);
                 // Written again while under writeback: started again, listed once.
-                inner.writeback.add(w, n);
+                inner.writeback.add(e);
             }
             let mut wait = Vec::new();
             while inner.writeback.bytes > self.max_writeback {
-                wait.push(inner.writeback.pop().unwrap().0);
+                wait.push(inner.writeback.pop().unwrap());
             }
             (start, wait)
         };
@@ -179,21 +192,27 @@ impl WriteBehind {
 
     /// Waits for and evicts every window (end of job, flush, error, Ctrl-C).
     pub fn drain(&self, fd: BorrowedFd) -> io::Result<Outcome> {
-        let all: Vec<u64> = {
+        let all: Vec<Entry> = {
             let mut inner = self.inner.lock().unwrap();
-            let mut all: Vec<u64> = inner.writeback.take_all().collect();
+            let mut all: Vec<Entry> = inner.writeback.take_all().collect();
             all.extend(inner.dirty.take_all());
-            all.sort_unstable();
-            all.dedup();
+            all.sort_unstable_by_key(|e| e.window);
+            all.dedup_by(|b, a| {
+                let same = a.window == b.window;
+                if same {
+                    a.buffered |= b.buffered;
+                }
+                same
+            });
             all
         };
         self.wait_and_evict(fd, all)
     }
 
-    fn wait_and_evict(&self, fd: BorrowedFd, windows: Vec<u64>) -> io::Result<Outcome> {
+    fn wait_and_evict(&self, fd: BorrowedFd, windows: Vec<Entry>) -> io::Result<Outcome> {
         let mut outcome = Outcome::default();
         let mut first_err = None;
-        for w in windows {
+        for Entry { window: w, buffered, .. } in windows {
             // Every window is evicted even after an error, so the cache is cleaned up anyway.
             let res = sys::sync_file_range(
                 fd,
@@ -223,6 +242,7 @@ impl WriteBehind {
                 }
                 let (off, len) = (start * BLOCK, (b - start) * BLOCK);
                 if self.verify.load(Ordering::Relaxed)
+                    && !buffered
                     && sys::cachestat(fd, off, len).is_ok_and(|s| s.cached > 0)
                 {
                     outcome.pages_left = true;
@@ -251,7 +271,7 @@ mod tests {
 
     fn queued(wb: &WriteBehind) -> (Vec<u64>, Vec<u64>) {
         let inner = wb.inner.lock().unwrap();
-        let ids = |q: &Queue| q.windows.iter().map(|(w, _)| *w).collect();
+        let ids = |q: &Queue| q.windows.iter().map(|e| e.window).collect();
         (ids(&inner.dirty), ids(&inner.writeback))
     }
 
@@ -264,7 +284,7 @@ mod tests {
         let mut write_through = |end: u64| {
             while at < end {
                 std::os::unix::fs::FileExt::write_all_at(&f, &chunk, at).unwrap();
-                wb.after_write(f.as_fd(), at, chunk.len() as u64).unwrap();
+                wb.after_write(f.as_fd(), at, chunk.len() as u64, true).unwrap();
                 at += chunk.len() as u64;
             }
         };
@@ -284,7 +304,7 @@ mod tests {
         for i in 0..64u64 {
             let at = i * WINDOW + 3072;
             std::os::unix::fs::FileExt::write_all_at(&f, &[2u8; 1024], at).unwrap();
-            wb.after_write(f.as_fd(), at, 1024).unwrap();
+            wb.after_write(f.as_fd(), at, 1024, true).unwrap();
         }
         let (dirty, writeback) = queued(&wb);
         assert_eq!((dirty.len(), writeback.len()), (64, 0));
