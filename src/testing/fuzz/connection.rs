@@ -24,6 +24,7 @@ use std::time::Duration;
 use super::Input;
 use crate::backend::{Backend, MemoryBackend};
 use crate::filters::coalesce::{Coalesce, CoalesceConfig};
+use crate::filters::fault::{FaultInjector, Rule};
 use crate::filters::prefetch::{Prefetch, PrefetchConfig};
 use crate::proto::handshake::*;
 use crate::proto::*;
@@ -55,9 +56,12 @@ struct Built {
     server: Arc<Server>,
 }
 
-fn build(stack: Stack, busy_coalesce: bool) -> Built {
+/// `faults` go between the memory backend and the filters: the harness's own tests use them
+/// to show that a misbehaving server fails it.
+fn build(stack: Stack, busy_coalesce: bool, faults: Vec<Rule>) -> Built {
     let mem = Arc::new(MemoryBackend::new(SIZE));
-    let below: Arc<dyn Backend> = mem.clone();
+    let below: Arc<dyn Backend> =
+        if faults.is_empty() { mem.clone() } else { Arc::new(FaultInjector::new(mem.clone(), faults)) };
     let ccfg = if busy_coalesce {
         // Write-back by age and under pressure runs amid the requests.
         CoalesceConfig { size: 128 << 10, age: Duration::from_millis(1), threads: 2, ..Default::default() }
@@ -126,7 +130,11 @@ pub fn run(data: &[u8]) {
 
 /// Runs the operations of `inp` on `stack`; `setup` chooses what is negotiated.
 pub fn run_stack(stack: Stack, setup: u8, inp: &mut Input) {
-    let built = build(stack, setup & 0x80 != 0);
+    run_faulty(stack, setup, inp, Vec::new())
+}
+
+fn run_faulty(stack: Stack, setup: u8, inp: &mut Input, faults: Vec<Rule>) {
+    let built = build(stack, setup & 0x80 != 0, faults);
     let (client_end, server_end) = pair();
     let server = built.server.clone();
     let conn = std::thread::spawn(move || server.connection(Box::new(server_end)));
@@ -619,5 +627,70 @@ impl Client {
             p.req,
             if p.errors.is_empty() { "success".to_string() } else { format!("one of {:?}", p.errors) }
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::filters::fault::{Fault, Op};
+
+    /// Setup byte, RNG seed, then: WRITE 16 KiB at 12 KiB, READ it back, TRIM, WRITE_ZEROES,
+    /// FLUSH, BLOCK_STATUS, CACHE, a burst of 8 READs.
+    fn ops(setup: u8) -> Vec<u8> {
+        let mut v = vec![setup];
+        v.extend_from_slice(&7u64.to_be_bytes());
+        let word = |kind: u32, x: u32| ((x << 2) | kind).to_be_bytes();
+        v.push(3);
+        v.extend_from_slice(&[0, 0]);
+        v.extend_from_slice(&word(2, 3));
+        v.extend_from_slice(&word(1, 3));
+        v.push(1);
+        v.push(0);
+        v.extend_from_slice(&[0, 0]);
+        v.extend_from_slice(&word(2, 3));
+        v.extend_from_slice(&word(1, 3));
+        for op in [5u8, 6] {
+            v.push(op);
+            v.extend_from_slice(&[0, 0]);
+            v.extend_from_slice(&word(2, 8));
+            v.extend_from_slice(&word(1, 1));
+        }
+        v.extend_from_slice(&[7, 0, 0]);
+        for op in [8u8, 9] {
+            v.push(op);
+            v.extend_from_slice(&[0, 0]);
+            v.extend_from_slice(&word(2, 0));
+            v.extend_from_slice(&word(3, 1));
+        }
+        v.extend_from_slice(&[10, 6, 0, 0]);
+        v.extend_from_slice(&word(2, 2));
+        for _ in 0..8 {
+            v.extend_from_slice(&word(1, 0));
+        }
+        v.push(1);
+        v
+    }
+
+    #[test]
+    fn every_stack_passes() {
+        for setup in [0u8, 0x0d, 0x0e, 0x1f, 0x8e, 0x27] {
+            run(&ops(setup));
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "failed with 5")]
+    fn a_read_error_fails_the_harness() {
+        let rules = vec![Rule::new(Op::Read, Fault::Fail(crate::ErrorKind::Io)).at(16384, 1)];
+        run_faulty(Stack::Plain, 0x0c, &mut Input::new(&ops(0x0c)[1..]), rules);
+    }
+
+    #[test]
+    #[should_panic(expected = "failed with 5")]
+    fn a_torn_write_fails_the_harness_under_coalesce() {
+        // Coalesce holds the WRITE; its write-back at FLUSH is torn: the FLUSH must fail.
+        let rules = vec![Rule::new(Op::Write, Fault::Short)];
+        run_faulty(Stack::Coalesce, 0x0e, &mut Input::new(&ops(0x0e)[1..]), rules);
     }
 }
