@@ -320,14 +320,23 @@ impl Client {
     }
 
     /// Sends `r` (and its payload) and records what it expects.
-    fn send(&mut self, mut r: Request, payload: Option<&[u8]>) -> u64 {
+    fn send(&mut self, r: Request, payload: Option<&[u8]>) -> u64 {
+        let mut b = Vec::new();
+        let cookie = self.queue(r, payload, &mut b);
+        self.c.write_all(&b).unwrap_or_else(|e| panic!("{:?}: send {r:?}: {e}", self.stack));
+        cookie
+    }
+
+    /// Adds `r` (and its payload) to `out`, to be sent with others in one write, and records
+    /// what it expects. Requests written together reach the server's reader together, so
+    /// which READs it merges depends on the input only.
+    fn queue(&mut self, mut r: Request, payload: Option<&[u8]>, out: &mut Vec<u8>) -> u64 {
         r.cookie = self.next_cookie;
         self.next_cookie += 1;
-        let mut b = encode_request(&r).to_vec();
+        out.extend_from_slice(&encode_request(&r));
         if let Some(p) = payload {
-            b.extend_from_slice(p);
+            out.extend_from_slice(p);
         }
-        self.c.write_all(&b).unwrap_or_else(|e| panic!("{:?}: send {r:?}: {e}", self.stack));
         let errors = self.errors(&r);
         self.pending.insert(r.cookie, Pending { req: r, errors, covered: Vec::new() });
         r.cookie
@@ -407,11 +416,13 @@ impl Client {
                     let f = flags(inp) & CMD_FLAG_FUA;
                     let mut off = offset(inp);
                     let gap = inp.u8().is_multiple_of(4);
+                    let mut burst = Vec::new();
                     for _ in 0..n {
                         let len = length(inp, 128 << 10);
-                        self.send(req(CMD_READ, f, off, len), None);
+                        self.queue(req(CMD_READ, f, off, len), None, &mut burst);
                         off += len + if gap { 512 } else { 0 };
                     }
+                    self.c.write_all(&burst).unwrap();
                     self.drain();
                 }
                 11 => {
