@@ -31,10 +31,15 @@ lint:
 FUZZ_TIME ?= 300
 FUZZ_TARGETS ?= handshake request connection
 
+# `connection` runs without a sanitizer: it is safe Rust, and ASan made it 3 times slower.
 fuzz:
 	cd fuzz && for t in $(FUZZ_TARGETS); do \
-		$(CARGO) +nightly fuzz run -a -O $$t -- -max_total_time=$(FUZZ_TIME) -timeout=30 \
-			-max_len=16384 -rss_limit_mb=4096 -print_final_stats=1 || exit 1; \
+		case $$t in \
+			connection) opts="-s none"; flags="-max_len=2048 -len_control=0" ;; \
+			*) opts=""; flags="-max_len=16384" ;; \
+		esac; \
+		$(CARGO) +nightly fuzz run $$opts -a -O $$t -- -max_total_time=$(FUZZ_TIME) -timeout=30 \
+			$$flags -rss_limit_mb=4096 -print_final_stats=1 || exit 1; \
 	done
 
 bench: build
