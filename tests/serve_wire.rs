@@ -401,3 +401,48 @@ fn a_handshake_that_takes_too_long_is_cut() {
     drop(ready);
     srv.stop().unwrap();
 }
+
+/// Handshake limits: a few hundred options, then the connection is closed; names within the
+/// spec's 4096 bytes, longer ones refused (GO: `ERR_INVALID` and negotiation goes on;
+/// EXPORT_NAME, which has no error reply: closed).
+#[test]
+fn handshake_limits() {
+    use lightfoot::proto::handshake::MAX_STRING;
+    use lightfoot::server::negotiate::MAX_OPTIONS;
+    let (_d, s) = setup();
+    let mut c = connect(&s.sock);
+    for _ in 0..MAX_OPTIONS {
+        send_option(&mut c, OPT_LIST, &[]);
+        assert_eq!(option_reply(&mut c).0, REP_SERVER);
+        assert_eq!(option_reply(&mut c).0, REP_ACK);
+    }
+    send_option(&mut c, OPT_LIST, &[]);
+    assert!(closed(&mut c), "option {} answered", MAX_OPTIONS + 1);
+    // The last allowed option may still be GO.
+    let mut c = connect(&s.sock);
+    for _ in 0..MAX_OPTIONS - 1 {
+        send_option(&mut c, 4242, &[]);
+        assert_eq!(option_reply(&mut c).0, REP_ERR_UNSUP);
+    }
+    assert_eq!(go(&mut c), MIB);
+
+    let go_named = |c: &mut UnixStream, name: &[u8]| {
+        let mut data = (name.len() as u32).to_be_bytes().to_vec();
+        data.extend_from_slice(name);
+        data.extend_from_slice(&0u16.to_be_bytes());
+        send_option(c, OPT_GO, &data);
+        option_reply(c)
+    };
+    let mut c = connect(&s.sock);
+    let long = vec![b'n'; MAX_STRING + 1];
+    assert_eq!(go_named(&mut c, &long).0, REP_ERR_INVALID);
+    // At the limit: an unknown name, and the error message stays within the spec's limit too.
+    let (ty, msg) = go_named(&mut c, &long[..MAX_STRING]);
+    assert_eq!(ty, REP_ERR_UNKNOWN);
+    assert!(msg.len() <= MAX_STRING, "error message of {} bytes", msg.len());
+    assert_eq!(go(&mut c), MIB);
+    let mut c = connect(&s.sock);
+    send_option(&mut c, OPT_EXPORT_NAME, &long);
+    assert!(closed(&mut c));
+    still_serving(&s.sock);
+}

@@ -18,6 +18,10 @@ pub fn parse_option_header(b: &[u8; 16]) -> Option<OptionHeader> {
     Some(OptionHeader { option: be32(&b[8..12]), len: be32(&b[12..16]) })
 }
 
+/// The longest string (export name, query) the spec allows: "MUST be no longer than 4096
+/// bytes". Longer ones are refused as malformed.
+pub const MAX_STRING: usize = 4096;
+
 /// A malformed option payload: answered with `NBD_REP_ERR_INVALID`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Invalid(pub &'static str);
@@ -47,6 +51,9 @@ impl<'a> Fields<'a> {
 
     fn string(&mut self) -> Result<String, Invalid> {
         let n = self.u32()? as usize;
+        if n > MAX_STRING {
+            return Err(Invalid("string longer than 4096 bytes"));
+        }
         let b = self.take(n)?;
         String::from_utf8(b.to_vec()).map_err(|_| Invalid("string is not UTF-8"))
     }
@@ -271,6 +278,12 @@ mod tests {
         d.extend_from_slice(&rep_server("qemu:dirty-bitmap:x"));
         let m = parse_meta(&d).unwrap();
         assert_eq!(m.queries, vec!["base:allocation".to_string(), "qemu:dirty-bitmap:x".to_string()]);
+        // A query one byte over the spec's string limit, and an export name.
+        let long = "q".repeat(MAX_STRING + 1);
+        assert_eq!(parse_meta(&meta_data("", &[&long])), Err(Invalid("string longer than 4096 bytes")));
+        assert!(parse_meta(&meta_data("", &[&long[1..]])).is_ok());
+        assert!(parse_go(&go_data(&long, &[])).is_err());
+        assert!(parse_go(&go_data(&long[1..], &[])).is_ok());
         let mut huge = rep_server("");
         huge.extend_from_slice(&u32::MAX.to_be_bytes());
         assert!(parse_meta(&huge).is_err());

@@ -19,7 +19,12 @@ use crate::stream::Stream;
 
 /// Option data larger than this ends the connection (no option we know needs more than a
 /// few KiB; the spec lets servers set such a limit).
-const MAX_OPTION_LEN: u32 = 64 << 10;
+pub const MAX_OPTION_LEN: u32 = 64 << 10;
+
+/// Options in one handshake beyond this end the connection. Real clients send a handful
+/// (qemu and libnbd: fewer than ten; `nbdinfo --list` a few per export); without a bound a
+/// client could keep a connection slot and a thread busy forever with `NBD_OPT_LIST`.
+pub const MAX_OPTIONS: usize = 256;
 
 /// What the client agreed to, carried into transmission.
 #[derive(Debug, Clone, Copy, Default)]
@@ -43,6 +48,17 @@ pub enum Outcome {
 }
 
 fn reply(s: &mut dyn Write, option: u32, ty: u32, data: &[u8]) -> io::Result<()> {
+    // An error reply carries a string, which the spec limits to 4096 bytes; a message that
+    // echoes a client's name (up to 4096 bytes itself) is cut, at a character boundary.
+    let data = if ty & (1 << 31) != 0 && data.len() > MAX_STRING {
+        let cut = &data[..MAX_STRING];
+        match std::str::from_utf8(cut) {
+            Ok(_) => cut,
+            Err(e) => &cut[..e.valid_up_to()],
+        }
+    } else {
+        data
+    };
     let header = option_reply_header(option, ty, data.len() as u32);
     crate::stream::write_all_vectored(s, &[&header, data])
 }
@@ -67,12 +83,19 @@ pub fn negotiate(server: &Server, mut s: Box<dyn Stream>) -> io::Result<Outcome>
     let mut agreed = Agreed::default();
     let mut tls_active = false;
 
+    let mut options = 0usize;
     loop {
+        options += 1;
         let mut h = [0u8; 16];
         s.read_exact(&mut h)?;
         let Some(OptionHeader { option, len }) = parse_option_header(&h) else {
             return Err(invalid("bad option magic".into()));
         };
+        if options > MAX_OPTIONS {
+            // A limit hit, like `--max-connections`: worth a warning, not only the -v line.
+            tracing::warn!("connection closed: more than {MAX_OPTIONS} options in one handshake");
+            return Err(invalid(format!("more than {MAX_OPTIONS} options in one handshake")));
+        }
         if len > MAX_OPTION_LEN {
             return Err(invalid(format!("option {option} with {len} bytes of data")));
         }
@@ -93,6 +116,10 @@ pub fn negotiate(server: &Server, mut s: Box<dyn Stream>) -> io::Result<Outcome>
         }
         match option {
             OPT_EXPORT_NAME => {
+                if data.len() > MAX_STRING {
+                    // No error reply exists for EXPORT_NAME: hang up, as for an unknown name.
+                    return Err(invalid(format!("export name of {} bytes", data.len())));
+                }
                 let name = String::from_utf8_lossy(&data);
                 if !export.matches(&name) {
                     // No way to answer with an error here: the spec says to hang up.

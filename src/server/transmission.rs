@@ -110,10 +110,15 @@ impl Job {
         self.end() - self.req.offset
     }
 
-    /// Whether `req` is a READ that continues this one within [`MERGE_MAX`].
+    /// Whether `req` is a READ that continues this one within [`MERGE_MAX`]. Empty READs are
+    /// never merged: the merged reply gives each request an `OFFSET_DATA` chunk, which must
+    /// hold at least one byte; alone, an empty READ gets `NBD_REPLY_TYPE_NONE` (found by the
+    /// `connection` fuzz target).
     fn can_merge(&self, req: &Request) -> bool {
         self.req.cmd == CMD_READ
             && req.cmd == CMD_READ
+            && self.req.len > 0
+            && req.len > 0
             && req.flags == self.req.flags
             && req.offset == self.end()
             && self.merged_len() + req.len <= MERGE_MAX

@@ -1,0 +1,707 @@
+//! The stateful target: a whole server connection, in process. The first byte picks the
+//! filter stack over a [`MemoryBackend`] (none, prefetch, coalesce, prefetch over coalesce, as
+//! `serve` stacks them) and what the client negotiates (structured replies, `base:allocation`,
+//! block sizes, or the old `EXPORT_NAME`); the rest decodes into NBD commands: READ, WRITE,
+//! TRIM, WRITE_ZEROES, FLUSH, BLOCK_STATUS, CACHE with fuzzed flags, offsets and lengths
+//! (edges, past the end, overflowing), bursts of READs sent together (merged by the server,
+//! served from the prefetch buffer), raw headers, and endings (DISC with requests in flight,
+//! a bad magic, a WRITE too large to read).
+//!
+//! The client sends them to `Server::connection` over [`duplex`](crate::testing::duplex) and
+//! checks every reply: cookie, magic and framing; an error exactly when the spec (not the
+//! validator) calls for one, with an errno it allows; data equal to a byte-vector model
+//! ([`Model`]; trimmed bytes are unspecified); structured READs covering the request exactly
+//! once with holes that read as zero; BLOCK_STATUS extents within the request whose zero ranges
+//! are zero. At the end the connection must close as expected, and the image, read through a
+//! new connection's backend and, for coalesce, below it after write-back, must equal the
+//! model.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Input;
+use crate::backend::{Backend, MemoryBackend};
+use crate::filters::coalesce::{Coalesce, CoalesceConfig};
+use crate::filters::fault::{FaultInjector, Rule};
+use crate::filters::prefetch::{Prefetch, PrefetchConfig};
+use crate::proto::handshake::*;
+use crate::proto::*;
+use crate::server::{Export, Server};
+use crate::testing::conformance::{Expect, Model, Rng};
+use crate::testing::duplex::{pair, Duplex};
+
+/// Not a multiple of any block size: the last block is partial.
+const SIZE: u64 = (1 << 20) + 4097;
+/// Most operations decoded from one input.
+const MAX_OPS: usize = 256;
+/// Longest wait for a reply before the server is declared stuck.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(20);
+/// The payload limit the server advertises for the memory backend.
+const MAX_PAYLOAD: u64 = 32 << 20;
+
+/// The filter stacks `serve` builds, over one memory backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stack {
+    Plain,
+    Prefetch,
+    Coalesce,
+    PrefetchCoalesce,
+}
+
+struct Built {
+    mem: Arc<MemoryBackend>,
+    coalesce: Option<Arc<Coalesce>>,
+    server: Arc<Server>,
+}
+
+/// `faults` go between the memory backend and the filters: the harness's own tests use them
+/// to show that a misbehaving server fails it.
+fn build(stack: Stack, busy_coalesce: bool, faults: Vec<Rule>) -> Built {
+    let mem = Arc::new(MemoryBackend::new(SIZE));
+    let below: Arc<dyn Backend> =
+        if faults.is_empty() { mem.clone() } else { Arc::new(FaultInjector::new(mem.clone(), faults)) };
+    let ccfg = if busy_coalesce {
+        // Write-back by age and under pressure runs amid the requests.
+        CoalesceConfig { size: 128 << 10, age: Duration::from_millis(1), threads: 2, ..Default::default() }
+    } else {
+        CoalesceConfig { threads: 2, ..Default::default() }
+    };
+    let pcfg = PrefetchConfig { threads: 1, ..Default::default() };
+    let coalesce = matches!(stack, Stack::Coalesce | Stack::PrefetchCoalesce)
+        .then(|| Arc::new(Coalesce::new(below.clone(), ccfg)));
+    let prefetch = matches!(stack, Stack::Prefetch | Stack::PrefetchCoalesce).then(|| {
+        let ra: Arc<dyn Backend> = match &coalesce {
+            Some(c) => Arc::new(c.front(below.clone())),
+            None => below.clone(),
+        };
+        Arc::new(Prefetch::new(ra, pcfg))
+    });
+    let (c, p) = (coalesce.clone(), prefetch);
+    let open = move || -> crate::Result<Arc<dyn Backend>> {
+        let mut b = below.clone();
+        if let Some(c) = &c {
+            b = Arc::new(c.front(b));
+        }
+        Ok(match &p {
+            Some(p) => Arc::new(p.front(b)),
+            None => b,
+        })
+    };
+    let export = Export::new("", None, true, open).unwrap();
+    Built { mem, coalesce, server: Arc::new(Server::new(export, 2, 4)) }
+}
+
+/// What was negotiated, as the client sees it.
+#[derive(Debug, Clone, Copy)]
+struct Session {
+    structured: bool,
+    meta: bool,
+    flags: u16,
+}
+
+/// A request sent and not yet fully answered.
+struct Pending {
+    req: Request,
+    /// The errors the spec allows; empty: it must succeed.
+    errors: Vec<u32>,
+    /// Structured READ chunks received so far: (offset, len).
+    covered: Vec<(u64, u64)>,
+}
+
+struct Client {
+    c: Duplex,
+    s: Session,
+    model: Model,
+    pending: HashMap<u64, Pending>,
+    next_cookie: u64,
+    stack: Stack,
+}
+
+/// Runs one input; panics when a reply or the final image breaks an invariant.
+pub fn run(data: &[u8]) {
+    let mut inp = Input::new(data);
+    let setup = inp.u8();
+    let stack =
+        [Stack::Plain, Stack::Prefetch, Stack::Coalesce, Stack::PrefetchCoalesce][(setup & 3) as usize];
+    run_stack(stack, setup, &mut inp);
+}
+
+/// Runs the operations of `inp` on `stack`; `setup` chooses what is negotiated.
+pub fn run_stack(stack: Stack, setup: u8, inp: &mut Input) {
+    run_faulty(stack, setup, inp, Vec::new())
+}
+
+fn run_faulty(stack: Stack, setup: u8, inp: &mut Input, faults: Vec<Rule>) {
+    let built = build(stack, setup & 0x80 != 0, faults);
+    let (client_end, server_end) = pair();
+    let server = built.server.clone();
+    let conn = std::thread::spawn(move || server.connection(Box::new(server_end)));
+    let mut c = client_end;
+    c.set_read_timeout(Some(REPLY_TIMEOUT));
+    let s = handshake(&mut c, setup);
+    let mut cl = Client {
+        c,
+        s,
+        model: Model::new(SIZE as usize, Expect::Store),
+        pending: HashMap::new(),
+        next_cookie: 1,
+        stack,
+    };
+    let ending = cl.operations(inp);
+    // Whatever is in flight is answered before the connection ends.
+    cl.drain();
+    let mut rest = Vec::new();
+    match cl.c.read_to_end(&mut rest) {
+        Ok(_) => assert!(rest.is_empty(), "{stack:?}: {} bytes after the last reply", rest.len()),
+        Err(e) => panic!("{stack:?}: the connection did not end: {e}"),
+    }
+    let result = conn.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+    match ending {
+        Ending::Disc => result.unwrap_or_else(|e| panic!("{stack:?}: DISC ended in an error: {e}")),
+        Ending::Close => assert!(result.is_err(), "{stack:?}: a protocol violation ended cleanly"),
+    }
+    drop(cl.c);
+    // The image, as a new connection sees it, then below the filters once written back.
+    let b = built.server.export.open().unwrap();
+    check_image(&*b, &cl.model, &format!("{stack:?}: through a new connection"));
+    b.finish().unwrap();
+    if let Some(c) = &built.coalesce {
+        c.finish().unwrap();
+        check_image(&*built.mem, &cl.model, &format!("{stack:?}: below coalesce after write-back"));
+    }
+}
+
+fn check_image(b: &dyn Backend, m: &Model, what: &str) {
+    let mut buf = vec![0u8; SIZE as usize];
+    crate::backend::read_exact(b, &mut buf, 0).unwrap();
+    m.check(&buf, 0, what).unwrap_or_else(|e| panic!("{e}"));
+}
+
+fn read_exact(c: &mut Duplex, n: usize, what: &str) -> Vec<u8> {
+    let mut b = vec![0u8; n];
+    c.read_exact(&mut b).unwrap_or_else(|e| panic!("{what}: {e}"));
+    b
+}
+
+fn option_reply(c: &mut Duplex, option: u32) -> (u32, Vec<u8>) {
+    let h = read_exact(c, 20, "option reply");
+    let r = parse_option_reply(h[..].try_into().unwrap()).expect("option reply magic");
+    assert_eq!(r.option, option);
+    (r.ty, read_exact(c, r.len as usize, "option reply data"))
+}
+
+/// Negotiates as `setup` says: bit 2 structured replies, bit 3 `base:allocation`, bit 4 block
+/// sizes, bit 5 `EXPORT_NAME` instead of `GO`.
+fn handshake(c: &mut Duplex, setup: u8) -> Session {
+    let g = read_exact(c, 18, "greeting");
+    assert_eq!(be64(&g[0..8]), NBDMAGIC);
+    c.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes()).unwrap();
+    let structured = setup & 4 != 0;
+    let meta = structured && setup & 8 != 0;
+    if structured {
+        c.write_all(&option_request(OPT_STRUCTURED_REPLY, &[])).unwrap();
+        assert_eq!(option_reply(c, OPT_STRUCTURED_REPLY).0, REP_ACK);
+    }
+    if meta {
+        c.write_all(&option_request(OPT_SET_META_CONTEXT, &meta_data("", &[BASE_ALLOCATION]))).unwrap();
+        assert_eq!(option_reply(c, OPT_SET_META_CONTEXT).0, REP_META_CONTEXT);
+        assert_eq!(option_reply(c, OPT_SET_META_CONTEXT).0, REP_ACK);
+    }
+    let (size, flags) = if setup & 0x20 != 0 {
+        c.write_all(&option_request(OPT_EXPORT_NAME, b"")).unwrap();
+        let d = read_exact(c, 10, "EXPORT_NAME reply");
+        (be64(&d[0..8]), be16(&d[8..10]))
+    } else {
+        let infos: &[u16] = if setup & 0x10 != 0 { &[INFO_BLOCK_SIZE] } else { &[] };
+        c.write_all(&option_request(OPT_GO, &go_data("", infos))).unwrap();
+        let mut export = None;
+        loop {
+            let (ty, d) = option_reply(c, OPT_GO);
+            match ty {
+                REP_INFO => {
+                    if let Ok(Info::Export { size, flags }) = parse_info(&d) {
+                        export = Some((size, flags));
+                    }
+                }
+                REP_ACK => break,
+                other => panic!("GO answered {other:#x}"),
+            }
+        }
+        export.expect("GO without NBD_INFO_EXPORT")
+    };
+    assert_eq!(size, SIZE, "export size");
+    Session { structured, meta, flags }
+}
+
+enum Ending {
+    /// DISC sent: the server answers what is in flight and ends cleanly.
+    Disc,
+    /// A protocol violation sent: the server closes the connection.
+    Close,
+}
+
+/// An offset: anywhere, near the end, 4 KiB-aligned, or near the start; sometimes past the
+/// end.
+fn offset(inp: &mut Input) -> u64 {
+    let v = inp.u32();
+    let x = u64::from(v >> 2);
+    match v & 3 {
+        0 => x % (SIZE + 8192),
+        1 => SIZE.saturating_sub(x % (160 << 10)),
+        2 => (x % (SIZE / 4096 + 1)) * 4096,
+        _ => x % (256 << 10),
+    }
+}
+
+/// A length up to about `max`: any, whole 4 KiB blocks, small, or whole 64 KiB blocks.
+fn length(inp: &mut Input, max: u64) -> u64 {
+    let v = inp.u32();
+    let x = u64::from(v >> 2);
+    match v & 3 {
+        0 => x % (max + 1),
+        1 => 4096 * (1 + x % (max / 4096 + 1)),
+        2 => x % 600,
+        _ => (64 << 10) * (1 + x % (max / 65536 + 1)),
+    }
+}
+
+/// Flags: mostly ones the command takes, sometimes anything.
+fn flags(inp: &mut Input) -> u16 {
+    let v = inp.u16();
+    if v & 0x8000 != 0 {
+        v & 0x7fff
+    } else {
+        v & (CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_REQ_ONE | CMD_FLAG_FAST_ZERO)
+    }
+}
+
+impl Client {
+    /// The errors the spec allows for `r` (empty: it must succeed), worked out from the spec
+    /// and the transmission flags the client was given, not from the server's validator.
+    /// When several rules are broken, any of their errors will do.
+    fn errors(&self, r: &Request) -> Vec<u32> {
+        let mut e = Vec::new();
+        let tf = |bit: u16| self.s.flags & bit != 0;
+        let allowed = match r.cmd {
+            CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_CACHE => CMD_FLAG_FUA,
+            CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+            CMD_BLOCK_STATUS => CMD_FLAG_FUA | CMD_FLAG_REQ_ONE,
+            _ => return vec![EINVAL],
+        };
+        if r.flags & !allowed != 0 {
+            e.push(EINVAL);
+        }
+        let end = r.offset.checked_add(r.len);
+        match end {
+            None => e.push(EINVAL),
+            Some(end) if end > SIZE && r.cmd != CMD_FLUSH => {
+                e.push(if matches!(r.cmd, CMD_WRITE | CMD_WRITE_ZEROES) { ENOSPC } else { EINVAL })
+            }
+            _ => {}
+        }
+        let unsupported = match r.cmd {
+            CMD_FLUSH => !tf(TF_SEND_FLUSH),
+            CMD_TRIM => !tf(TF_SEND_TRIM),
+            CMD_WRITE_ZEROES => !tf(TF_SEND_WRITE_ZEROES),
+            CMD_CACHE => !tf(TF_SEND_CACHE),
+            CMD_BLOCK_STATUS => !self.s.meta || r.len == 0,
+            CMD_READ | CMD_WRITE => r.len > MAX_PAYLOAD,
+            _ => false,
+        };
+        if unsupported {
+            e.push(EINVAL);
+        }
+        if r.cmd == CMD_WRITE_ZEROES && r.flags & CMD_FLAG_FAST_ZERO != 0 && !tf(TF_SEND_FAST_ZERO) {
+            e.push(ENOTSUP);
+        }
+        e
+    }
+
+    /// Sends `r` (and its payload) and records what it expects.
+    fn send(&mut self, r: Request, payload: Option<&[u8]>) -> u64 {
+        let mut b = Vec::new();
+        let cookie = self.queue(r, payload, &mut b);
+        self.c.write_all(&b).unwrap_or_else(|e| panic!("{:?}: send {r:?}: {e}", self.stack));
+        cookie
+    }
+
+    /// Adds `r` (and its payload) to `out`, to be sent with others in one write, and records
+    /// what it expects. Requests written together reach the server's reader together, so
+    /// which READs it merges depends on the input only.
+    fn queue(&mut self, mut r: Request, payload: Option<&[u8]>, out: &mut Vec<u8>) -> u64 {
+        r.cookie = self.next_cookie;
+        self.next_cookie += 1;
+        out.extend_from_slice(&encode_request(&r));
+        if let Some(p) = payload {
+            out.extend_from_slice(p);
+        }
+        let errors = self.errors(&r);
+        self.pending.insert(r.cookie, Pending { req: r, errors, covered: Vec::new() });
+        r.cookie
+    }
+
+    /// Sends one request, waits for its reply, and applies it to the model when it succeeded.
+    fn one(&mut self, r: Request, payload: Option<Vec<u8>>) {
+        let cookie = self.send(r, payload.as_deref());
+        let ok = self.receive_until(cookie);
+        if ok {
+            let r = Request { cookie, ..r };
+            match r.cmd {
+                CMD_WRITE => self.model.write(payload.as_deref().unwrap(), r.offset),
+                CMD_WRITE_ZEROES => self.model.zero(r.offset, r.len),
+                CMD_TRIM => self.model.trim(r.offset, r.len),
+                _ => {}
+            }
+        }
+    }
+
+    fn operations(&mut self, inp: &mut Input) -> Ending {
+        let mut rng = Rng::new(inp.u64());
+        // Where the sequential reads continue.
+        let mut seq = 0u64;
+        for _ in 0..MAX_OPS {
+            if inp.is_empty() {
+                break;
+            }
+            let op = inp.u8();
+            let req = |cmd, flags, offset, len| Request { flags, cmd, cookie: 0, offset, len };
+            match op % 13 {
+                0 | 1 => {
+                    let (f, off, len) = (flags(inp), offset(inp), length(inp, 300 << 10));
+                    self.one(req(CMD_READ, f & !CMD_FLAG_NO_HOLE, off, len), None);
+                }
+                2 => {
+                    // The next read of a sequential stream: prefetch's business.
+                    let len = [512, 4096, 16384, 65536][(inp.u8() % 4) as usize];
+                    if seq + len > SIZE {
+                        seq = 0;
+                    }
+                    self.one(req(CMD_READ, 0, seq, len), None);
+                    seq += len;
+                }
+                3 | 4 => {
+                    let (f, off, len) = (flags(inp), offset(inp), length(inp, 200 << 10));
+                    let mut data = vec![0u8; len as usize];
+                    if !inp.u8().is_multiple_of(4) {
+                        rng.fill(&mut data);
+                    }
+                    self.one(req(CMD_WRITE, f & !CMD_FLAG_NO_HOLE, off, len), Some(data));
+                }
+                5 => {
+                    let (f, off, len) = (flags(inp), offset(inp), length(inp, SIZE));
+                    self.one(req(CMD_TRIM, f, off, len), None);
+                }
+                6 => {
+                    let (f, off, len) = (flags(inp), offset(inp), length(inp, SIZE));
+                    self.one(req(CMD_WRITE_ZEROES, f, off, len), None);
+                }
+                7 => {
+                    let f = flags(inp);
+                    self.one(req(CMD_FLUSH, f & CMD_FLAG_FUA, 0, 0), None);
+                }
+                8 => {
+                    let (f, off, len) = (flags(inp), offset(inp), length(inp, SIZE));
+                    self.one(req(CMD_BLOCK_STATUS, f, off, len), None);
+                }
+                9 => {
+                    let (f, off, len) = (flags(inp), offset(inp), length(inp, SIZE));
+                    self.one(req(CMD_CACHE, f, off, len), None);
+                }
+                10 => {
+                    // READs sent together: contiguous ones are merged, small ones may be
+                    // answered from the prefetch buffer; replies come in any order.
+                    let n = 2 + inp.u8() % 15;
+                    let f = flags(inp) & CMD_FLAG_FUA;
+                    let mut off = offset(inp);
+                    let gap = inp.u8().is_multiple_of(4);
+                    let mut burst = Vec::new();
+                    for _ in 0..n {
+                        let len = length(inp, 128 << 10);
+                        self.queue(req(CMD_READ, f, off, len), None, &mut burst);
+                        off += len + if gap { 512 } else { 0 };
+                    }
+                    self.c.write_all(&burst).unwrap();
+                    self.drain();
+                }
+                11 => {
+                    // A raw header: any command, flags, offset and length.
+                    let r = req(inp.u16() % 12, inp.u16(), inp.u64(), u64::from(inp.u32()));
+                    match r.cmd {
+                        CMD_DISC => return self.disconnect(r),
+                        CMD_WRITE if r.len > MAX_PAYLOAD => return self.huge_write(r),
+                        CMD_WRITE => {
+                            // Kept small: a large payload only costs time.
+                            let r = Request { len: r.len % (256 << 10), ..r };
+                            let mut data = vec![0u8; r.len as usize];
+                            rng.fill(&mut data);
+                            self.one(r, Some(data));
+                        }
+                        _ => self.one(r, None),
+                    }
+                }
+                _ => {
+                    return match inp.u8() % 3 {
+                        0 => self.disconnect(req(CMD_DISC, 0, 0, 0)),
+                        1 => {
+                            // Bad magic: nothing the server can answer.
+                            let mut h = encode_request(&req(CMD_READ, 0, 0, 512));
+                            h[0] ^= 0x80;
+                            self.c.write_all(&h).unwrap();
+                            Ending::Close
+                        }
+                        _ => self.huge_write(req(CMD_WRITE, 0, 0, (64 << 20) + 1)),
+                    };
+                }
+            }
+        }
+        self.disconnect(Request { flags: 0, cmd: CMD_DISC, cookie: 0, offset: 0, len: 0 })
+    }
+
+    /// DISC, with a few READs in flight that must still be answered.
+    fn disconnect(&mut self, r: Request) -> Ending {
+        for i in 0..3 {
+            self.send(Request { flags: 0, cmd: CMD_READ, cookie: 0, offset: i * 4096, len: 4096 }, None);
+        }
+        self.c.write_all(&encode_request(&r)).unwrap();
+        Ending::Disc
+    }
+
+    /// A WRITE too large to read and discard: the server closes without answering it.
+    fn huge_write(&mut self, r: Request) -> Ending {
+        self.c.write_all(&encode_request(&r)).unwrap();
+        Ending::Close
+    }
+
+    fn drain(&mut self) {
+        while !self.pending.is_empty() {
+            self.receive();
+        }
+    }
+
+    /// Receives replies until `cookie`'s is complete; true if it succeeded. `cookie` must be
+    /// the only request in flight.
+    fn receive_until(&mut self, cookie: u64) -> bool {
+        debug_assert_eq!(self.pending.len(), 1);
+        loop {
+            if let Some((c, ok)) = self.receive() {
+                if c == cookie {
+                    return ok;
+                }
+            }
+        }
+    }
+
+    /// Reads one reply or chunk and checks it; `Some((cookie, ok))` when a request is done.
+    fn receive(&mut self) -> Option<(u64, bool)> {
+        let st = self.stack;
+        let waiting: Vec<Request> = self.pending.values().map(|p| p.req).collect();
+        let m = read_exact(&mut self.c, 4, &format!("{st:?}: reply magic, waiting for {waiting:?}"));
+        match be32(&m) {
+            SIMPLE_REPLY_MAGIC => {
+                let rest = read_exact(&mut self.c, 12, "simple reply");
+                let (err, cookie) = (be32(&rest[0..4]), be64(&rest[4..12]));
+                let p = self
+                    .pending
+                    .remove(&cookie)
+                    .unwrap_or_else(|| panic!("{st:?}: reply to cookie {cookie}"));
+                let r = p.req;
+                assert!(
+                    !self.s.structured || !matches!(r.cmd, CMD_READ | CMD_BLOCK_STATUS),
+                    "{st:?}: simple reply to {r:?} after structured replies were agreed"
+                );
+                if err == 0 {
+                    assert!(p.errors.is_empty(), "{st:?}: {r:?} succeeded; expected one of {:?}", p.errors);
+                    if r.cmd == CMD_READ {
+                        let data = read_exact(&mut self.c, r.len as usize, "read data");
+                        self.model
+                            .check(&data, r.offset, &format!("{st:?}: {r:?}"))
+                            .unwrap_or_else(|e| panic!("{e}"));
+                    }
+                } else {
+                    self.check_error(&p, err);
+                }
+                Some((cookie, err == 0))
+            }
+            STRUCTURED_REPLY_MAGIC => {
+                let rest = read_exact(&mut self.c, 16, "chunk header");
+                let (flags, ty, cookie, len) =
+                    (be16(&rest[0..2]), be16(&rest[2..4]), be64(&rest[4..12]), be32(&rest[12..16]));
+                assert!(self.s.structured, "{st:?}: a chunk without structured replies agreed");
+                let payload = read_exact(&mut self.c, len as usize, "chunk payload");
+                let done = flags & REPLY_FLAG_DONE != 0;
+                let p = self
+                    .pending
+                    .get_mut(&cookie)
+                    .unwrap_or_else(|| panic!("{st:?}: chunk for cookie {cookie}"));
+                let r = p.req;
+                assert!(matches!(r.cmd, CMD_READ | CMD_BLOCK_STATUS), "{st:?}: chunk {ty} for {r:?}");
+                let what = format!("{st:?}: {r:?}, chunk {ty}");
+                match ty {
+                    REPLY_TYPE_ERROR | REPLY_TYPE_ERROR_OFFSET => {
+                        assert!(done, "{what}: error chunks end the reply here");
+                        assert!(payload.len() >= 6, "{what}: short error chunk");
+                        let n = be16(&payload[4..6]) as usize;
+                        let extra = if ty == REPLY_TYPE_ERROR_OFFSET { 8 } else { 0 };
+                        assert_eq!(payload.len(), 6 + n + extra, "{what}: error chunk length");
+                        let p = self.pending.remove(&cookie).unwrap();
+                        self.check_error(&p, be32(&payload[0..4]));
+                        return Some((cookie, false));
+                    }
+                    REPLY_TYPE_NONE => {
+                        assert!(done && payload.is_empty(), "{what}: NONE must be empty and final");
+                    }
+                    REPLY_TYPE_OFFSET_DATA if r.cmd == CMD_READ => {
+                        assert!(payload.len() > 8, "{what}: empty data chunk");
+                        let off = be64(&payload[0..8]);
+                        let data = &payload[8..];
+                        p.covered.push((off, data.len() as u64));
+                        assert!(
+                            off >= r.offset && off + data.len() as u64 <= r.offset + r.len,
+                            "{what}: outside the request"
+                        );
+                        self.model.check(data, off, &what).unwrap_or_else(|e| panic!("{e}"));
+                    }
+                    REPLY_TYPE_OFFSET_HOLE if r.cmd == CMD_READ => {
+                        assert_eq!(payload.len(), 12, "{what}: hole chunk length");
+                        let (off, n) = (be64(&payload[0..8]), u64::from(be32(&payload[8..12])));
+                        assert!(n > 0, "{what}: empty hole");
+                        p.covered.push((off, n));
+                        assert!(
+                            off >= r.offset && off + n <= r.offset + r.len,
+                            "{what}: outside the request"
+                        );
+                        self.model
+                            .check(&vec![0u8; n as usize], off, &format!("{what}: hole"))
+                            .unwrap_or_else(|e| panic!("{e}"));
+                    }
+                    REPLY_TYPE_BLOCK_STATUS if r.cmd == CMD_BLOCK_STATUS => {
+                        assert!(done, "{what}: one base:allocation chunk, final");
+                        assert!(
+                            payload.len() >= 12 && (payload.len() - 4).is_multiple_of(8),
+                            "{what}: length {}",
+                            payload.len()
+                        );
+                        assert_eq!(
+                            be32(&payload[0..4]),
+                            crate::server::negotiate::BASE_ALLOCATION_ID,
+                            "{what}: context id"
+                        );
+                        let n = (payload.len() - 4) / 8;
+                        if r.flags & CMD_FLAG_REQ_ONE != 0 {
+                            assert_eq!(n, 1, "{what}: REQ_ONE");
+                        }
+                        let mut at = r.offset;
+                        for d in payload[4..].chunks(8) {
+                            let (len, state) = (u64::from(be32(&d[0..4])), be32(&d[4..8]));
+                            assert!(len > 0, "{what}: an empty extent");
+                            assert_eq!(state & !(STATE_HOLE | STATE_ZERO), 0, "{what}: state {state:#x}");
+                            assert!(at + len <= r.offset + r.len, "{what}: extents past the request");
+                            if state & STATE_ZERO != 0 {
+                                self.model
+                                    .check(&vec![0u8; len as usize], at, &format!("{what}: zero extent"))
+                                    .unwrap_or_else(|e| panic!("{e}"));
+                            }
+                            at += len;
+                        }
+                    }
+                    _ => panic!("{what}: unexpected chunk type"),
+                }
+                if !done {
+                    return None;
+                }
+                let p = self.pending.remove(&cookie).unwrap();
+                assert!(p.errors.is_empty(), "{st:?}: {r:?} succeeded; expected one of {:?}", p.errors);
+                if r.cmd == CMD_READ {
+                    // Every byte of the request exactly once.
+                    let mut cov = p.covered;
+                    cov.sort_unstable();
+                    let mut at = r.offset;
+                    for (off, n) in cov {
+                        assert_eq!(off, at, "{st:?}: {r:?}: chunks leave a gap or overlap at {at}");
+                        at += n;
+                    }
+                    assert_eq!(at, r.offset + r.len, "{st:?}: {r:?}: chunks end at {at}");
+                }
+                Some((cookie, true))
+            }
+            other => panic!("{st:?}: reply magic {other:#x}"),
+        }
+    }
+
+    fn check_error(&self, p: &Pending, err: u32) {
+        assert!(
+            p.errors.contains(&err),
+            "{:?}: {:?} failed with {err}; expected {}",
+            self.stack,
+            p.req,
+            if p.errors.is_empty() { "success".to_string() } else { format!("one of {:?}", p.errors) }
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::filters::fault::{Fault, Op};
+
+    /// Setup byte, RNG seed, then: WRITE 16 KiB at 12 KiB, READ it back, TRIM, WRITE_ZEROES,
+    /// FLUSH, BLOCK_STATUS, CACHE, a burst of 8 READs.
+    fn ops(setup: u8) -> Vec<u8> {
+        let mut v = vec![setup];
+        v.extend_from_slice(&7u64.to_be_bytes());
+        let word = |kind: u32, x: u32| ((x << 2) | kind).to_be_bytes();
+        v.push(3);
+        v.extend_from_slice(&[0, 0]);
+        v.extend_from_slice(&word(2, 3));
+        v.extend_from_slice(&word(1, 3));
+        v.push(1);
+        v.push(0);
+        v.extend_from_slice(&[0, 0]);
+        v.extend_from_slice(&word(2, 3));
+        v.extend_from_slice(&word(1, 3));
+        for op in [5u8, 6] {
+            v.push(op);
+            v.extend_from_slice(&[0, 0]);
+            v.extend_from_slice(&word(2, 8));
+            v.extend_from_slice(&word(1, 1));
+        }
+        v.extend_from_slice(&[7, 0, 0]);
+        for op in [8u8, 9] {
+            v.push(op);
+            v.extend_from_slice(&[0, 0]);
+            v.extend_from_slice(&word(2, 0));
+            v.extend_from_slice(&word(3, 1));
+        }
+        v.extend_from_slice(&[10, 6, 0, 0]);
+        v.extend_from_slice(&word(2, 2));
+        for _ in 0..8 {
+            v.extend_from_slice(&word(1, 0));
+        }
+        v.push(1);
+        v
+    }
+
+    #[test]
+    fn every_stack_passes() {
+        for setup in [0u8, 0x0d, 0x0e, 0x1f, 0x8e, 0x27] {
+            run(&ops(setup));
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "failed with 5")]
+    fn a_read_error_fails_the_harness() {
+        let rules = vec![Rule::new(Op::Read, Fault::Fail(crate::ErrorKind::Io)).at(16384, 1)];
+        run_faulty(Stack::Plain, 0x0c, &mut Input::new(&ops(0x0c)[1..]), rules);
+    }
+
+    #[test]
+    #[should_panic(expected = "failed with 5")]
+    fn a_torn_write_fails_the_harness_under_coalesce() {
+        // Coalesce holds the WRITE; its write-back at FLUSH is torn: the FLUSH must fail.
+        let rules = vec![Rule::new(Op::Write, Fault::Short)];
+        run_faulty(Stack::Coalesce, 0x0e, &mut Input::new(&ops(0x0e)[1..]), rules);
+    }
+}
