@@ -14,7 +14,8 @@
 //!   byte streams (TCP, Unix) NBD runs over, and [`tls`] the TLS one over them (STARTTLS).
 //! - [`error`]: one error type with a kind, the operation and its context.
 //!
-//! [`testing`] holds the conformance suite every backend and filter stack must pass.
+//! [`testing`] holds the conformance suite every backend and filter stack must pass, an
+//! in-memory duplex stream, and the fuzz harnesses ([`testing::fuzz`], docs/fuzzing.md).
 //! The binary (`src/main.rs`, `src/cli/`) is the only place that prints and exits.
 
 pub mod backend;
