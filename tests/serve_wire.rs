@@ -315,6 +315,39 @@ fn adjacent_reads_are_merged_and_errors_stay_per_request() {
     srv.stop().unwrap();
 }
 
+/// Merging stops at 4 MiB: eighty 64 KiB READs in one burst (5 MiB) make two backend reads,
+/// of 64 and 16 requests.
+#[test]
+fn merged_reads_stop_at_4_mib() {
+    use lightfoot::backend::{Backend, MemoryBackend};
+    use std::sync::Arc;
+
+    let store = Arc::new(MemoryBackend::new(8 * MIB));
+    let pattern: Vec<u8> = (0..5 * MIB).map(|i| (i / 4096 % 253) as u8).collect();
+    store.write(&pattern, 0, false).unwrap();
+    let store: Arc<dyn Backend> = store;
+    let srv = InProcess::start(move || Ok(store.clone()), |_| {});
+    let mut c = connect(&srv.sock);
+    go(&mut c);
+    let mut burst = Vec::new();
+    for i in 0..80u64 {
+        let req = Request { flags: 0, cmd: CMD_READ, cookie: i, offset: i * 65536, len: 65536 };
+        burst.extend_from_slice(&encode_request(&req));
+    }
+    c.write_all(&burst).unwrap();
+    for _ in 0..80 {
+        let (cookie, err) = simple(&mut c);
+        assert_eq!(err, 0, "request {cookie}");
+        let mut data = vec![0u8; 65536];
+        c.read_exact(&mut data).unwrap();
+        let at = (cookie * 65536) as usize;
+        assert!(data == pattern[at..at + 65536], "request {cookie}: wrong bytes");
+    }
+    assert_eq!(srv.server.stats_snapshot().reads_merged, 63 + 15);
+    drop(c);
+    srv.stop().unwrap();
+}
+
 /// A client that pipelines large WRITEs to a slow backend gets only about 64 MiB of them read
 /// by the server (the connection's in-flight budget); the rest wait in the socket, not in the
 /// server's memory.

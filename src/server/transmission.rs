@@ -6,8 +6,8 @@
 //!
 //! Reads that continue one another and arrive together (a client with many requests in
 //! flight, like nbdcopy's 64 × 256 KiB) are merged into one backend read of up to
-//! [`MERGE_MAX`], as a block-layer plug would: the device serves one 1 MiB read faster than
-//! four 256 KiB ones. Only requests already received are merged, so nothing waits for it.
+//! [`MERGE_MAX`], as a block-layer plug would: the device serves one 4 MiB read faster than
+//! sixteen 256 KiB ones. Only requests already received are merged, so nothing waits for it.
 
 use std::io::{self, Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,8 +29,13 @@ const HOLE_LOOKUP_MIN: usize = 64 << 10;
 /// Most base:allocation descriptors in one reply.
 const MAX_DESCRIPTORS: usize = 1 << 16;
 
-/// Largest backend read that adjacent READ requests are merged into.
-const MERGE_MAX: u64 = 1 << 20;
+/// Largest backend read that adjacent READ requests are merged into. nbdcopy keeps
+/// 64 × 256 KiB in flight per connection: 4 workers each reading 4 MiB keep all of it at the
+/// device as few large reads (the kernel splits them at `max_sectors_kb`). 4 GiB `nbdcopy URI
+/// null:` from an uncached file, 11 paired runs, median: 1 MiB 2.74 and 3.11 s, 2 MiB 2.96 s,
+/// 4 MiB 2.61 and 2.68 s; `--threads 8` with 1 MiB was slower (3.27 s): more, smaller reads
+/// out of order merge less in the block layer.
+const MERGE_MAX: u64 = 4 << 20;
 
 /// What the reader buffers of the socket: many request headers arrive in one system call.
 const READER_BUFFER: usize = 64 << 10;
@@ -43,7 +48,8 @@ const READER_BUFFER: usize = 64 << 10;
 const IN_FLIGHT_MAX: u64 = 64 << 20;
 
 /// A worker's read buffer above this size is given back after the request: a client that
-/// sent one 32 MiB READ should not leave each worker holding 32 MiB for good.
+/// sent one 32 MiB READ should not leave each worker holding 32 MiB for good. Merged reads
+/// fit: `--threads` × 4 MiB per connection at most.
 const KEEP_BUFFER_MAX: usize = MERGE_MAX as usize;
 
 /// Request bytes in flight on one connection (see [`IN_FLIGHT_MAX`]).
