@@ -26,7 +26,8 @@
 #     VERIFY     1 (default): after each sequential write, compare the file with what was sent
 #     CONFIGS    servers to run, by key (default: "lightfoot lightfoot-keep nbdkit nbdkit-none
 #                qemu-wb qemu-none control"; also lightfoot-drop, lightfoot-direct,
-#                lightfoot-prefetch, lightfoot-direct-prefetch, nbdkit-readahead, nbdkit-memory)
+#                lightfoot-prefetch, lightfoot-direct-prefetch, nbdkit-readahead, nbdkit-memory,
+#                device)
 #     WORKLOADS  workloads to run, by key (default: "seqread seqwrite randread randwrite"; also
 #                seqread4k, interleave3, mixed)
 #     PRESET     prefetch: CONFIGS and WORKLOADS default to issue 5's matrix (lightfoot with and
@@ -44,7 +45,11 @@
 # client; right after, read the page-cache figures of the served file with `lightfoot cache
 # stat`, the server's peak RSS (VmHWM) and CPU time; stop the server (SIGTERM); only then
 # verify a sequential write. A control that only sleeps shows what the VM's background paging
-# does to the working set in the same time.
+# does to the working set in the same time. The `device` config runs no server: fio reads the
+# file itself with O_DIRECT (libaio), the most any server could get from the device in the
+# same round. For seqread it reads 2 MiB blocks 8 deep (the fastest of the shapes tried
+# here); for the fio read workloads it runs the same jobs with psync instead of NBD. Write
+# workloads are not run for it.
 #
 # Output: one table per workload on stdout and in DIR/table.md, every run in
 # DIR/results.csv, client and server output in DIR/logs/. Tools that are not installed are
@@ -195,6 +200,7 @@ config_name() {
 	qemu-wb) echo "qemu-nbd --cache=writeback" ;;
 	qemu-none) echo "qemu-nbd --cache=none" ;;
 	control) echo "sleep (control)" ;;
+	device) echo "device (fio O_DIRECT without a server)" ;;
 	*) return 1 ;;
 	esac
 }
@@ -205,6 +211,7 @@ config_tool() {
 	nbdkit*) echo nbdkit ;;
 	qemu*) echo qemu-nbd ;;
 	control) echo sleep ;;
+	device) echo fio ;;
 	esac
 }
 
@@ -233,7 +240,7 @@ workload_tools() {
 
 for key in "${CONFIG_KEYS[@]}"; do
 	config_name "$key" >/dev/null ||
-		die "CONFIGS: unknown server $key (lightfoot lightfoot-keep lightfoot-drop lightfoot-direct lightfoot-prefetch lightfoot-direct-prefetch nbdkit nbdkit-none nbdkit-readahead nbdkit-memory qemu-wb qemu-none control)"
+		die "CONFIGS: unknown server $key (lightfoot lightfoot-keep lightfoot-drop lightfoot-direct lightfoot-prefetch lightfoot-direct-prefetch nbdkit nbdkit-none nbdkit-readahead nbdkit-memory qemu-wb qemu-none control device)"
 done
 for key in "${WORKLOAD_KEYS[@]}"; do
 	workload_name "$key" >/dev/null ||
@@ -325,6 +332,19 @@ client_cmd() {
 	mixed) CMD=("${fio[@]}" --time_based --rw=randread --percentage_random="$FIO_RANDOM") ;;
 	interleave3) CMD=("$INTERLEAVE" "$URI" --streams "$STREAMS" --block "$FIO_BS" --seconds "$RUNTIME" --start "$WS_BYTES") ;;
 	*) die "no client command for $1" ;;
+	esac
+}
+
+# Sets CMD to fio reading the served file $2 directly for read workload $1 (JSON report to $3).
+device_cmd() {
+	local fio=(fio --name="$1" --filename="$2" --direct=1 --invalidate=0 --eta=never --output-format=json --output="$3")
+	local jobs=(--bs="$FIO_BS" --numjobs="$FIO_JOBS" --iodepth=1 --ioengine=psync --runtime="$RUNTIME" --group_reporting)
+	case $1 in
+	seqread) CMD=("${fio[@]}" --rw=read --bs=2M --iodepth=8 --ioengine=libaio --size="$SIZE_BYTES") ;;
+	randread) CMD=("${fio[@]}" "${jobs[@]}" --time_based --rw=randread) ;;
+	seqread4k) CMD=("${fio[@]}" "${jobs[@]}" --rw=read --offset="$WS_BYTES" --size="$FIO_REGION" --offset_increment="$FIO_REGION") ;;
+	mixed) CMD=("${fio[@]}" "${jobs[@]}" --time_based --rw=randread --percentage_random="$FIO_RANDOM") ;;
+	*) return 1 ;;
 	esac
 }
 
@@ -461,9 +481,9 @@ try:
     job = json.loads(text[text.index("{"):])["jobs"][0]
     side = job[sys.argv[2]]
     print(f'{side["iops"]:.1f} {side["total_ios"]} {job.get("sync", {}).get("total_ios", "-")} '
-          f'{job.get("error", 0)} {side.get("io_bytes", "-")}')
+          f'{job.get("error", 0)} {side.get("io_bytes", "-")} {side.get("bw_bytes", "-")}')
 except (OSError, ValueError, KeyError, IndexError) as e:
-    print("- - - unparsable -")
+    print("- - - unparsable - -")
 EOF
 }
 
@@ -538,7 +558,7 @@ run_one() {
 
 	local status=ok rc="" src_rc="" wall="" tput="" unit="" ios="" syncs="" usage="- -" verify=n/a
 	local bytes="" pf=(- - - - -)
-	if [[ $key != control ]] && ! start_server "$key" "$file" "$slog"; then
+	if [[ $key != control && $key != device ]] && ! start_server "$key" "$file" "$slog"; then
 		status=no-server
 		echo "!!! FAILED: round $round, $wl, $name: the server did not start; see $slog:" >&2
 		tail -n 5 -- "$slog" | sed 's/^/!!!   /' >&2
@@ -555,6 +575,8 @@ run_one() {
 
 	if [[ $key == control ]]; then
 		CMD=(sleep "$(control_seconds "$wl")")
+	elif [[ $key == device ]]; then
+		device_cmd "$wl" "$file" "$json"
 	else
 		client_cmd "$wl" "$json"
 	fi
@@ -569,7 +591,7 @@ run_one() {
 	local after_ws after_beyond
 	after_ws=$(cache_json "0:$WS_BYTES" "$file")
 	after_beyond=$(cache_json "$WS_BYTES:" "$file")
-	[[ $key == control ]] || usage=$(server_usage "$SERVER_REAL")
+	[[ $key == control || $key == device ]] || usage=$(server_usage "$SERVER_REAL")
 	stop_server
 	src_rc=$SERVER_RC
 	if [[ $key == lightfoot* ]]; then read -r -a pf <<<"$(parse_prefetch "$slog")"; fi
@@ -598,6 +620,11 @@ run_one() {
 			unit=MiB/s
 			bytes=$SIZE_BYTES
 			tput=$(awk -v b="$SIZE_BYTES" -v us="$wall_us" 'BEGIN { printf "%.1f", b / 1048576 / (us / 1e6) }')
+			if [[ $key == device ]]; then
+				# fio's own figure: its start-up (a few tenths of a second) is not the device's.
+				read -r -a f <<<"$(parse_fio "$json" read)"
+				tput=$(awk -v b="${f[5]}" 'BEGIN { printf "%.1f", b / 1048576 }')
+			fi
 			;;
 		randread | randwrite | seqread4k | mixed)
 			unit=IOPS
@@ -670,6 +697,7 @@ for ((round = 1; round <= RUNS; round++)); do
 	say "round $round/$RUNS"
 	for wl in "${WORKLOAD_KEYS[@]}"; do
 		for key in "${CONFIG_KEYS[@]}"; do
+			[[ $key == device && $wl != seqread && $wl != randread && $wl != seqread4k && $wl != mixed ]] && continue
 			m=$(job_missing "$wl" "$key")
 			if [[ -n $m ]]; then
 				csv_row "$round" "$wl" "\"$(config_name "$key")\"" "missing:$m" "" "" "" "" "" "" "" \

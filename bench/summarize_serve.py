@@ -15,6 +15,8 @@ each ratio together. The "best neutral peer" of a round is the faster of nbdkit 
 cache=none and qemu-nbd --cache=none in that round (whichever succeeded).
 
 Columns that only some runs can fill appear only when a table has something for them: the
+share of the device's own rate (the `device` config: fio reading the file with O_DIRECT, no
+server), the
 ratio of a `--prefetch` server to the same server without it, the page-cache footprint as a
 share of the bytes the client moved (CSVs from before that column existed have no byte
 counts), and the prefetch filter's hits. When the servers of issue 5 (`serve --prefetch`,
@@ -30,6 +32,7 @@ from summarize import MiB, fmt, median, num  # noqa: E402
 NBDKIT = "nbdkit file"
 NEUTRAL_PEERS = ("nbdkit file cache=none", "qemu-nbd --cache=none")
 CONTROL = "sleep (control)"
+DEVICE = "device (fio O_DIRECT without a server)"  # the device's own rate: the bound
 PREFETCH = " --prefetch"  # "lightfoot --prefetch" is compared with "lightfoot", and so on
 LF_PREFETCH = "lightfoot --prefetch"
 LF_DIRECT = "lightfoot --cache=direct"
@@ -124,7 +127,10 @@ def table(rows, workload, tput):
     show_pf_ratio = any(without_prefetch(c) in configs for c in configs)
     show_footprint = any(footprint(r) is not None for r in ok_rows)
     show_hits = any(hit_rate(r) is not None for r in ok_rows)
+    show_device = DEVICE in configs
     head = ["server", "runs ok", unit, "× nbdkit file", "× best neutral peer"]
+    if show_device:
+        head.append("× device")
     if show_pf_ratio:
         head.append("× without --prefetch")
     head.append("beyond WS MiB")
@@ -157,6 +163,9 @@ def table(rows, workload, tput):
         rss = median(num(r["server_peak_rss_kib"]) for r in ok)
         cpu = median(num(r["server_cpu_s"]) for r in ok)
         cells = [config, count, fmt(t, digits), fmt(x_nbdkit, 2), fmt(x_neutral, 2)]
+        if show_device:
+            x_dev = None if control else ratio_by_round(tput, workload, config, (DEVICE,))
+            cells.append(fmt(x_dev, 2))
         if show_pf_ratio:
             base = without_prefetch(config)
             x_pf = ratio_by_round(tput, workload, config, (base,)) if base else None
