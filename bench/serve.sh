@@ -46,10 +46,11 @@
 # stat`, the server's peak RSS (VmHWM) and CPU time; stop the server (SIGTERM); only then
 # verify a sequential write. A control that only sleeps shows what the VM's background paging
 # does to the working set in the same time. The `device` config runs no server: fio reads the
-# file itself with O_DIRECT (libaio), the most any server could get from the device in the
-# same round. For seqread it reads 2 MiB blocks 8 deep (the fastest of the shapes tried
-# here); for the fio read workloads it runs the same jobs with psync instead of NBD. Write
-# workloads are not run for it.
+# file itself with O_DIRECT (libaio) in the same round. For seqread it reads 2 MiB blocks 8
+# deep; for the fio read workloads it runs the same jobs with psync instead of NBD. Write
+# workloads are not run for it. It is a reference, not a bound: fio's buffers are in 4 KiB
+# pages, so each of its reads reaches virtio-blk as requests of at most 254 pages, where
+# lightfoot's huge-page buffers make whole 4 MiB requests (src/io/sys.rs, AlignedBuf).
 #
 # Output: one table per workload on stdout and in DIR/table.md, every run in
 # DIR/results.csv, client and server output in DIR/logs/. Tools that are not installed are
@@ -200,7 +201,7 @@ config_name() {
 	qemu-wb) echo "qemu-nbd --cache=writeback" ;;
 	qemu-none) echo "qemu-nbd --cache=none" ;;
 	control) echo "sleep (control)" ;;
-	device) echo "device (fio O_DIRECT without a server)" ;;
+	device) echo "device (fio O_DIRECT, no server)" ;;
 	*) return 1 ;;
 	esac
 }

@@ -15,8 +15,7 @@ each ratio together. The "best neutral peer" of a round is the faster of nbdkit 
 cache=none and qemu-nbd --cache=none in that round (whichever succeeded).
 
 Columns that only some runs can fill appear only when a table has something for them: the
-share of the device's own rate (the `device` config: fio reading the file with O_DIRECT, no
-server), the
+ratio to the `device` config (fio reading the file itself with O_DIRECT, no server), the
 ratio of a `--prefetch` server to the same server without it, the page-cache footprint as a
 share of the bytes the client moved (CSVs from before that column existed have no byte
 counts), and the prefetch filter's hits. When the servers of issue 5 (`serve --prefetch`,
@@ -32,7 +31,7 @@ from summarize import MiB, fmt, median, num  # noqa: E402
 NBDKIT = "nbdkit file"
 NEUTRAL_PEERS = ("nbdkit file cache=none", "qemu-nbd --cache=none")
 CONTROL = "sleep (control)"
-DEVICE = "device (fio O_DIRECT without a server)"  # the device's own rate: the bound
+DEVICE = "device (fio O_DIRECT, no server)"  # fio reading the file itself: a reference
 PREFETCH = " --prefetch"  # "lightfoot --prefetch" is compared with "lightfoot", and so on
 LF_PREFETCH = "lightfoot --prefetch"
 LF_DIRECT = "lightfoot --cache=direct"
