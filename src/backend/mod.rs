@@ -118,6 +118,17 @@ pub trait Backend: Send + Sync {
     /// Writes `buf` at `offset`; with `fua`, durable on return.
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
 
+    /// Writes (without FUA) only if that cannot wait: for a device, for a lock another
+    /// request holds, or for memory to be freed (`--coalesce` taking a small write into its
+    /// dirty map). `None` means nothing was done or recorded: call [`Backend::write`] from a
+    /// thread that may block. The server's reader thread carries out such writes itself, as
+    /// it answers prefetch hits (see [`Backend::read_at_hand`]). The default, `None`, is
+    /// always correct; a filter forwards it only if it keeps its own promises when the layer
+    /// below takes the write this way.
+    fn write_at_hand(&self, _buf: &[u8], _offset: u64) -> Option<Result<()>> {
+        None
+    }
+
     /// Makes `[offset, offset+len)` read as zeroes.
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()>;
 

@@ -1,8 +1,9 @@
 //! The transmission phase of one connection: a reader that parses and validates requests,
 //! a few workers that carry them out in parallel against the connection's backend, and
 //! replies written whole (one `writev`) under a lock, in whatever order they complete.
-//! Small reads whose bytes the backend has at hand (prefetch hits) are answered by the reader
-//! itself: for them the hand-off to a worker was most of the cost.
+//! Small reads whose bytes the backend has at hand (prefetch hits), and writes it takes
+//! without waiting (`--coalesce`), are carried out by the reader itself: for them the
+//! hand-off to a worker was most of the cost.
 //!
 //! Reads that continue one another and arrive together (a client with many requests in
 //! flight, like nbdcopy's 64 × 256 KiB) are merged into one backend read of up to
@@ -284,6 +285,13 @@ fn read_requests(
             server.stats.record(req.cmd, 0, arrived.elapsed(), false);
             continue;
         }
+        if req.cmd == CMD_WRITE && req.flags & CMD_FLAG_FUA == 0 {
+            if let Some(ok) = conn.write_at_hand(&req, payload.as_deref().unwrap_or_default()) {
+                conn.budget.give(weight);
+                server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
+                continue;
+            }
+        }
         if req.cmd == CMD_READ {
             if let Some(ok) = conn.read_at_hand(&req, &mut at_hand) {
                 conn.budget.give(weight);
@@ -411,6 +419,20 @@ impl Conn<'_> {
             }
             // A short read: the worker's path reports it.
             Ok(_) => None,
+            Err(e) => Some(self.fail(req, &e)),
+        }
+    }
+
+    /// Carries out a WRITE (without FUA) on the reader thread if the backend takes it without
+    /// waiting (`--coalesce` holding it: see [`Backend::write_at_hand`]); `None` sends it to
+    /// a worker. With `--coalesce` every small write took a worker hand-off (a wake-up and
+    /// two context switches) for a copy of a few KiB.
+    fn write_at_hand(&self, req: &Request, data: &[u8]) -> Option<bool> {
+        match self.backend.write_at_hand(data, req.offset)? {
+            Ok(()) => {
+                self.reply_ok(req);
+                Some(true)
+            }
             Err(e) => Some(self.fail(req, &e)),
         }
     }

@@ -51,7 +51,7 @@ mod writeback;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, CacheInfo, Caps, Extent, ZeroFlags};
@@ -315,14 +315,16 @@ impl Coalesce {
         Some(Ok(n))
     }
 
-    fn write_small(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+    /// Whether a write of `len` bytes is held (rather than sent straight down).
+    fn holds(&self, len: u64) -> bool {
+        let cfg = &self.shared.cfg;
+        !self.finished.load(SeqCst) && len <= cfg.max_request && len <= cfg.size
+    }
+
+    /// Copies `buf` into the dirty map under `locks` (the stripes of its blocks).
+    fn absorb(&self, locks: &mut stripes::Locked<RwLockWriteGuard<'_, HashMap<u64, Block>>>, buf: &[u8], offset: u64) {
         let sh = &self.shared;
-        let len = buf.len() as u64;
-        if !sh.wait_for_room(len) {
-            return self.pass(offset, len, || sh.inner.write(buf, offset, fua).map(|()| sh.wrote(buf.len())));
-        }
-        let bs = sh.cfg.block;
-        let mut locks = sh.write_locks(offset, len);
+        let (bs, len) = (sh.cfg.block, buf.len() as u64);
         let now = Instant::now();
         let mut at = offset;
         let mut added = 0;
@@ -336,6 +338,31 @@ impl Coalesce {
         }
         sh.held.fetch_add(added, SeqCst);
         sh.counters.absorbed.fetch_add(1, SeqCst);
+    }
+
+    /// A write held without waiting: `None` (nothing recorded) if it would go straight down,
+    /// if there is no room for it, or if a stripe is locked (a write-back holds it across
+    /// device I/O).
+    fn write_at_hand_via(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
+        let sh = &self.shared;
+        let len = buf.len() as u64;
+        if len == 0 || !self.holds(len) || sh.held.load(SeqCst) + len > sh.cfg.size {
+            return None;
+        }
+        let mut locks = sh.try_write_locks(offset, len)?;
+        sh.counters.client_writes.fetch_add(1, SeqCst);
+        self.absorb(&mut locks, buf, offset);
+        Some(Ok(()))
+    }
+
+    fn write_small(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        let sh = &self.shared;
+        let len = buf.len() as u64;
+        if !sh.wait_for_room(len) {
+            return self.pass(offset, len, || sh.inner.write(buf, offset, fua).map(|()| sh.wrote(buf.len())));
+        }
+        let mut locks = sh.write_locks(offset, len);
+        self.absorb(&mut locks, buf, offset);
         if fua {
             // Durable before the reply: write back the blocks it touched, with FUA.
             for b in sh.block_of(offset)..=sh.block_of(offset + len - 1) {
@@ -412,8 +439,7 @@ impl Coalesce {
             return Ok(());
         }
         // After `finish` nothing would write held bytes back: write through.
-        let open = !self.finished.load(SeqCst);
-        if open && (buf.len() as u64) <= sh.cfg.max_request && (buf.len() as u64) <= sh.cfg.size {
+        if self.holds(buf.len() as u64) {
             return self.write_small(buf, offset, fua);
         }
         self.pass(offset, buf.len() as u64, || {
@@ -493,6 +519,10 @@ impl Backend for Coalesce {
         self.write_via(buf, offset, fua)
     }
 
+    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
+        self.write_at_hand_via(buf, offset)
+    }
+
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         self.zero_via(offset, len, flags)
     }
@@ -567,6 +597,10 @@ impl Backend for CoalesceFront {
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.coalesce.write_via(buf, offset, fua)
+    }
+
+    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
+        self.coalesce.write_at_hand_via(buf, offset)
     }
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {

@@ -66,6 +66,20 @@ impl Shared {
         Locked { idx, guards }
     }
 
+    /// Like `write_locks`, but `None` rather than wait.
+    pub(super) fn try_write_locks(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Option<Locked<RwLockWriteGuard<'_, HashMap<u64, Block>>>> {
+        let idx = self.stripe_set(offset, len);
+        let mut guards = Vec::with_capacity(idx.len());
+        for &i in &idx {
+            guards.push(self.stripes[i].try_write().ok()?);
+        }
+        Some(Locked { idx, guards })
+    }
+
     /// Like `read_locks`, but `None` rather than wait.
     pub(super) fn try_read_locks(
         &self,

@@ -239,3 +239,41 @@ fn dropping_writes_everything_back() {
     assert_eq!((c.stats().held, c.stats().backend_writes), (0, 1));
     assert_eq!(read(&*mem, 5000, 100), [7u8; 100]);
 }
+
+/// `write_at_hand` holds a small write at once, or does nothing at all: not for a write
+/// that would go straight down, not without room, not while a stripe is locked (a
+/// write-back holds it across device I/O), not after `finish`.
+#[test]
+fn writes_at_hand_are_held_or_left_alone() {
+    let mem = full(4 * MIB);
+    let c = Coalesce::new(mem.clone(), CoalesceConfig { size: 128 * K, ..cfg() });
+    let before = read(&*mem, 0, 4 * MIB);
+    let mut want = before.clone();
+
+    assert!(c.write_at_hand(&[1u8; 1024], 5000).unwrap().is_ok());
+    want[5000..6024].fill(1);
+    assert_eq!(read(&c, 0, 4 * MIB), want, "held bytes are read back");
+    assert_eq!(read(&*mem, 0, 4 * MIB), before, "nothing written below yet");
+    let s = c.stats();
+    assert_eq!((s.client_writes, s.absorbed, s.held), (1, 1, 1024), "{s:?}");
+
+    // Larger than max_request: it goes straight down, so not here.
+    let big = vec![2u8; (c.shared.cfg.max_request + 1) as usize];
+    assert!(c.write_at_hand(&big, MIB).is_none());
+    // No room: 128 KiB held at most.
+    assert!(c.write_at_hand(&[3u8; 64 * 1024], 2 * MIB).unwrap().is_ok());
+    assert!(c.write_at_hand(&[3u8; 64 * 1024], 3 * MIB).is_none());
+    // A locked stripe.
+    {
+        let _held = c.shared.write_locks(5000, 1);
+        assert!(c.write_at_hand(&[4u8; 16], 5100).is_none());
+    }
+    let s = c.stats();
+    assert_eq!((s.client_writes, s.absorbed, s.held), (2, 2, 1024 + 64 * 1024), "only what was held counts: {s:?}");
+    want[2 * MIB as usize..2 * MIB as usize + 64 * 1024].fill(3);
+
+    c.flush().unwrap();
+    assert_eq!(read(&*mem, 0, 4 * MIB), want, "a flush writes the held bytes back");
+    c.finish().unwrap();
+    assert!(c.write_at_hand(&[5u8; 16], 0).is_none(), "after finish nothing is held");
+}

@@ -300,6 +300,13 @@ impl Prefetch {
         r
     }
 
+    /// As `write_via`, when the layer below takes the write at once (`--coalesce`).
+    fn write_at_hand_via(&self, front: &dyn Backend, buf: &[u8], offset: u64) -> Option<Result<()>> {
+        let r = front.write_at_hand(buf, offset)?;
+        self.invalidate(offset, buf.len() as u64);
+        Some(r)
+    }
+
     fn zero_via(&self, front: &dyn Backend, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         let r = front.zero(offset, len, flags);
         self.invalidate(offset, len);
@@ -359,6 +366,10 @@ impl Backend for Prefetch {
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.write_via(&*self.shared.inner, buf, offset, fua)
+    }
+
+    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
+        self.write_at_hand_via(&*self.shared.inner, buf, offset)
     }
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
@@ -422,6 +433,10 @@ impl Backend for PrefetchFront {
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.prefetch.write_via(&*self.front, buf, offset, fua)
+    }
+
+    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
+        self.prefetch.write_at_hand_via(&*self.front, buf, offset)
     }
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
