@@ -107,6 +107,35 @@ fn unprivileged_stat_says_residency_is_not_visible() {
     assert_eq!(cached(&f, 0, None), 0);
 }
 
+/// `will_write` (the coalesce filter's hint before a write-back) reads the pages a write will
+/// overwrite in part; they must leave the cache with the write like any written page, and
+/// pages cached before the job must stay.
+#[test]
+fn pages_read_ahead_for_partial_writes_leave_with_them() {
+    use lightfoot::backend::{Backend, FileBackend};
+    use lightfoot::io::{CacheMode, OpenOptions, Tuning};
+    let dir = scratch();
+    let f = dir.path().join("f");
+    sample(&f, 64 * MIB, MIB);
+    evict(&f);
+    warm(&f, 48 * MIB, 4 * MIB);
+    let opts = OpenOptions { write: true, create: false, truncate: false };
+    let b = FileBackend::open(&f, opts, CacheMode::Neutral, &Tuning::default()).unwrap();
+    let at = |i: u64| (i * 7919 * 4096) % (64 * MIB) + 1000;
+    for i in 0..512u64 {
+        b.will_write(at(i), 1024);
+    }
+    assert!(cached(&f, 0, Some(48 * MIB)) > 0, "will_write read nothing ahead");
+    for i in 0..512u64 {
+        b.write(&[0xa5; 1024], at(i), false).unwrap();
+    }
+    b.flush().unwrap();
+    assert_eq!(cached(&f, 0, Some(48 * MIB)), 0, "pages read ahead for the writes left after the flush");
+    assert_eq!(cached(&f, 52 * MIB, Some(12 * MIB)), 0, "pages read ahead for the writes left after the flush");
+    assert_eq!(cached(&f, 48 * MIB, Some(4 * MIB)), 4 * MIB, "pages cached before the job were evicted");
+    b.finish().unwrap();
+}
+
 /// Neutral writes below 64 KiB are made through the cache (DONTCACHE per small write is slow:
 /// see `io::file::SMALL_WRITE`); a flush must still leave none of their pages behind, and
 /// pages that were cached before must stay.

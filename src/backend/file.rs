@@ -234,6 +234,10 @@ impl Backend for FileBackend {
         self.file.sync()
     }
 
+    fn will_write(&self, offset: u64, len: u64) {
+        self.file.will_write(offset, len);
+    }
+
     fn cache(&self, offset: u64, len: u64) -> Result<()> {
         // Only `keep` may leave pages behind. The prefetch filter gives CACHE a meaning in
         // the other modes (its bounded buffer).

@@ -129,6 +129,12 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// A hint: `[offset, offset+len)` is about to be written, and its first or last page only
+    /// in part. A file may start reading those pages now, all at once, rather than one at a
+    /// time inside each write (the kernel reads a page it must partly overwrite). Only if the
+    /// pages will leave the cache as written pages do. The default does nothing.
+    fn will_write(&self, _offset: u64, _len: u64) {}
+
     /// Makes `[offset, offset+len)` read as zeroes.
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()>;
 

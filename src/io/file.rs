@@ -425,6 +425,35 @@ impl PolicyFile {
     /// Writes all of `buf` at `offset`; with `fua`, durably.
     ///
     /// Neutral mode writes with RWF_DONTCACHE, except writes below [`SMALL_WRITE`].
+    /// Starts reading the pages a coming write of `[offset, offset+len)` overwrites only in
+    /// part ([`crate::backend::Backend::will_write`]). Not for O_DIRECT writes, which read
+    /// nothing; the pages read leave the cache with the write, by the write mechanism's own
+    /// eviction (and, should the write not come, by `finish`, which covers touched ranges).
+    pub fn will_write(&self, offset: u64, len: u64) {
+        const PAGE: u64 = 4096;
+        if len == 0 || self.write_mech() == WriteMech::Direct {
+            return;
+        }
+        if self.mode == CacheMode::Neutral
+            && self.residency
+            && matches!(self.write_mech(), WriteMech::DontCache | WriteMech::WriteBehind)
+        {
+            // As `write_at` does, before the pages are read: blocks holding none now are the
+            // job's, and write-behind evicts them (the read-ahead pages with the written ones).
+            self.write_behind.classify(self.fd(), offset, len);
+        }
+        let end = offset + len;
+        let (head, tail) = (offset / PAGE * PAGE, (end - 1) / PAGE * PAGE);
+        if !offset.is_multiple_of(PAGE) {
+            self.touch(head, PAGE);
+            let _ = sys::fadvise(self.fd(), head, PAGE, sys::Advice::WillNeed);
+        }
+        if !end.is_multiple_of(PAGE) && (tail != head || offset.is_multiple_of(PAGE)) {
+            self.touch(tail, PAGE);
+            let _ = sys::fadvise(self.fd(), tail, PAGE, sys::Advice::WillNeed);
+        }
+    }
+
     pub fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         let len = buf.len() as u64;
         let err = |e: io::Error| Error::io("write", e).path(&self.path).at(offset, len);

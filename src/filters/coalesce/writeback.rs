@@ -209,8 +209,17 @@ impl Shared {
             return Ok(());
         }
         let mut keys: Vec<u64> = Vec::new();
+        let bs = self.cfg.block;
         for s in &self.stripes {
-            keys.extend(s.read().unwrap().keys().copied());
+            let map = s.read().unwrap();
+            for (b, blk) in map.iter() {
+                keys.push(*b);
+                // Pages the write-back will overwrite in part are read now, all at once,
+                // rather than one by one inside each write (under the inode's lock).
+                for r in blk.ranges() {
+                    self.inner.will_write(b * bs + u64::from(r.start), r.len() as u64);
+                }
+            }
         }
         keys.sort_unstable();
         // The list may be empty although bytes are counted: a zero or trim drops blocks just
