@@ -214,9 +214,13 @@ impl Shared {
             let map = s.read().unwrap();
             for (b, blk) in map.iter() {
                 keys.push(*b);
-                // Pages the write-back will overwrite in part are read now, all at once,
-                // rather than one by one inside each write (under the inode's lock).
-                for r in blk.ranges() {
+                // Pages a lone range will overwrite in part are read now, all at once, rather
+                // than one by one inside each write (under the inode's lock). Blocks with
+                // several ranges are not hinted: their gaps are filled by one read of the
+                // block's span, and a hint per range (strided writes: 16 a block) cost more
+                // system calls than it saved.
+                let mut ranges = blk.ranges();
+                if let (Some(r), None) = (ranges.next(), ranges.next()) {
                     self.inner.will_write(b * bs + u64::from(r.start), r.len() as u64);
                 }
             }
