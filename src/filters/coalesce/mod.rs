@@ -5,7 +5,7 @@
 //!   write-back [`dirty::plan`] and the extents overlay.
 //! - `stripes`: the locks (blocks hash onto 256 stripes).
 //! - `writeback`: write-back of a block, of everything (FLUSH), of old blocks and under
-//!   memory pressure (a background thread); flushes below (group commit); the error latch.
+//!   memory pressure (a background thread); flushes below; the error latch.
 //! - [`Coalesce`]: the filter, over one backend that does every write-back, gap-fill read,
 //!   pass-through write, zero and trim. [`CoalesceFront`]s share one `Coalesce` between users
 //!   with backends of their own (the server's connections, each with its own open file), which
@@ -40,7 +40,7 @@
 //! its write below).
 //!
 //! Write-back happens on FLUSH (everything, from all connections, in block order on several
-//! threads, then a flush below shared by concurrent FLUSHes), on FUA, when more than `size`
+//! threads, then a flush below), on FUA, when more than `size`
 //! bytes are dirty (writers wait while the background thread writes back the oldest blocks),
 //! when a block is older than `age`, and on `finish` or drop.
 
@@ -110,8 +110,7 @@ pub struct CoalesceStats {
     /// Reads of gaps between dirty ranges, and their bytes.
     pub fill_reads: u64,
     pub bytes_filled: u64,
-    /// FLUSH requests from clients, and flushes sent below (concurrent client flushes share
-    /// one).
+    /// FLUSH requests from clients, and flushes sent below (one for each).
     pub flushes: u64,
     pub backend_flushes: u64,
     /// Write-backs that failed (latched).
@@ -131,14 +130,6 @@ struct Counters {
     flushes: AtomicU64,
     backend_flushes: AtomicU64,
     errors: AtomicU64,
-}
-
-/// Flushes below, numbered: group commit of concurrent client flushes.
-#[derive(Default)]
-struct Syncs {
-    started: u64,
-    completed: u64,
-    running: bool,
 }
 
 type Stripe = RwLock<HashMap<u64, Block>>;
@@ -161,8 +152,6 @@ struct Shared {
     signal: Mutex<()>,
     work: Condvar,
     room: Condvar,
-    syncs: Mutex<Syncs>,
-    synced: Condvar,
     /// Hands FLUSH write-backs to the helper threads; `None` once stopped.
     helpers: Mutex<Option<std::sync::mpsc::Sender<Arc<writeback::Job>>>>,
 }
@@ -195,8 +184,6 @@ impl Coalesce {
             signal: Mutex::new(()),
             work: Condvar::new(),
             room: Condvar::new(),
-            syncs: Mutex::new(Syncs::default()),
-            synced: Condvar::new(),
             helpers: Mutex::new(None),
         });
         let s = shared.clone();
