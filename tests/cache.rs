@@ -131,7 +131,11 @@ fn pages_read_ahead_for_partial_writes_leave_with_them() {
     }
     b.flush().unwrap();
     assert_eq!(cached(&f, 0, Some(48 * MIB)), 0, "pages read ahead for the writes left after the flush");
-    assert_eq!(cached(&f, 52 * MIB, Some(12 * MIB)), 0, "pages read ahead for the writes left after the flush");
+    assert_eq!(
+        cached(&f, 52 * MIB, Some(12 * MIB)),
+        0,
+        "pages read ahead for the writes left after the flush"
+    );
     assert_eq!(cached(&f, 48 * MIB, Some(4 * MIB)), 4 * MIB, "pages cached before the job were evicted");
     b.finish().unwrap();
 }

@@ -309,7 +309,12 @@ impl Coalesce {
     }
 
     /// Copies `buf` into the dirty map under `locks` (the stripes of its blocks).
-    fn absorb(&self, locks: &mut stripes::Locked<RwLockWriteGuard<'_, HashMap<u64, Block>>>, buf: &[u8], offset: u64) {
+    fn absorb(
+        &self,
+        locks: &mut stripes::Locked<RwLockWriteGuard<'_, HashMap<u64, Block>>>,
+        buf: &[u8],
+        offset: u64,
+    ) {
         let sh = &self.shared;
         let (bs, len) = (sh.cfg.block, buf.len() as u64);
         let now = Instant::now();

@@ -270,7 +270,11 @@ fn writes_at_hand_are_held_or_left_alone() {
         assert!(c.write_at_hand(&[4u8; 16], 5100).is_none());
     }
     let s = c.stats();
-    assert_eq!((s.client_writes, s.absorbed, s.held), (2, 2, 1024 + 64 * 1024), "only what was held counts: {s:?}");
+    assert_eq!(
+        (s.client_writes, s.absorbed, s.held),
+        (2, 2, 1024 + 64 * 1024),
+        "only what was held counts: {s:?}"
+    );
     want[2 * MIB as usize..2 * MIB as usize + 64 * 1024].fill(3);
 
     c.flush().unwrap();
