@@ -10,7 +10,10 @@
 #     randall   random 1 KiB writes over the whole file
 #     rand4k    random 4 KiB writes over the whole file
 # Servers: lightfoot (neutral mode) without and with --coalesce, nbdkit file cache=none,
-# qemu-nbd --cache=none, and nbdkit file with the page cache (the reference).
+# qemu-nbd --cache=none, and nbdkit file with the page cache (the reference); optionally
+# `nbdkit memory` (key memory), a server with no storage at all: roughly what the client and
+# the socket leave on this machine (nbdkit's own request path and memory plugin included, so
+# not a strict bound: a server that answers small writes from its reader thread can pass it).
 # Backend write calls (pwrite64, pwritev, pwritev2 of the server and all its threads) are
 # counted by running the server under `perf stat` on the syscall tracepoints; lightfoot
 # --coalesce also reports its own count (--stats).
@@ -25,7 +28,8 @@
 #     RUNTIME    seconds per fio run (default 20)
 #     TARGET     sparse (default: a fresh sparse file before each run) or data (a fully
 #                written file, made once and overwritten run after run)
-#     CONFIGS    servers by key (default: "lightfoot coalesce nbdkit-none qemu-none nbdkit")
+#     CONFIGS    servers by key (default: "lightfoot coalesce nbdkit-none qemu-none nbdkit";
+#                also: memory)
 #     WORKLOADS  workloads by key (default: "strided rand64m randall rand4k")
 #     DIR        work directory (default: the first argument, else /work/tmp/bench-coalesce)
 #     LIGHTFOOT  the binary (default ../target/release/lightfoot beside this script)
@@ -89,6 +93,7 @@ config_name() {
 	nbdkit-none) echo "nbdkit file cache=none" ;;
 	qemu-none) echo "qemu-nbd --cache=none" ;;
 	nbdkit) echo "nbdkit file (page cache)" ;;
+	memory) echo "nbdkit memory (no storage)" ;;
 	*) return 1 ;;
 	esac
 }
@@ -102,6 +107,7 @@ server_cmd() {
 	nbdkit-none) SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$FILE" cache=none) ;;
 	qemu-none) SCMD=(qemu-nbd -f raw -e "$JOBS" -t -k "$SOCK" --pid-file="$PIDF" --cache=none "$FILE") ;;
 	nbdkit) SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$FILE") ;;
+	memory) SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" memory "$SIZE_BYTES") ;;
 	esac
 }
 
@@ -247,22 +253,27 @@ import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 names = {"lightfoot": "lightfoot", "coalesce": "lightfoot --coalesce",
          "nbdkit-none": "nbdkit file cache=none", "qemu-none": "qemu-nbd --cache=none",
-         "nbdkit": "nbdkit file (page cache)"}
+         "nbdkit": "nbdkit file (page cache)", "memory": "nbdkit memory (no storage)"}
 def med(xs):
     xs = [float(x) for x in xs if x not in ("", None)]
     return statistics.median(xs) if xs else None
 for w in dict.fromkeys(r["workload"] for r in rows):
     print(f"\n### {w} (fio nbd, 4 jobs x iodepth 1, flush every 64 writes)\n")
-    print("| server | IOPS | × lightfoot | backend writes / client write | failed runs |")
-    print("|---|---|---|---|---|")
+    print("| server | IOPS | × lightfoot | × lightfoot, same round | backend writes / client write | failed runs |")
+    print("|---|---|---|---|---|---|")
     base = med(r["iops"] for r in rows if r["workload"] == w and r["config"] == "lightfoot")
+    # Per round, against the plain server's run of the same round: less exposed to slow drifts.
+    plain = {r["round"]: float(r["iops"]) for r in rows
+             if r["workload"] == w and r["config"] == "lightfoot" and not r["error"] and r["iops"]}
     for c in sys.argv[2].replace(",", " ").split():
         rs = [r for r in rows if r["workload"] == w and r["config"] == c]
         ok = [r for r in rs if not r["error"]]
         iops = med(r["iops"] for r in ok)
         ratio = f"{iops / base:.2f}" if iops and base else "-"
+        paired = med(float(r["iops"]) / plain[r["round"]] for r in ok if r["iops"] and plain.get(r["round"]))
+        paired = f"{paired:.2f}" if paired else "-"
         per = med(float(r["backend_writes"]) / float(r["client_writes"]) for r in ok
                   if r["backend_writes"] and r["client_writes"] and float(r["client_writes"]) > 0)
-        print(f"| {names.get(c, c)} | {iops or '-':.0f} | {ratio} | {per if per is None else f'{per:.3f}'} | {len(rs) - len(ok)} |"
-              if iops else f"| {names.get(c, c)} | - | - | - | {len(rs) - len(ok)} |")
+        print(f"| {names.get(c, c)} | {iops or '-':.0f} | {ratio} | {paired} | {per if per is None else f'{per:.3f}'} | {len(rs) - len(ok)} |"
+              if iops else f"| {names.get(c, c)} | - | - | - | - | {len(rs) - len(ok)} |")
 EOF
