@@ -11,9 +11,9 @@
 #     rand4k    random 4 KiB writes over the whole file
 # Servers: lightfoot (neutral mode) without and with --coalesce, nbdkit file cache=none,
 # qemu-nbd --cache=none, and nbdkit file with the page cache (the reference); optionally
-# `nbdkit memory` (key memory), a server with no storage at all: roughly what the client and
-# the socket leave on this machine (nbdkit's own request path and memory plugin included, so
-# not a strict bound: a server that answers small writes from its reader thread can pass it).
+# `nbdkit null` (key null), which discards writes and flushes nothing: what fio's client and
+# the socket allow on this machine, a bound for every server; and `nbdkit memory` (key
+# memory), which stores in memory but never touches a disk.
 # Backend write calls (pwrite64, pwritev, pwritev2 of the server and all its threads) are
 # counted by running the server under `perf stat` on the syscall tracepoints; lightfoot
 # --coalesce also reports its own count (--stats).
@@ -29,7 +29,7 @@
 #     TARGET     sparse (default: a fresh sparse file before each run) or data (a fully
 #                written file, made once and overwritten run after run)
 #     CONFIGS    servers by key (default: "lightfoot coalesce nbdkit-none qemu-none nbdkit";
-#                also: memory)
+#                also: null, memory)
 #     WORKLOADS  workloads by key (default: "strided rand64m randall rand4k")
 #     DIR        work directory (default: the first argument, else /work/tmp/bench-coalesce)
 #     LIGHTFOOT  the binary (default ../target/release/lightfoot beside this script)
@@ -94,6 +94,7 @@ config_name() {
 	qemu-none) echo "qemu-nbd --cache=none" ;;
 	nbdkit) echo "nbdkit file (page cache)" ;;
 	memory) echo "nbdkit memory (no storage)" ;;
+	null) echo "nbdkit null (discards: the client's bound)" ;;
 	*) return 1 ;;
 	esac
 }
@@ -108,6 +109,7 @@ server_cmd() {
 	qemu-none) SCMD=(qemu-nbd -f raw -e "$JOBS" -t -k "$SOCK" --pid-file="$PIDF" --cache=none "$FILE") ;;
 	nbdkit) SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$FILE") ;;
 	memory) SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" memory "$SIZE_BYTES") ;;
+	null) SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" null "$SIZE_BYTES") ;;
 	esac
 }
 
@@ -253,7 +255,8 @@ import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 names = {"lightfoot": "lightfoot", "coalesce": "lightfoot --coalesce",
          "nbdkit-none": "nbdkit file cache=none", "qemu-none": "qemu-nbd --cache=none",
-         "nbdkit": "nbdkit file (page cache)", "memory": "nbdkit memory (no storage)"}
+         "nbdkit": "nbdkit file (page cache)", "memory": "nbdkit memory (no storage)",
+         "null": "nbdkit null (discards: the client's bound)"}
 def med(xs):
     xs = [float(x) for x in xs if x not in ("", None)]
     return statistics.median(xs) if xs else None
