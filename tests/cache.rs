@@ -107,20 +107,29 @@ fn unprivileged_stat_says_residency_is_not_visible() {
     assert_eq!(cached(&f, 0, None), 0);
 }
 
+/// A 64 MiB sample file in `dir`, nothing cached but 48-52 MiB (cached before the job: not
+/// the job's to evict), opened for writing in neutral mode.
+fn neutral_file_with_cached_block(
+    dir: &std::path::Path,
+) -> (std::path::PathBuf, lightfoot::backend::FileBackend) {
+    use lightfoot::io::{CacheMode, OpenOptions, Tuning};
+    let f = dir.join("f");
+    sample(&f, 64 * MIB, MIB);
+    evict(&f);
+    warm(&f, 48 * MIB, 4 * MIB);
+    let opts = OpenOptions { write: true, create: false, truncate: false };
+    let b = lightfoot::backend::FileBackend::open(&f, opts, CacheMode::Neutral, &Tuning::default()).unwrap();
+    (f, b)
+}
+
 /// `will_write` (the coalesce filter's hint before a write-back) reads the pages a write will
 /// overwrite in part; they must leave the cache with the write like any written page, and
 /// pages cached before the job must stay.
 #[test]
 fn pages_read_ahead_for_partial_writes_leave_with_them() {
-    use lightfoot::backend::{Backend, FileBackend};
-    use lightfoot::io::{CacheMode, OpenOptions, Tuning};
+    use lightfoot::backend::Backend;
     let dir = scratch();
-    let f = dir.path().join("f");
-    sample(&f, 64 * MIB, MIB);
-    evict(&f);
-    warm(&f, 48 * MIB, 4 * MIB);
-    let opts = OpenOptions { write: true, create: false, truncate: false };
-    let b = FileBackend::open(&f, opts, CacheMode::Neutral, &Tuning::default()).unwrap();
+    let (f, b) = neutral_file_with_cached_block(dir.path());
     let at = |i: u64| (i * 7919 * 4096) % (64 * MIB) + 1000;
     for i in 0..512u64 {
         b.will_write(at(i), 1024);
@@ -145,16 +154,9 @@ fn pages_read_ahead_for_partial_writes_leave_with_them() {
 /// pages that were cached before must stay.
 #[test]
 fn small_neutral_writes_leave_no_pages_after_a_flush_and_keep_the_cached_ones() {
-    use lightfoot::backend::{Backend, FileBackend};
-    use lightfoot::io::{CacheMode, OpenOptions, Tuning};
+    use lightfoot::backend::Backend;
     let dir = scratch();
-    let f = dir.path().join("f");
-    sample(&f, 64 * MIB, MIB);
-    evict(&f);
-    // Blocks 48-52 MiB cached before the job: they are not the job's to evict.
-    warm(&f, 48 * MIB, 4 * MIB);
-    let opts = OpenOptions { write: true, create: false, truncate: false };
-    let b = FileBackend::open(&f, opts, CacheMode::Neutral, &Tuning::default()).unwrap();
+    let (f, b) = neutral_file_with_cached_block(dir.path());
     for i in 0..512u64 {
         // 1 KiB every 3 KiB of the first 1.5 MiB, and 1 KiB scattered over the file.
         b.write(&[0x5a; 1024], i * 3072, false).unwrap();

@@ -422,9 +422,6 @@ impl PolicyFile {
         Ok(got)
     }
 
-    /// Writes all of `buf` at `offset`; with `fua`, durably.
-    ///
-    /// Neutral mode writes with RWF_DONTCACHE, except writes below [`SMALL_WRITE`].
     /// Starts reading the pages a coming write of `[offset, offset+len)` overwrites only in
     /// part ([`crate::backend::Backend::will_write`]). Not for O_DIRECT writes, which read
     /// nothing; the pages read leave the cache with the write, by the write mechanism's own
@@ -434,14 +431,9 @@ impl PolicyFile {
         if len == 0 || self.write_mech() == WriteMech::Direct {
             return;
         }
-        if self.mode == CacheMode::Neutral
-            && self.residency
-            && matches!(self.write_mech(), WriteMech::DontCache | WriteMech::WriteBehind)
-        {
-            // As `write_at` does, before the pages are read: blocks holding none now are the
-            // job's, and write-behind evicts them (the read-ahead pages with the written ones).
-            self.write_behind.classify(self.fd(), offset, len);
-        }
+        // Before the pages are read: blocks holding none now are the job's, and write-behind
+        // evicts them (the read-ahead pages with the written ones).
+        self.classify_before_write(offset, len);
         let end = offset + len;
         let (head, tail) = (offset / PAGE * PAGE, (end - 1) / PAGE * PAGE);
         if !offset.is_multiple_of(PAGE) {
@@ -454,18 +446,27 @@ impl PolicyFile {
         }
     }
 
+    /// In neutral mode with an evicting write mechanism, records which 2 MiB blocks of
+    /// `[offset, offset+len)` hold pages now (cached before the job: never evicted), before
+    /// anything of the job's lands there.
+    fn classify_before_write(&self, offset: u64, len: u64) {
+        if self.mode == CacheMode::Neutral
+            && self.residency
+            && matches!(self.write_mech(), WriteMech::DontCache | WriteMech::WriteBehind)
+        {
+            self.write_behind.classify(self.fd(), offset, len);
+        }
+    }
+
+    /// Writes all of `buf` at `offset`; with `fua`, durably.
+    ///
+    /// Neutral mode writes with RWF_DONTCACHE, except writes below [`SMALL_WRITE`].
     pub fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         let len = buf.len() as u64;
         let err = |e: io::Error| Error::io("write", e).path(&self.path).at(offset, len);
         self.touch(offset, len);
         let dsync = if fua { sys::RWF_DSYNC } else { 0 };
-        if self.mode == CacheMode::Neutral
-            && self.residency
-            && matches!(self.write_mech(), WriteMech::DontCache | WriteMech::WriteBehind)
-        {
-            // Before writing: blocks that hold pages now were cached before the job.
-            self.write_behind.classify(self.fd(), offset, len);
-        }
+        self.classify_before_write(offset, len);
         loop {
             let mech = self.write_mech();
             // Small writes go through the cache even when DONTCACHE is the mechanism, and are

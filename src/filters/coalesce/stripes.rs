@@ -46,14 +46,25 @@ impl Shared {
         v
     }
 
+    /// Locks the stripes of `[offset, offset+len)` in ascending order with `lock`; `None` as
+    /// soon as `lock` gives up on one (the guards taken so far are released).
+    fn lock_set<'a, G>(
+        &'a self,
+        offset: u64,
+        len: u64,
+        lock: impl Fn(&'a super::Stripe) -> Option<G>,
+    ) -> Option<Locked<G>> {
+        let idx = self.stripe_set(offset, len);
+        let guards = idx.iter().map(|&i| lock(&self.stripes[i])).collect::<Option<Vec<G>>>()?;
+        Some(Locked { idx, guards })
+    }
+
     pub(super) fn write_locks(
         &self,
         offset: u64,
         len: u64,
     ) -> Locked<RwLockWriteGuard<'_, HashMap<u64, Block>>> {
-        let idx = self.stripe_set(offset, len);
-        let guards = idx.iter().map(|&i| self.stripes[i].write().unwrap()).collect();
-        Locked { idx, guards }
+        self.lock_set(offset, len, |s| Some(s.write().unwrap())).expect("waits for every lock")
     }
 
     pub(super) fn read_locks(
@@ -61,9 +72,7 @@ impl Shared {
         offset: u64,
         len: u64,
     ) -> Locked<RwLockReadGuard<'_, HashMap<u64, Block>>> {
-        let idx = self.stripe_set(offset, len);
-        let guards = idx.iter().map(|&i| self.stripes[i].read().unwrap()).collect();
-        Locked { idx, guards }
+        self.lock_set(offset, len, |s| Some(s.read().unwrap())).expect("waits for every lock")
     }
 
     /// Like `write_locks`, but `None` rather than wait.
@@ -72,12 +81,7 @@ impl Shared {
         offset: u64,
         len: u64,
     ) -> Option<Locked<RwLockWriteGuard<'_, HashMap<u64, Block>>>> {
-        let idx = self.stripe_set(offset, len);
-        let mut guards = Vec::with_capacity(idx.len());
-        for &i in &idx {
-            guards.push(self.stripes[i].try_write().ok()?);
-        }
-        Some(Locked { idx, guards })
+        self.lock_set(offset, len, |s| s.try_write().ok())
     }
 
     /// Like `read_locks`, but `None` rather than wait.
@@ -86,12 +90,7 @@ impl Shared {
         offset: u64,
         len: u64,
     ) -> Option<Locked<RwLockReadGuard<'_, HashMap<u64, Block>>>> {
-        let idx = self.stripe_set(offset, len);
-        let mut guards = Vec::with_capacity(idx.len());
-        for &i in &idx {
-            guards.push(self.stripes[i].try_read().ok()?);
-        }
-        Some(Locked { idx, guards })
+        self.lock_set(offset, len, |s| s.try_read().ok())
     }
 
     /// The dirty blocks among `[offset, offset+len)`, ascending, with the part of the range
