@@ -26,8 +26,15 @@
 #     DIR        sources, destinations, results (default: the argument, else /work/tmp/bench-nbd);
 #                needs about 3.5 x SIZE free
 #
+#     QUIET      steal limit in percent (default 10): the summary adds a table of the rounds in
+#                which the host took less than this share of the machine's CPU time during both
+#                tools' runs of a transfer (see "steal" below)
+#
 # Output: a table of medians on stdout and in DIR/table-nbd.md, every run in DIR/nbd.csv.
-# Only ratios within one run mean anything on these VMs.
+# Only ratios within one run mean anything on these VMs. Each run also records the share of
+# CPU time the host stole from this VM while it ran (/proc/stat "steal"): on these machines it
+# swings from 0 to over 30 % within minutes, and a run that lost a third of its CPU says more
+# about the host than about the tool.
 set -euo pipefail
 export LC_ALL=C
 
@@ -43,6 +50,7 @@ RUNS=${RUNS:-5}
 PIECE=${PIECE:-1M}
 SERVER=${SERVER:-qemu}
 VERIFY=${VERIFY:-first}
+QUIET=${QUIET:-10}
 DIR=${DIR:-${1:-/work/tmp/bench-nbd}}
 LIGHTFOOT=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
 
@@ -52,6 +60,7 @@ PIECE_BYTES=$(to_bytes "$PIECE" PIECE)
 [[ $RUNS =~ ^[1-9][0-9]*$ ]] || die "RUNS=$RUNS: not a positive integer"
 [[ $SERVER == qemu || $SERVER == lightfoot ]] || die "SERVER=$SERVER: qemu or lightfoot"
 [[ $VERIFY == first || $VERIFY == all || $VERIFY == none ]] || die "VERIFY=$VERIFY: first, all or none"
+[[ $QUIET =~ ^[0-9]+$ ]] || die "QUIET=$QUIET: a percentage"
 [[ -x $LIGHTFOOT ]] || die "no lightfoot binary at $LIGHTFOOT (cargo build --release, or set LIGHTFOOT=)"
 LIGHTFOOT=$(realpath -- "$LIGHTFOOT")
 for t in nbdcopy qemu-nbd python3 /usr/bin/time; do
@@ -123,7 +132,10 @@ trap stop_server EXIT
 cached() { "$LIGHTFOOT" cache stat --json "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["cached_bytes"])'; }
 
 URI="nbd+unix:///?socket=$SOCK"
-echo "round,transfer,tool,seconds,rss_kib,src_cached,dst_cached,verified" >"$CSV"
+echo "round,transfer,tool,seconds,rss_kib,src_cached,dst_cached,verified,steal_pct" >"$CSV"
+
+# cpu_ticks: the machine's CPU time so far and the part of it the host stole, in ticks.
+cpu_ticks() { awk '/^cpu /{t = 0; for (i = 2; i <= 9; i++) t += $i; print t, $9; exit}' /proc/stat; }
 
 run() { # ROUND TRANSFER TOOL
 	local round=$1 transfer=$2 tool=$3 data=${2#*-} src dst from to
@@ -145,10 +157,13 @@ run() { # ROUND TRANSFER TOOL
 	nbdcopy) cmd=(nbdcopy --flush "$from" "$to") ;;
 	esac
 	echo "--- $round $transfer $tool: ${cmd[*]}" >>"$LOG"
-	local t0 t1
+	local t0 t1 c0 c1
+	read -r -a c0 < <(cpu_ticks)
 	t0=$EPOCHREALTIME
 	/usr/bin/time -f "%M" -o "$DIR/time.out" "${cmd[@]}" >>"$LOG" 2>&1 || die "$tool failed on $transfer (see $LOG)"
 	t1=$EPOCHREALTIME
+	read -r -a c1 < <(cpu_ticks)
+	local steal=$(((c1[1] - c0[1]) * 100 / (c1[0] - c0[0] > 0 ? c1[0] - c0[0] : 1)))
 	stop_server
 	local sc dc
 	sc=$(cached "$src")
@@ -159,8 +174,8 @@ run() { # ROUND TRANSFER TOOL
 	fi
 	local secs
 	secs=$(python3 -c "print(f'{$t1 - $t0:.3f}')")
-	echo "$round,$transfer,$tool,$secs,$(tail -1 "$DIR/time.out"),$sc,$dc,$verified" >>"$CSV"
-	say "round $round $transfer $tool: $secs s, cached src $((sc >> 20)) MiB dst $((dc >> 20)) MiB"
+	echo "$round,$transfer,$tool,$secs,$(tail -1 "$DIR/time.out"),$sc,$dc,$verified,$steal" >>"$CSV"
+	say "round $round $transfer $tool: $secs s, cached src $((sc >> 20)) MiB dst $((dc >> 20)) MiB, host steal $steal %"
 }
 
 for ((r = 1; r <= RUNS; r++)); do
@@ -176,4 +191,4 @@ for ((r = 1; r <= RUNS; r++)); do
 done
 rm -f -- "$OUT"
 
-python3 "$HERE/summarize_nbd.py" "$CSV" "$SIZE_BYTES" "$SERVER" | tee "$DIR/table-nbd.md"
+python3 "$HERE/summarize_nbd.py" "$CSV" "$SIZE_BYTES" "$SERVER" "$QUIET" | tee "$DIR/table-nbd.md"
