@@ -39,6 +39,11 @@ impl Block {
         self.runs.iter().map(|(s, d)| *s..*s + d.len() as u32)
     }
 
+    /// Where the last dirty range ends; `None` when nothing is dirty.
+    pub fn end(&self) -> Option<u32> {
+        self.runs.last().map(|(s, d)| s + d.len() as u32)
+    }
+
     /// The dirty runs with their bytes, in order.
     pub fn runs(&self) -> &[(u32, Vec<u8>)] {
         &self.runs

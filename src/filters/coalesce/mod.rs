@@ -42,7 +42,8 @@
 //! Write-back happens on FLUSH (everything, from all connections, in block order on several
 //! threads, then a flush below), on FUA, when more than `size`
 //! bytes are dirty (writers wait while the background thread writes back the oldest blocks),
-//! when a block is older than `age`, and on `finish` or drop.
+//! when a block is older than `age`, when a writer has moved past a block (the background
+//! thread, so that the next FLUSH finds less to do), and on `finish` or drop.
 
 pub mod dirty;
 mod stripes;
@@ -154,6 +155,9 @@ struct Shared {
     room: Condvar,
     /// Hands FLUSH write-backs to the helper threads; `None` once stopped.
     helpers: Mutex<Option<std::sync::mpsc::Sender<Arc<writeback::Job>>>>,
+    /// Blocks a writer has moved past, for the background thread to write back now rather
+    /// than at the next FLUSH (see [`Shared::passed`]).
+    passed: Mutex<Vec<u64>>,
 }
 
 /// The write-coalescing filter: a [`Backend`] over a [`Backend`].
@@ -185,6 +189,7 @@ impl Coalesce {
             work: Condvar::new(),
             room: Condvar::new(),
             helpers: Mutex::new(None),
+            passed: Mutex::new(Vec::new()),
         });
         let s = shared.clone();
         let mut threads = vec![std::thread::Builder::new()
@@ -320,16 +325,23 @@ impl Coalesce {
         let now = Instant::now();
         let mut at = offset;
         let mut added = 0;
+        let mut entered = None;
         while at < offset + len {
             let b = sh.block_of(at);
             let n = ((b + 1) * bs).min(offset + len) - at;
             let piece = &buf[(at - offset) as usize..(at - offset + n) as usize];
             let map = locks.get(Shared::stripe_of(b));
+            if entered.is_none() && b > 0 && !map.contains_key(&b) {
+                entered = Some(b);
+            }
             added += map.entry(b).or_insert_with(|| Block::new(now)).write((at - b * bs) as u32, piece);
             at += n;
         }
         sh.held.fetch_add(added, SeqCst);
         sh.counters.absorbed.fetch_add(1, SeqCst);
+        if let Some(b) = entered {
+            sh.passed(locks, b - 1);
+        }
     }
 
     /// A write held without waiting: `None` (nothing recorded) if it would go straight down,
