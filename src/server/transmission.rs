@@ -56,32 +56,46 @@ const KEEP_BUFFER_MAX: usize = MERGE_MAX as usize;
 /// Request bytes in flight on one connection (see [`IN_FLIGHT_MAX`]).
 #[derive(Default)]
 struct Budget {
-    used: Mutex<u64>,
+    state: Mutex<BudgetState>,
     freed: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct BudgetState {
+    used: u64,
+    /// The reader is waiting in `take`: only then does `give` wake it. A notification costs a
+    /// futex system call whether anyone waits or not (std's condition variable does not
+    /// count waiters), one per request otherwise.
+    waiting: bool,
 }
 
 impl Budget {
     fn try_take(&self, n: u64) -> bool {
-        let mut used = self.used.lock().unwrap();
-        if *used == 0 || *used + n <= IN_FLIGHT_MAX {
-            *used += n;
+        let mut st = self.state.lock().unwrap();
+        if st.used == 0 || st.used + n <= IN_FLIGHT_MAX {
+            st.used += n;
             return true;
         }
         false
     }
 
     fn take(&self, n: u64) {
-        let mut used = self.used.lock().unwrap();
-        while *used != 0 && *used + n > IN_FLIGHT_MAX {
-            used = self.freed.wait(used).unwrap();
+        let mut st = self.state.lock().unwrap();
+        while st.used != 0 && st.used + n > IN_FLIGHT_MAX {
+            st.waiting = true;
+            st = self.freed.wait(st).unwrap();
         }
-        *used += n;
+        st.waiting = false;
+        st.used += n;
     }
 
     fn give(&self, n: u64) {
         if n > 0 {
-            *self.used.lock().unwrap() -= n;
-            self.freed.notify_one();
+            let mut st = self.state.lock().unwrap();
+            st.used -= n;
+            if st.waiting {
+                self.freed.notify_one();
+            }
         }
     }
 }
