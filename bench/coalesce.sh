@@ -37,10 +37,15 @@
 #                block size is to be chosen by this measurement)
 #     DROP       1 (default): drop caches before each run; 0: don't (smoke tests on a machine
 #                where someone else is measuring)
+#     QUIET      steal limit in percent (default 10) for the quiet-rounds column
 #
 # Output: a table of medians per workload (IOPS, ratio to lightfoot without --coalesce,
-# backend writes per client write) on stdout and in DIR/table.md; every run in
-# DIR/results.csv; logs in DIR/logs/. Only ratios within one run mean anything here.
+# backend writes per client write, the host's CPU steal during the runs) on stdout and in
+# DIR/table.md; every run in DIR/results.csv; logs in DIR/logs/. Only ratios within one run
+# mean anything here. The share of CPU time the host stole from this VM (/proc/stat "steal")
+# is recorded for every run: it swings from 0 to over 30 % within minutes on these VMs, so a
+# "quiet rounds" column gives the same-round ratio over the rounds in which both the server's
+# run and the plain server's run saw less than QUIET % (count in parentheses).
 set -euo pipefail
 export LC_ALL=C
 
@@ -61,6 +66,7 @@ DIR=${DIR:-${1:-/work/tmp/bench-coalesce}}
 LIGHTFOOT=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
 DROP=${DROP:-1}
 COALESCE_ARGS=${COALESCE_ARGS:-}
+QUIET=${QUIET:-10}
 
 JOBS=4
 FSYNC=64
@@ -84,7 +90,10 @@ CSV=$DIR/results.csv
 URI="nbd+unix:///?socket=$SOCK"
 ((${#SOCK} < 100)) || die "$SOCK: too long for a Unix socket path"
 rm -f -- "$DIR"/logs/*
-echo "round,workload,config,iops,client_writes,flushes,backend_writes,lightfoot_backend_writes,error" >"$CSV"
+echo "round,workload,config,iops,client_writes,flushes,backend_writes,lightfoot_backend_writes,steal_pct,error" >"$CSV"
+
+# cpu_ticks: the machine's CPU time so far and the part of it the host stole, in ticks.
+cpu_ticks() { awk '/^cpu /{t = 0; for (i = 2; i <= 9; i++) t += $i; print t, $9; exit}' /proc/stat; }
 
 config_name() {
 	case $1 in
@@ -197,19 +206,22 @@ run_one() {
 	prepare_file
 	REAL_PID=""
 	if ! start_server "$c" "$base.server" "$base.perf"; then
-		echo "$round,$w,$c,,,,,,server did not start" >>"$CSV"
+		echo "$round,$w,$c,,,,,,,server did not start" >>"$CSV"
 		stop_server
 		return
 	fi
 	client_cmd "$w" "$base.fio"
-	local err=""
+	local err="" c0 c1
+	read -r -a c0 < <(cpu_ticks)
 	timeout $((RUNTIME * 3 + 300)) "${CMD[@]}" >"$base.client" 2>&1 || err="client failed"
+	read -r -a c1 < <(cpu_ticks)
+	local steal=$(((c1[1] - c0[1]) * 100 / (c1[0] - c0[0] > 0 ? c1[0] - c0[0] : 1)))
 	# The client's last flush (end_fsync) wrote everything back: the count at exit covers the
 	# run only.
 	stop_server
-	python3 - "$round" "$w" "$c" "$base.fio" "$base.perf" "$base.server" "$err" >>"$CSV" <<'EOF'
+	python3 - "$round" "$w" "$c" "$base.fio" "$base.perf" "$base.server" "$steal" "$err" >>"$CSV" <<'EOF'
 import json, sys
-rnd, w, c, fio, perf, server, err = sys.argv[1:]
+rnd, w, c, fio, perf, server, steal, err = sys.argv[1:]
 iops = writes = syncs = backend = lf = ""
 try:
     text = open(fio).read()
@@ -236,7 +248,7 @@ try:
             lf = json.loads(line)["coalesce"]["backend_writes"]
 except (OSError, ValueError, KeyError):
     pass
-print(f"{rnd},{w},{c},{iops},{writes},{syncs},{backend},{lf},{err}")
+print(f"{rnd},{w},{c},{iops},{writes},{syncs},{backend},{lf},{steal},{err}")
 EOF
 	tail -n 1 "$CSV" | sed 's/^/   /' >&2
 }
@@ -250,24 +262,30 @@ for ((r = 1; r <= RUNS; r++)); do
 	done
 done
 
-python3 - "$CSV" "$CONFIGS" <<'EOF' | tee "$DIR/table.md"
+python3 - "$CSV" "$CONFIGS" "$QUIET" <<'EOF' | tee "$DIR/table.md"
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 names = {"lightfoot": "lightfoot", "coalesce": "lightfoot --coalesce",
          "nbdkit-none": "nbdkit file cache=none", "qemu-none": "qemu-nbd --cache=none",
          "nbdkit": "nbdkit file (page cache)", "memory": "nbdkit memory (no storage)",
          "null": "nbdkit null (discards: the client's bound)"}
+quiet = float(sys.argv[3])
+def steal(r):
+    v = r.get("steal_pct")
+    return None if v in ("", None) else float(v)
 def med(xs):
     xs = [float(x) for x in xs if x not in ("", None)]
     return statistics.median(xs) if xs else None
 for w in dict.fromkeys(r["workload"] for r in rows):
     print(f"\n### {w} (fio nbd, 4 jobs x iodepth 1, flush every 64 writes)\n")
-    print("| server | IOPS | × lightfoot | × lightfoot, same round | backend writes / client write | failed runs |")
-    print("|---|---|---|---|---|---|")
+    print(f"| server | IOPS | × lightfoot | × lightfoot, same round | same round, quiet rounds (steal < {quiet:g} %) "
+          "| backend writes / client write | host steal % | failed runs |")
+    print("|---|---|---|---|---|---|---|---|")
     base = med(r["iops"] for r in rows if r["workload"] == w and r["config"] == "lightfoot")
     # Per round, against the plain server's run of the same round: less exposed to slow drifts.
     plain = {r["round"]: float(r["iops"]) for r in rows
              if r["workload"] == w and r["config"] == "lightfoot" and not r["error"] and r["iops"]}
+    plain_steal = {r["round"]: steal(r) for r in rows if r["workload"] == w and r["config"] == "lightfoot"}
     for c in sys.argv[2].replace(",", " ").split():
         rs = [r for r in rows if r["workload"] == w and r["config"] == c]
         ok = [r for r in rs if not r["error"]]
@@ -275,8 +293,14 @@ for w in dict.fromkeys(r["workload"] for r in rows):
         ratio = f"{iops / base:.2f}" if iops and base else "-"
         paired = med(float(r["iops"]) / plain[r["round"]] for r in ok if r["iops"] and plain.get(r["round"]))
         paired = f"{paired:.2f}" if paired else "-"
+        calm = [float(r["iops"]) / plain[r["round"]] for r in ok if r["iops"] and plain.get(r["round"])
+                and steal(r) is not None and plain_steal.get(r["round"]) is not None
+                and max(steal(r), plain_steal[r["round"]]) < quiet]
+        calm = f"{statistics.median(calm):.2f} ({len(calm)})" if calm else "-"
+        st = [steal(r) for r in rs if steal(r) is not None]
+        st = f"{statistics.median(st):.0f} (max {max(st):.0f})" if st else "-"
         per = med(float(r["backend_writes"]) / float(r["client_writes"]) for r in ok
                   if r["backend_writes"] and r["client_writes"] and float(r["client_writes"]) > 0)
-        print(f"| {names.get(c, c)} | {iops or '-':.0f} | {ratio} | {paired} | {per if per is None else f'{per:.3f}'} | {len(rs) - len(ok)} |"
-              if iops else f"| {names.get(c, c)} | - | - | - | - | {len(rs) - len(ok)} |")
+        print(f"| {names.get(c, c)} | {iops or '-':.0f} | {ratio} | {paired} | {calm} | {per if per is None else f'{per:.3f}'} | {st} | {len(rs) - len(ok)} |"
+              if iops else f"| {names.get(c, c)} | - | - | - | - | - | {st} | {len(rs) - len(ok)} |")
 EOF
