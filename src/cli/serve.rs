@@ -94,7 +94,8 @@ pub struct ServeArgs {
     /// merged: neighbouring writes in one block become one request, the gaps between them
     /// read from FILE first where FILE holds data (never over a hole). Reads and block status
     /// see the held data. Written back on FLUSH (before it replies), FUA, --coalesce-size,
-    /// --coalesce-age and clean shutdown; a write-back error fails every later FLUSH and FUA.
+    /// --coalesce-age, as soon as a writer has moved past a block, and at clean shutdown; a
+    /// write-back error fails every later FLUSH and FUA.
     /// A kill -9 loses what was not flushed, as a power loss would.
     #[arg(long)]
     coalesce: bool,
