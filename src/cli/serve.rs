@@ -48,7 +48,9 @@ pub struct ServeArgs {
     #[arg(value_name = "FILE")]
     file: PathBuf,
 
-    /// Listen on this Unix socket instead of TCP.
+    /// Listen on this Unix socket instead of TCP. The file appears only once the server
+    /// accepts connections (waiting for it to exist is enough); a stale socket file is
+    /// replaced, a live server's is not ("address in use"); removed at exit.
     #[arg(long, value_name = "PATH", conflicts_with = "listen")]
     unix: Option<PathBuf>,
 

@@ -426,6 +426,26 @@ pub fn exit_with_parent() -> io::Result<bool> {
     Ok(unsafe { libc::getppid() } != 1)
 }
 
+/// `rename(from, to)` that fails with `EEXIST` instead of replacing `to` (renameat2
+/// `RENAME_NOREPLACE`; `EINVAL` where the filesystem does not support it).
+pub fn rename_noreplace(from: &std::path::Path, to: &std::path::Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &std::path::Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+    };
+    let (f, t) = (c(from)?, c(to)?);
+    // SAFETY: two NUL-terminated paths that outlive the call.
+    let r = unsafe {
+        libc::renameat2(libc::AT_FDCWD, f.as_ptr(), libc::AT_FDCWD, t.as_ptr(), libc::RENAME_NOREPLACE)
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// The first socket passed by systemd socket activation (`LISTEN_PID` is this process and
 /// `LISTEN_FDS` ≥ 1: fd 3), with its address family (`AF_UNIX` or `AF_INET`/`AF_INET6`).
 pub fn socket_activation() -> Option<(std::os::fd::OwnedFd, i32)> {

@@ -115,6 +115,12 @@ pub enum Listener {
 
 impl Listener {
     /// Binds a Unix socket; a stale socket file nobody listens on is replaced.
+    ///
+    /// The socket file appears only once it accepts connections: it is bound and listening
+    /// under a temporary name in the same directory, then renamed into place (without
+    /// replacing anything there: a live server's socket still gives "address in use"). Bound
+    /// at its own name, it would exist between `bind` and `listen`, and a client that waits
+    /// for the file (scripts, the tests) could connect in between and be refused.
     pub fn unix(path: &std::path::Path) -> io::Result<Listener> {
         if path.exists() && std::os::unix::net::UnixStream::connect(path).is_err() {
             use std::os::unix::fs::FileTypeExt;
@@ -122,7 +128,29 @@ impl Listener {
                 std::fs::remove_file(path)?;
             }
         }
-        Ok(Listener::Unix(UnixListener::bind(path)?, path.to_path_buf(), true))
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(".{}", std::process::id()));
+        let tmp = PathBuf::from(tmp);
+        let _ = std::fs::remove_file(&tmp);
+        // A temporary name too long for a socket address, or a filesystem without
+        // RENAME_NOREPLACE: bound at its own name, as before.
+        let Ok(l) = UnixListener::bind(&tmp) else {
+            return Ok(Listener::Unix(UnixListener::bind(path)?, path.to_path_buf(), true));
+        };
+        match crate::io::sys::rename_noreplace(&tmp, path) {
+            Ok(()) => Ok(Listener::Unix(l, path.to_path_buf(), true)),
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                drop(l);
+                match e.raw_os_error() {
+                    Some(libc::EEXIST) => Err(io::Error::new(
+                        io::ErrorKind::AddrInUse,
+                        "address in use (another server listens there)",
+                    )),
+                    _ => Ok(Listener::Unix(UnixListener::bind(path)?, path.to_path_buf(), true)),
+                }
+            }
+        }
     }
 
     /// The socket systemd passed (socket activation), if any.
