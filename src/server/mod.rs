@@ -122,20 +122,29 @@ impl Listener {
     /// at its own name, it would exist between `bind` and `listen`, and a client that waits
     /// for the file (scripts, the tests) could connect in between and be refused.
     pub fn unix(path: &std::path::Path) -> io::Result<Listener> {
-        if path.exists() && std::os::unix::net::UnixStream::connect(path).is_err() {
+        // Stale: a socket file nobody listens on (refused). Any other failure to connect
+        // (permissions, a full backlog) may be a live server's: left alone.
+        if let Err(e) = std::os::unix::net::UnixStream::connect(path) {
             use std::os::unix::fs::FileTypeExt;
-            if std::fs::symlink_metadata(path)?.file_type().is_socket() {
+            let socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
+            if socket && e.kind() == io::ErrorKind::ConnectionRefused {
                 std::fs::remove_file(path)?;
             }
         }
+        // The temporary name is never removed first: if it is taken (a file of that name, the
+        // same PID in another PID namespace), the socket is bound at its own name, as it
+        // also is when the temporary name is too long for a socket address or the
+        // filesystem has no RENAME_NOREPLACE.
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(format!(".{}", std::process::id()));
         let tmp = PathBuf::from(tmp);
-        let _ = std::fs::remove_file(&tmp);
-        // A temporary name too long for a socket address, or a filesystem without
-        // RENAME_NOREPLACE: bound at its own name, as before.
-        let Ok(l) = UnixListener::bind(&tmp) else {
-            return Ok(Listener::Unix(UnixListener::bind(path)?, path.to_path_buf(), true));
+        let direct = |why: &dyn std::fmt::Display| {
+            tracing::debug!("{}: bound in place ({why})", path.display());
+            Ok(Listener::Unix(UnixListener::bind(path)?, path.to_path_buf(), true))
+        };
+        let l = match UnixListener::bind(&tmp) {
+            Ok(l) => l,
+            Err(e) => return direct(&e),
         };
         match crate::io::sys::rename_noreplace(&tmp, path) {
             Ok(()) => Ok(Listener::Unix(l, path.to_path_buf(), true)),
@@ -145,9 +154,9 @@ impl Listener {
                 match e.raw_os_error() {
                     Some(libc::EEXIST) => Err(io::Error::new(
                         io::ErrorKind::AddrInUse,
-                        "address in use (another server listens there)",
+                        "address in use (a server listens there, or the file is not a socket)",
                     )),
-                    _ => Ok(Listener::Unix(UnixListener::bind(path)?, path.to_path_buf(), true)),
+                    _ => direct(&e),
                 }
             }
         }

@@ -325,23 +325,21 @@ impl Coalesce {
         let now = Instant::now();
         let mut at = offset;
         let mut added = 0;
-        let mut entered = None;
         while at < offset + len {
             let b = sh.block_of(at);
             let n = ((b + 1) * bs).min(offset + len) - at;
             let piece = &buf[(at - offset) as usize..(at - offset + n) as usize];
             let map = locks.get(Shared::stripe_of(b));
-            if entered.is_none() && b > 0 && !map.contains_key(&b) {
-                entered = Some(b);
-            }
+            let entered = !map.contains_key(&b);
             added += map.entry(b).or_insert_with(|| Block::new(now)).write((at - b * bs) as u32, piece);
+            if entered && b > 0 {
+                // Also when b - 1 is this write's own previous block, filled to its end.
+                sh.passed(locks, b - 1);
+            }
             at += n;
         }
         sh.held.fetch_add(added, SeqCst);
         sh.counters.absorbed.fetch_add(1, SeqCst);
-        if let Some(b) = entered {
-            sh.passed(locks, b - 1);
-        }
     }
 
     /// A write held without waiting: `None` (nothing recorded) if it would go straight down,

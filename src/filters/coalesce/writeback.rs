@@ -290,6 +290,11 @@ impl Shared {
     /// stripe is looked at without waiting (the caller holds other stripes: waiting here
     /// could deadlock) and is skipped if busy.
     pub(super) fn passed<G: std::ops::Deref<Target = HashMap<u64, Block>>>(&self, locks: &Locked<G>, p: u64) {
+        // With a write-back error latched, blocks wait for the FLUSH that reports it rather
+        // than fail again one by one in the background.
+        if self.counters.errors.load(SeqCst) > 0 {
+            return;
+        }
         let tail = (self.cfg.block - u64::from(self.cfg.unit)) as u32;
         let reaches_tail = |m: &HashMap<u64, Block>| m.get(&p).and_then(Block::end).is_some_and(|e| e > tail);
         let s = Self::stripe_of(p);
@@ -307,6 +312,11 @@ impl Shared {
                 return;
             }
             q.push(p);
+            // The background thread takes the whole queue at once: only the first block
+            // queued since it last looked needs to wake it.
+            if q.len() > 1 {
+                return;
+            }
         }
         let _g = self.signal.lock().unwrap();
         self.work.notify_one();
