@@ -92,8 +92,8 @@ URI="nbd+unix:///?socket=$SOCK"
 rm -f -- "$DIR"/logs/*
 echo "round,workload,config,iops,client_writes,flushes,backend_writes,lightfoot_backend_writes,steal_pct,error" >"$CSV"
 
-# cpu_ticks: the machine's CPU time so far and the part of it the host stole, in ticks.
-cpu_ticks() { awk '/^cpu /{t = 0; for (i = 2; i <= 9; i++) t += $i; print t, $9; exit}' /proc/stat; }
+# shellcheck source=steal.sh
+. "$HERE/steal.sh"
 
 config_name() {
 	case $1 in
@@ -211,11 +211,11 @@ run_one() {
 		return
 	fi
 	client_cmd "$w" "$base.fio"
-	local err="" c0 c1
-	read -r -a c0 < <(cpu_ticks)
+	local err="" mark
+	mark=$(steal_mark)
 	timeout $((RUNTIME * 3 + 300)) "${CMD[@]}" >"$base.client" 2>&1 || err="client failed"
-	read -r -a c1 < <(cpu_ticks)
-	local steal=$(((c1[1] - c0[1]) * 100 / (c1[0] - c0[0] > 0 ? c1[0] - c0[0] : 1)))
+	local steal
+	steal=$(steal_pct "$mark")
 	# The client's last flush (end_fsync) wrote everything back: the count at exit covers the
 	# run only.
 	stop_server

@@ -134,8 +134,8 @@ cached() { "$LIGHTFOOT" cache stat --json "$1" | python3 -c 'import json,sys; pr
 URI="nbd+unix:///?socket=$SOCK"
 echo "round,transfer,tool,seconds,rss_kib,src_cached,dst_cached,verified,steal_pct" >"$CSV"
 
-# cpu_ticks: the machine's CPU time so far and the part of it the host stole, in ticks.
-cpu_ticks() { awk '/^cpu /{t = 0; for (i = 2; i <= 9; i++) t += $i; print t, $9; exit}' /proc/stat; }
+# shellcheck source=steal.sh
+. "$HERE/steal.sh"
 
 run() { # ROUND TRANSFER TOOL
 	local round=$1 transfer=$2 tool=$3 data=${2#*-} src dst from to
@@ -157,13 +157,13 @@ run() { # ROUND TRANSFER TOOL
 	nbdcopy) cmd=(nbdcopy --flush "$from" "$to") ;;
 	esac
 	echo "--- $round $transfer $tool: ${cmd[*]}" >>"$LOG"
-	local t0 t1 c0 c1
-	read -r -a c0 < <(cpu_ticks)
+	local t0 t1 mark
+	mark=$(steal_mark)
 	t0=$EPOCHREALTIME
 	/usr/bin/time -f "%M" -o "$DIR/time.out" "${cmd[@]}" >>"$LOG" 2>&1 || die "$tool failed on $transfer (see $LOG)"
 	t1=$EPOCHREALTIME
-	read -r -a c1 < <(cpu_ticks)
-	local steal=$(((c1[1] - c0[1]) * 100 / (c1[0] - c0[0] > 0 ? c1[0] - c0[0] : 1)))
+	local steal
+	steal=$(steal_pct "$mark")
 	stop_server
 	local sc dc
 	sc=$(cached "$src")
