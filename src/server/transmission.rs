@@ -64,9 +64,9 @@ struct Budget {
 struct BudgetState {
     used: u64,
     /// The reader is waiting in `take` (only the reader takes: one waiter at most): only
-    /// then does `give` wake it. A notification costs a
-    /// futex system call whether anyone waits or not (std's condition variable does not
-    /// count waiters), one per request otherwise.
+    /// then does `give` wake it. A notification costs a futex system call whether anyone
+    /// waits or not (std's condition variable does not count waiters), one per request
+    /// otherwise.
     waiting: bool,
 }
 
