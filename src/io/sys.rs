@@ -446,6 +446,58 @@ pub fn rename_noreplace(from: &std::path::Path, to: &std::path::Path) -> io::Res
     }
 }
 
+/// Tries to connect to the Unix socket at `path` without blocking: `Ok` when a server
+/// accepted (or will: the connection is dropped at once), `ECONNREFUSED` when nobody listens
+/// on the file, `EAGAIN` when a server listens with a full backlog (a blocking connect would
+/// wait for it, for ever without a timeout).
+pub fn unix_connect_nonblocking(path: &std::path::Path) -> io::Result<()> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: sockaddr_un is plain data; all zeroes is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: plain system call; the fd is owned (and closed) below.
+    let fd = unsafe {
+        libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0)
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+    // SAFETY: `addr` is a valid sockaddr_un of `len` bytes for the duration of the call.
+    let r = unsafe { libc::connect(fd.as_raw_fd(), (&raw const addr).cast(), len) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// An exclusive `flock` on a directory, held until dropped: serialises lightfoot processes
+/// that change the same directory entries (replacing a stale socket file).
+pub fn lock_dir(dir: &std::path::Path) -> io::Result<std::fs::File> {
+    let f = std::fs::File::open(dir)?;
+    loop {
+        // SAFETY: plain system call on an fd we own.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(f);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// The first socket passed by systemd socket activation (`LISTEN_PID` is this process and
 /// `LISTEN_FDS` ≥ 1: fd 3), with its address family (`AF_UNIX` or `AF_INET`/`AF_INET6`).
 pub fn socket_activation() -> Option<(std::os::fd::OwnedFd, i32)> {

@@ -122,40 +122,30 @@ impl Listener {
     /// at its own name, it would exist between `bind` and `listen`, and a client that waits
     /// for the file (scripts, the tests) could connect in between and be refused.
     pub fn unix(path: &std::path::Path) -> io::Result<Listener> {
-        // Stale: a socket file nobody listens on (refused). Any other failure to connect
-        // (permissions, a full backlog) may be a live server's: left alone.
-        if let Err(e) = std::os::unix::net::UnixStream::connect(path) {
-            use std::os::unix::fs::FileTypeExt;
-            let socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
-            if socket && e.kind() == io::ErrorKind::ConnectionRefused {
-                std::fs::remove_file(path)?;
-            }
-        }
         // The temporary name is never removed first: if it is taken (a file of that name, the
         // same PID in another PID namespace), the socket is bound at its own name, as it
         // also is when the temporary name is too long for a socket address or the
         // filesystem has no RENAME_NOREPLACE.
+        static SEQ: AtomicUsize = AtomicUsize::new(0);
         let mut tmp = path.as_os_str().to_owned();
-        tmp.push(format!(".{}", std::process::id()));
+        tmp.push(format!(".{}.{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
         let tmp = PathBuf::from(tmp);
         let direct = |why: &dyn std::fmt::Display| {
             tracing::debug!("{}: bound in place ({why})", path.display());
-            Ok(Listener::Unix(UnixListener::bind(path)?, path.to_path_buf(), true))
+            let l = replacing_stale(path, libc::EADDRINUSE, || UnixListener::bind(path))?;
+            Ok(Listener::Unix(l, path.to_path_buf(), true))
         };
         let l = match UnixListener::bind(&tmp) {
             Ok(l) => l,
             Err(e) => return direct(&e),
         };
-        match crate::io::sys::rename_noreplace(&tmp, path) {
+        match replacing_stale(path, libc::EEXIST, || crate::io::sys::rename_noreplace(&tmp, path)) {
             Ok(()) => Ok(Listener::Unix(l, path.to_path_buf(), true)),
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
                 drop(l);
-                match e.raw_os_error() {
-                    Some(libc::EEXIST) => Err(io::Error::new(
-                        io::ErrorKind::AddrInUse,
-                        "address in use (a server listens there, or the file is not a socket)",
-                    )),
+                match e.kind() {
+                    io::ErrorKind::AddrInUse => Err(e),
                     _ => direct(&e),
                 }
             }
@@ -194,6 +184,45 @@ impl Listener {
             Listener::Unix(_, p, _) => format!("nbd{s}+unix:///{}?socket={}", export, p.display()),
         }
     }
+}
+
+/// Puts a socket at `path` with `put` (which fails with `taken` while something is there);
+/// if a stale socket file is in the way, removes it and tries once more. Anything else there
+/// is "address in use". A socket file is stale when connecting to it is refused: any other
+/// failure (permissions, a full backlog) may be a live server's.
+///
+/// The stale check and the removal are made under a lock on the directory: two servers
+/// starting together over one stale file would otherwise both find it stale, and the later
+/// removal could take the first server's new, live socket. `put` itself never replaces
+/// anything, so only the removal needs the lock.
+fn replacing_stale<T>(path: &std::path::Path, taken: i32, put: impl Fn() -> io::Result<T>) -> io::Result<T> {
+    let in_use = || {
+        io::Error::new(
+            io::ErrorKind::AddrInUse,
+            "address in use (a server listens there, or the file is not a socket)",
+        )
+    };
+    match put() {
+        Err(e) if e.raw_os_error() == Some(taken) => {}
+        r => return r,
+    }
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let _lock = crate::io::sys::lock_dir(dir)
+        .map_err(|e| tracing::debug!("{}: replacing a stale socket without a lock: {e}", dir.display()))
+        .ok();
+    use std::os::unix::fs::FileTypeExt;
+    let socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
+    let refused = crate::io::sys::unix_connect_nonblocking(path)
+        .is_err_and(|e| e.raw_os_error() == Some(libc::ECONNREFUSED));
+    if !(socket && refused) {
+        return Err(in_use());
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => tracing::debug!("{}: replaced a stale socket file", path.display()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    put().map_err(|e| if e.raw_os_error() == Some(taken) { in_use() } else { e })
 }
 
 impl Drop for Listener {
@@ -397,5 +426,49 @@ impl Server {
         }
         let (r, w) = s.split()?;
         transmission::run(self, backend, agreed, r, w)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Servers starting together over one stale socket file: exactly one gets the address and
+    /// is the one clients reach; the others are told it is in use. (Replacing the stale file
+    /// without a lock let a later server remove the first one's new, live socket.)
+    #[test]
+    fn one_of_several_servers_replaces_a_stale_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        for round in 0..100 {
+            drop(UnixListener::bind(&path).unwrap()); // leaves the file: stale
+            let start = Arc::new(std::sync::Barrier::new(6));
+            let tries: Vec<_> = (0..6)
+                .map(|_| {
+                    let (path, start) = (path.clone(), start.clone());
+                    std::thread::spawn(move || {
+                        start.wait();
+                        Listener::unix(&path)
+                    })
+                })
+                .collect();
+            let mut won = Vec::new();
+            for t in tries {
+                match t.join().unwrap() {
+                    Ok(l) => won.push(l),
+                    Err(e) => assert_eq!(e.kind(), io::ErrorKind::AddrInUse, "round {round}: {e}"),
+                }
+            }
+            assert_eq!(won.len(), 1, "round {round}: {} servers think they listen", won.len());
+            let Listener::Unix(l, ..) = &won[0] else { unreachable!() };
+            let _c = std::os::unix::net::UnixStream::connect(&path).expect("the winner is reachable");
+            l.set_nonblocking(true).unwrap();
+            l.accept().expect("the winner's own socket took the connection");
+            drop(won);
+            assert!(!path.exists(), "round {round}: the winner removes its socket");
+            let left: Vec<_> =
+                std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+            assert!(left.is_empty(), "round {round}: left behind: {left:?}");
+        }
     }
 }
