@@ -71,6 +71,9 @@ impl FileBackend {
             .file()
             .set_len(len)
             .map_err(|e| Error::io("truncate", e).path(self.file.path()).at(0, len))?;
+        if len > self.size.load(Ordering::Relaxed) {
+            self.file.made_holes();
+        }
         self.size.store(len, Ordering::Relaxed);
         self.file.known_data().forget(len, u64::MAX);
         Ok(())
@@ -81,6 +84,8 @@ impl FileBackend {
         if len == 0 {
             return Ok(());
         }
+        // Unwritten extents, which need no read before a write either: like holes.
+        self.file.made_holes();
         sys::fallocate(self.file.fd(), 0, 0, len)
             .map_err(|e| Error::io("preallocate", e).path(self.file.path()).at(0, len))?;
         self.size.fetch_max(len, Ordering::Relaxed);

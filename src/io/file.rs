@@ -163,6 +163,10 @@ pub struct PolicyFile {
     guard_reads: bool,
     /// cachestat answers for this file: pre-cached blocks can be told apart and kept.
     residency: bool,
+    /// Small writes into part of an uncached page may go direct ([`Self::direct_pays`]): an
+    /// O_DIRECT fd, cachestat, neutral mode and 4 KiB pages; off for good if O_DIRECT
+    /// refuses one (EINVAL).
+    direct_small: AtomicBool,
     write_behind: WriteBehind,
     shared: Arc<Shared>,
     notes: Mutex<Vec<String>>,
@@ -297,6 +301,7 @@ impl PolicyFile {
         // the current one); twice that leaves a margin for the other workers' requests.
         let lookahead = (4 * read_ahead_bytes(meta_dev)).clamp(evict::BLOCK, 64 << 20);
 
+        let has_direct = direct.is_some();
         Ok(PolicyFile {
             path: path.to_path_buf(),
             direct,
@@ -309,6 +314,13 @@ impl PolicyFile {
             evict: EvictBehind::new(mode == CacheMode::Drop, EVICT_BEHIND_MAX, lookahead),
             guard_reads,
             residency: cachestat && !tuning.no_cachestat,
+            direct_small: AtomicBool::new(
+                has_direct
+                    && cachestat
+                    && !tuning.no_cachestat
+                    && mode == CacheMode::Neutral
+                    && sys::page_size() as u64 == PAGE,
+            ),
             write_behind: WriteBehind::new(write == WriteMech::DontCache),
             shared,
             notes: Mutex::new(notes),
@@ -464,7 +476,7 @@ impl PolicyFile {
         }
         let pages = partial_pages(offset, len);
         // Nor for a small write that will go direct: the read is what it saves.
-        if self.direct_pays(self.buffered_partial_pages(self.write_mech(), offset, len), offset, len) {
+        if self.direct_pays(self.small_partial_pages(self.write_mech(), offset, len), offset, len) {
             return;
         }
         // Before the pages are read: blocks holding none now are the job's, and write-behind
@@ -476,12 +488,11 @@ impl PolicyFile {
         }
     }
 
-    /// The pages a neutral-mode write through the cache with `mech` covers in part (see
-    /// [`Self::direct_pays`]); none for other modes and mechanisms.
-    fn buffered_partial_pages(&self, mech: WriteMech, offset: u64, len: u64) -> [Option<u64>; 2] {
-        let buffered =
-            mech == WriteMech::WriteBehind || (mech == WriteMech::DontCache && len < SMALL_WRITE as u64);
-        if buffered && self.mode == CacheMode::Neutral {
+    /// The pages a neutral-mode write below [`SMALL_WRITE`] through the cache with `mech`
+    /// covers in part: the candidates for [`Self::direct_pays`]; none otherwise.
+    fn small_partial_pages(&self, mech: WriteMech, offset: u64, len: u64) -> [Option<u64>; 2] {
+        let buffered = matches!(mech, WriteMech::WriteBehind | WriteMech::DontCache);
+        if buffered && self.mode == CacheMode::Neutral && len < SMALL_WRITE as u64 {
             partial_pages(offset, len)
         } else {
             [None; 2]
@@ -517,11 +528,25 @@ impl PolicyFile {
             // evicted by write-behind (see [`SMALL_WRITE`]).
             let small = mech == WriteMech::DontCache && buf.len() < SMALL_WRITE;
             let buffered = mech == WriteMech::WriteBehind || small;
-            let pages = self.buffered_partial_pages(mech, offset, len);
+            // Every write through the cache that covers part of a page holds the page's lock
+            // in neutral mode, where small writes may go direct (see [`Shared::page_locks`]).
+            let pages = if self.mode == CacheMode::Neutral && mech != WriteMech::Direct {
+                partial_pages(offset, len)
+            } else {
+                [None; 2]
+            };
             let _locks = self.lock_pages(pages);
-            if self.direct_pays(pages, offset, len) {
-                self.write_direct_aligned(buf, offset, dsync).map_err(err)?;
-                return Ok(());
+            if self.direct_pays(self.small_partial_pages(mech, offset, len), offset, len) {
+                match self.write_direct_aligned(buf, offset, dsync) {
+                    Ok(()) => return Ok(()),
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                        self.direct_small.store(false, Ordering::Relaxed);
+                        self.note(format!(
+                            "O_DIRECT refused a small write ({e}): small writes stay buffered"
+                        ));
+                    }
+                    Err(e) => return Err(err(e)),
+                }
             }
             let res = match mech {
                 WriteMech::Buffered => write_full(self.fd(), buf, offset, dsync),
@@ -572,23 +597,24 @@ impl PolicyFile {
         idx.into_iter().map(|i| self.shared.page_locks[i].lock().unwrap()).collect()
     }
 
-    /// Whether a neutral-mode small write of part of a page goes straight to the disk
-    /// (O_DIRECT) instead of through the cache. Through the cache, the kernel first reads a page
-    /// that is not cached, synchronously and under the inode's lock: for 1 KiB writes over a
-    /// written, uncached file that made the plain server 2-3x slower than qemu-nbd
-    /// `--cache=none` (docs/benchmarks.md). Direct when the write is aligned for O_DIRECT and
+    /// Whether a neutral-mode small write of part of a page (`pages`, from
+    /// [`Self::small_partial_pages`]) goes straight to the disk (O_DIRECT) instead of through
+    /// the cache. Through the cache, the kernel first reads a page that is not cached,
+    /// synchronously and under the inode's lock: for 1 KiB writes over a written, uncached
+    /// file that made the plain server 2-3x slower than qemu-nbd `--cache=none`
+    /// (docs/benchmarks.md). Direct when the write is aligned for O_DIRECT and
     /// - the file has no holes ([`Shared::holes`]): a page in a hole needs no read, while a
     ///   direct write of part of an unallocated block makes ext4 zero the rest and wait;
-    /// - and no page it covers in part is cached (a cached page needs no read, and must stay
-    ///   cached): one cachestat a page.
+    /// - and no page of the write is cached, whole or in part (one cachestat): a cached page
+    ///   needs no read, and must stay cached, while a direct write drops every cached page of
+    ///   its range.
     ///
     /// Holes are judged for the whole file, not page by page: SEEK_DATA, SEEK_HOLE and FIEMAP,
     /// asked for each write, took a strided write over a sparse file from 33k to 23-26k IOPS
     /// (4 writers; ext4 answers them under locks the writers and writeback take).
     fn direct_pays(&self, pages: [Option<u64>; 2], offset: u64, len: u64) -> bool {
         if pages == [None; 2]
-            || self.direct.is_none()
-            || !self.residency
+            || !self.direct_small.load(Ordering::Relaxed)
             || self.shared.holes.load(Ordering::Relaxed)
         {
             return false;
@@ -596,10 +622,12 @@ impl PolicyFile {
         if !offset.is_multiple_of(self.align) || !len.is_multiple_of(self.align) {
             return false;
         }
-        pages.iter().flatten().all(|&p| matches!(sys::cachestat(self.fd(), p, PAGE), Ok(c) if c.cached == 0))
+        let (start, end) = (offset / PAGE * PAGE, (offset + len).div_ceil(PAGE) * PAGE);
+        matches!(sys::cachestat(self.fd(), start, end - start), Ok(c) if c.cached == 0)
     }
 
-    /// Says that a zero or trim may have made holes: small writes stay buffered from now on.
+    /// Says that the file may have holes from now on (a zero or trim, a file extended or
+    /// preallocated): small writes stay buffered.
     pub fn made_holes(&self) {
         self.shared.holes.store(true, Ordering::Relaxed);
     }

@@ -132,21 +132,26 @@ impl Listener {
         let tmp = PathBuf::from(tmp);
         let direct = |why: &dyn std::fmt::Display| {
             tracing::debug!("{}: bound in place ({why})", path.display());
-            let l = replacing_stale(path, libc::EADDRINUSE, || UnixListener::bind(path))?;
+            // Bound in place, the file exists before the socket listens: another server
+            // looking at it then would find it refusing, stale. The lock is held from before
+            // the bind until it listens.
+            let lock = lock_dir_of(path);
+            let l = replacing_stale(path, libc::EADDRINUSE, Some(lock), || UnixListener::bind(path))?;
             Ok(Listener::Unix(l, path.to_path_buf(), true))
         };
         let l = match UnixListener::bind(&tmp) {
             Ok(l) => l,
             Err(e) => return direct(&e),
         };
-        match replacing_stale(path, libc::EEXIST, || crate::io::sys::rename_noreplace(&tmp, path)) {
+        match replacing_stale(path, libc::EEXIST, None, || crate::io::sys::rename_noreplace(&tmp, path)) {
             Ok(()) => Ok(Listener::Unix(l, path.to_path_buf(), true)),
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
                 drop(l);
-                match e.kind() {
-                    io::ErrorKind::AddrInUse => Err(e),
-                    _ => direct(&e),
+                // No RENAME_NOREPLACE here: bound in place. Anything else is the answer.
+                match e.raw_os_error() {
+                    Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP) => direct(&e),
+                    _ => Err(e),
                 }
             }
         }
@@ -191,11 +196,17 @@ impl Listener {
 /// is "address in use". A socket file is stale when connecting to it is refused: any other
 /// failure (permissions, a full backlog) may be a live server's.
 ///
-/// The stale check and the removal are made under a lock on the directory: two servers
-/// starting together over one stale file would otherwise both find it stale, and the later
-/// removal could take the first server's new, live socket. `put` itself never replaces
-/// anything, so only the removal needs the lock.
-fn replacing_stale<T>(path: &std::path::Path, taken: i32, put: impl Fn() -> io::Result<T>) -> io::Result<T> {
+/// The stale check and the removal are made under a lock on the directory (`held`, if the
+/// caller took it already): two servers starting together over one stale file would
+/// otherwise both find it stale, and the later removal could take the first server's new,
+/// live socket. A `put` that never shows a socket before it listens (a rename into place)
+/// needs no lock itself.
+fn replacing_stale<T>(
+    path: &std::path::Path,
+    taken: i32,
+    held: Option<Option<std::fs::File>>,
+    put: impl Fn() -> io::Result<T>,
+) -> io::Result<T> {
     let in_use = || {
         io::Error::new(
             io::ErrorKind::AddrInUse,
@@ -206,10 +217,7 @@ fn replacing_stale<T>(path: &std::path::Path, taken: i32, put: impl Fn() -> io::
         Err(e) if e.raw_os_error() == Some(taken) => {}
         r => return r,
     }
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    let _lock = crate::io::sys::lock_dir(dir)
-        .map_err(|e| tracing::debug!("{}: replacing a stale socket without a lock: {e}", dir.display()))
-        .ok();
+    let _lock = held.unwrap_or_else(|| lock_dir_of(path));
     use std::os::unix::fs::FileTypeExt;
     let socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
     let refused = crate::io::sys::unix_connect_nonblocking(path)
@@ -220,9 +228,18 @@ fn replacing_stale<T>(path: &std::path::Path, taken: i32, put: impl Fn() -> io::
     match std::fs::remove_file(path) {
         Ok(()) => tracing::debug!("{}: replaced a stale socket file", path.display()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
+        Err(e) => return Err(io::Error::new(e.kind(), format!("cannot remove the stale socket file: {e}"))),
     }
     put().map_err(|e| if e.raw_os_error() == Some(taken) { in_use() } else { e })
+}
+
+/// The lock [`replacing_stale`] holds: on the socket's directory, `None` (logged) where it
+/// cannot be taken (an unreadable directory, a filesystem without flock).
+fn lock_dir_of(path: &std::path::Path) -> Option<std::fs::File> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    crate::io::sys::lock_dir(dir)
+        .map_err(|e| tracing::warn!("{}: no lock for replacing a stale socket: {e}", dir.display()))
+        .ok()
 }
 
 impl Drop for Listener {
@@ -439,7 +456,17 @@ mod tests {
     #[test]
     fn one_of_several_servers_replaces_a_stale_socket() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("s.sock");
+        several_servers_over_a_stale_socket(&dir, &dir.path().join("s.sock"));
+        // A path so long that the temporary name does not fit a socket address: bound in
+        // place, under the lock from before the bind until it listens.
+        let name = "s".repeat(100 - dir.path().as_os_str().len() - 1);
+        let long = dir.path().join(name);
+        assert_eq!(long.as_os_str().len(), 100);
+        several_servers_over_a_stale_socket(&dir, &long);
+    }
+
+    fn several_servers_over_a_stale_socket(dir: &tempfile::TempDir, path: &std::path::Path) {
+        let path = path.to_path_buf();
         for round in 0..100 {
             drop(UnixListener::bind(&path).unwrap()); // leaves the file: stale
             let start = Arc::new(std::sync::Barrier::new(6));
