@@ -483,17 +483,27 @@ pub fn unix_connect_nonblocking(path: &std::path::Path) -> io::Result<()> {
 }
 
 /// An exclusive `flock` on a directory, held until dropped: serialises lightfoot processes
-/// that change the same directory entries (replacing a stale socket file).
-pub fn lock_dir(dir: &std::path::Path) -> io::Result<std::fs::File> {
+/// that change the same directory entries (replacing a stale socket file). Gives up with
+/// `TimedOut` after `wait`: lightfoot holds it for microseconds, so a lock held longer is
+/// someone else's, and waiting for it for ever would hang the start.
+pub fn lock_dir(dir: &std::path::Path, wait: std::time::Duration) -> io::Result<std::fs::File> {
     let f = std::fs::File::open(dir)?;
+    let deadline = std::time::Instant::now() + wait;
     loop {
         // SAFETY: plain system call on an fd we own.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
             return Ok(f);
         }
         let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match e.raw_os_error() {
+            Some(libc::EINTR) => {}
+            Some(libc::EWOULDBLOCK) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Some(libc::EWOULDBLOCK) => {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "held by another process"))
+            }
+            _ => return Err(e),
         }
     }
 }

@@ -109,8 +109,9 @@ impl Export {
 /// Where to listen.
 pub enum Listener {
     Tcp(TcpListener),
-    /// A Unix socket; `remove` when lightfoot created the socket file (not when systemd did).
-    Unix(UnixListener, PathBuf, bool),
+    /// A Unix socket, with the device and inode of the socket file when lightfoot created it
+    /// (not when systemd did): removed at exit if it is still that file.
+    Unix(UnixListener, PathBuf, Option<(u64, u64)>),
 }
 
 impl Listener {
@@ -137,14 +138,16 @@ impl Listener {
             // the bind until it listens.
             let lock = lock_dir_of(path);
             let l = replacing_stale(path, libc::EADDRINUSE, Some(lock), || UnixListener::bind(path))?;
-            Ok(Listener::Unix(l, path.to_path_buf(), true))
+            Ok(Listener::Unix(l, path.to_path_buf(), file_id(path)))
         };
         let l = match UnixListener::bind(&tmp) {
             Ok(l) => l,
             Err(e) => return direct(&e),
         };
+        // The inode moves with the rename: taken here, it is surely this socket's.
+        let id = file_id(&tmp);
         match replacing_stale(path, libc::EEXIST, None, || crate::io::sys::rename_noreplace(&tmp, path)) {
-            Ok(()) => Ok(Listener::Unix(l, path.to_path_buf(), true)),
+            Ok(()) => Ok(Listener::Unix(l, path.to_path_buf(), id)),
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
                 drop(l);
@@ -167,7 +170,7 @@ impl Listener {
                 .ok()
                 .and_then(|a| a.as_pathname().map(|p| p.to_path_buf()))
                 .unwrap_or_default();
-            Some(Listener::Unix(l, path, false))
+            Some(Listener::Unix(l, path, None))
         } else {
             Some(Listener::Tcp(TcpListener::from(fd)))
         }
@@ -233,19 +236,29 @@ fn replacing_stale<T>(
     put().map_err(|e| if e.raw_os_error() == Some(taken) { in_use() } else { e })
 }
 
+/// The device and inode of the file at `path` (not following a symlink).
+fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
 /// The lock [`replacing_stale`] holds: on the socket's directory, `None` (logged) where it
 /// cannot be taken (an unreadable directory, a filesystem without flock).
 fn lock_dir_of(path: &std::path::Path) -> Option<std::fs::File> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    crate::io::sys::lock_dir(dir)
+    crate::io::sys::lock_dir(dir, std::time::Duration::from_secs(5))
         .map_err(|e| tracing::warn!("{}: no lock for replacing a stale socket: {e}", dir.display()))
         .ok()
 }
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Listener::Unix(_, p, true) = self {
-            let _ = std::fs::remove_file(p);
+        // Only the file this listener created: if it was removed meanwhile and another server
+        // put its socket there, that one stays.
+        if let Listener::Unix(_, p, Some(id)) = self {
+            if file_id(p) == Some(*id) {
+                let _ = std::fs::remove_file(p);
+            }
         }
     }
 }
@@ -463,6 +476,34 @@ mod tests {
         let long = dir.path().join(name);
         assert_eq!(long.as_os_str().len(), 100);
         several_servers_over_a_stale_socket(&dir, &long);
+    }
+
+    /// A server removes its socket file at exit only if it is still its own.
+    #[test]
+    fn a_server_leaves_another_servers_socket_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let first = Listener::unix(&path).unwrap();
+        std::fs::remove_file(&path).unwrap(); // by hand, while it runs
+        let second = Listener::unix(&path).unwrap();
+        drop(first);
+        std::os::unix::net::UnixStream::connect(&path).expect("the second server's socket is still there");
+        drop(second);
+        assert!(!path.exists(), "the second server removes its own socket");
+    }
+
+    /// The directory lock gives up after its wait (a lock held for long is not lightfoot's),
+    /// and is free again once dropped.
+    #[test]
+    fn the_directory_lock_waits_a_bounded_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = crate::io::sys::lock_dir(dir.path(), Duration::from_secs(1)).unwrap();
+        let t = Instant::now();
+        let e = crate::io::sys::lock_dir(dir.path(), Duration::from_millis(50)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(t.elapsed() < Duration::from_secs(1), "waited {:?}", t.elapsed());
+        drop(held);
+        crate::io::sys::lock_dir(dir.path(), Duration::ZERO).expect("free once dropped");
     }
 
     fn several_servers_over_a_stale_socket(dir: &tempfile::TempDir, path: &std::path::Path) {
