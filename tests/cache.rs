@@ -183,8 +183,6 @@ fn neutral_written_file(
     use lightfoot::io::{CacheMode, OpenOptions, Tuning};
     let f = dir.join("f");
     random_file(&f, 8 * MIB);
-    evict(&f);
-    warm(&f, 4 * MIB, MIB);
     let model = std::fs::read(&f).unwrap();
     evict(&f);
     warm(&f, 4 * MIB, MIB);

@@ -63,6 +63,9 @@ pub const SMALL_WRITE: usize = 64 << 10;
 /// The page size the page-granular decisions assume (the kernel's on x86-64 and most arm64).
 const PAGE: u64 = 4096;
 
+/// [`Shared::page_locks`]: 2^6 of them.
+const PAGE_LOCK_BITS: u32 = 6;
+
 /// The pages a write of `[offset, offset+len)` covers only in part: the first and the last,
 /// each where the write does not cover it whole (`None` otherwise, or when both are one page).
 fn partial_pages(offset: u64, len: u64) -> [Option<u64>; 2] {
@@ -84,7 +87,8 @@ pub struct Shared {
     latch: WriteLatch,
     rmw_locks: Vec<Mutex<()>>,
     /// Held over a neutral-mode write of part of a page, buffered or direct
-    /// ([`PolicyFile::write_at`]): a buffered write that read the page while a direct write
+    /// ([`PolicyFile::write_at`]; 2^[`PAGE_LOCK_BITS`] locks, one chosen by [`super::spread`]
+    /// of the page number): a buffered write that read the page while a direct write
     /// to another part of it was in flight would cache (and later write back) the bytes the
     /// direct write replaced.
     page_locks: Vec<Mutex<()>>,
@@ -99,7 +103,7 @@ impl Default for Shared {
         Shared {
             latch: WriteLatch::default(),
             rmw_locks: (0..64).map(|_| Mutex::new(())).collect(),
-            page_locks: (0..64).map(|_| Mutex::new(())).collect(),
+            page_locks: (0..1 << PAGE_LOCK_BITS).map(|_| Mutex::new(())).collect(),
             holes: AtomicBool::new(false),
             known_data: KnownData::default(),
         }
@@ -302,6 +306,7 @@ impl PolicyFile {
         let lookahead = (4 * read_ahead_bytes(meta_dev)).clamp(evict::BLOCK, 64 << 20);
 
         let has_direct = direct.is_some();
+        let residency = cachestat && !tuning.no_cachestat;
         Ok(PolicyFile {
             path: path.to_path_buf(),
             direct,
@@ -313,13 +318,9 @@ impl PolicyFile {
             fadvise,
             evict: EvictBehind::new(mode == CacheMode::Drop, EVICT_BEHIND_MAX, lookahead),
             guard_reads,
-            residency: cachestat && !tuning.no_cachestat,
+            residency,
             direct_small: AtomicBool::new(
-                has_direct
-                    && cachestat
-                    && !tuning.no_cachestat
-                    && mode == CacheMode::Neutral
-                    && sys::page_size() as u64 == PAGE,
+                has_direct && residency && mode == CacheMode::Neutral && sys::page_size() as u64 == PAGE,
             ),
             write_behind: WriteBehind::new(write == WriteMech::DontCache),
             shared,
@@ -537,7 +538,7 @@ impl PolicyFile {
             };
             let _locks = self.lock_pages(pages);
             if self.direct_pays(self.small_partial_pages(mech, offset, len), offset, len) {
-                match self.write_direct_aligned(buf, offset, dsync) {
+                match self.write_direct(buf, offset, dsync) {
                     Ok(()) => return Ok(()),
                     Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                         self.direct_small.store(false, Ordering::Relaxed);
@@ -583,15 +584,8 @@ impl PolicyFile {
 
     /// The locks of `pages` (see [`Shared::page_locks`]), taken in index order.
     fn lock_pages(&self, pages: [Option<u64>; 2]) -> Vec<std::sync::MutexGuard<'_, ()>> {
-        // A multiplicative hash: pages a power of two apart (writers 1 GiB apart) would all
-        // share one lock by `page % 64`.
-        let n = self.shared.page_locks.len() as u64;
-        let mut idx: Vec<usize> = pages
-            .iter()
-            .flatten()
-            .map(|p| ((p / PAGE).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % n)
-            .map(|i| i as usize)
-            .collect();
+        let mut idx: Vec<usize> =
+            pages.iter().flatten().map(|p| super::spread(p / PAGE, PAGE_LOCK_BITS)).collect();
         idx.sort_unstable();
         idx.dedup();
         idx.into_iter().map(|i| self.shared.page_locks[i].lock().unwrap()).collect()
@@ -632,18 +626,6 @@ impl PolicyFile {
         self.shared.holes.store(true, Ordering::Relaxed);
     }
 
-    /// An O_DIRECT write whose offset and length are aligned; the buffer is copied into an
-    /// aligned one if it is not.
-    fn write_direct_aligned(&self, buf: &[u8], offset: u64, dsync: i32) -> io::Result<()> {
-        let fd = self.direct_fd()?;
-        if (buf.as_ptr() as u64).is_multiple_of(self.align) {
-            return write_full(fd, buf, offset, dsync);
-        }
-        let mut bounce = AlignedBuf::new(buf.len());
-        bounce[..buf.len()].copy_from_slice(buf);
-        write_full(fd, &bounce[..buf.len()], offset, dsync)
-    }
-
     fn switch_to_write_behind(&self, why: &str) {
         self.write_mech.store(WriteMech::WriteBehind as u8, Ordering::Relaxed);
         self.write_behind.stop_verifying();
@@ -656,6 +638,13 @@ impl PolicyFile {
             return write_full(fd, buf, offset, dsync);
         }
         let a = self.align;
+        if offset.is_multiple_of(a) && (buf.len() as u64).is_multiple_of(a) {
+            // Only the buffer is unaligned: copied into an aligned one, nothing to read and
+            // nothing rounded past the request.
+            let mut bounce = AlignedBuf::new(buf.len());
+            bounce[..buf.len()].copy_from_slice(buf);
+            return write_full(fd, &bounce[..buf.len()], offset, dsync);
+        }
         let start = offset / a * a;
         let end = (offset + buf.len() as u64).div_ceil(a) * a;
         // An aligned write past the end of a regular file would grow it: write such a tail

@@ -20,6 +20,14 @@ pub mod policy;
 pub mod sys;
 pub mod writebehind;
 
+/// Spreads `x` over `2^bits` slots (Fibonacci hashing: the top `bits` bits of the product
+/// with 2^64/φ), for lock stripes. Not `x % slots`: clients working at the same pace in
+/// regions a power of two apart (fio's jobs, each in its own quarter of a disk) would meet on
+/// one slot at every step.
+pub(crate) fn spread(x: u64, bits: u32) -> usize {
+    (x.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - bits)) as usize
+}
+
 pub use file::{Mechanism, OpenOptions, PolicyFile, Shared, WriteLatch};
 pub use policy::{CacheMode, Fadvise, ReadMech, Tuning, WriteMech};
 pub use sys::{AlignedBuf, CacheStat};

@@ -123,12 +123,10 @@ impl Shared {
         out
     }
 
-    /// A block's stripe: its number hashed (Fibonacci hashing, the top 8 bits of the product
-    /// with 2^64/φ). Not `b % STRIPES`: clients that write at the same pace in regions a
-    /// multiple of 256 blocks apart (fio's jobs, each in its own quarter of the disk) would
-    /// then meet on one stripe block after block, and wait for each other's write-backs.
+    /// A block's stripe: its number hashed ([`crate::io::spread`]), so that clients writing
+    /// blocks a multiple of 256 apart do not wait for each other's write-backs.
     pub(super) fn stripe_of(b: u64) -> usize {
-        const _: () = assert!(STRIPES == 256, "the shift takes 8 bits");
-        (b.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize
+        const _: () = assert!(STRIPES == 256, "8 bits of hash");
+        crate::io::spread(b, 8)
     }
 }
