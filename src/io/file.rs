@@ -65,6 +65,8 @@ const PAGE: u64 = 4096;
 
 /// [`Shared::page_locks`]: 2^6 of them.
 const PAGE_LOCK_BITS: u32 = 6;
+/// [`Shared::rmw_locks`], held over the read-modify-write of an unaligned `O_DIRECT` write: 2^6.
+const RMW_LOCK_BITS: u32 = 6;
 
 /// The pages a write of `[offset, offset+len)` covers only in part: the first and the last,
 /// each where the write does not cover it whole (`None` otherwise, or when both are one page).
@@ -102,7 +104,7 @@ impl Default for Shared {
     fn default() -> Shared {
         Shared {
             latch: WriteLatch::default(),
-            rmw_locks: (0..64).map(|_| Mutex::new(())).collect(),
+            rmw_locks: (0..1 << RMW_LOCK_BITS).map(|_| Mutex::new(())).collect(),
             page_locks: (0..1 << PAGE_LOCK_BITS).map(|_| Mutex::new(())).collect(),
             holes: AtomicBool::new(false),
             known_data: KnownData::default(),
@@ -664,7 +666,8 @@ impl PolicyFile {
         // unaligned writes sharing a block do not undo each other.
         let head = offset / a;
         let tail = (end - 1) / a;
-        let (i, j) = ((head % 64) as usize, (tail % 64) as usize);
+        // Hashed like the page locks: `% 64` put writers a power of two apart on one lock.
+        let (i, j) = (super::spread(head, RMW_LOCK_BITS), super::spread(tail, RMW_LOCK_BITS));
         let _g1 = self.shared.rmw_locks[i.min(j)].lock().unwrap();
         let _g2 = if i != j { Some(self.shared.rmw_locks[i.max(j)].lock().unwrap()) } else { None };
         let mut bounce = AlignedBuf::new((end - start) as usize);
