@@ -24,7 +24,7 @@
 //! Any protocol violation or I/O error kills the connection: every waiting request fails with
 //! the reason, and later ones fail at once.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -78,6 +78,58 @@ struct Answer {
     error: Option<(u32, String)>,
     /// Bytes of a structured READ covered by data and hole chunks.
     covered: u64,
+    /// The parts of the request those chunks covered (start to end, relative to the request,
+    /// neighbours merged): the spec forbids overlaps, and a server that sent one chunk twice
+    /// would otherwise pass for one that covered the request.
+    content: BTreeMap<u64, u64>,
+    /// The status chunk for `base:allocation` came (a reply holds one per context).
+    status: bool,
+}
+
+/// Disjoint pieces a read's chunks may leave before the server counts as hostile (chunks in
+/// order, or in reverse, merge into one).
+const MAX_PIECES: usize = 1 << 16;
+
+/// The largest block status chunk taken: 2^20 extents, the most the spec lets a server send.
+const MAX_STATUS_CHUNK: u32 = 4 + 8 * (1 << 20);
+
+/// The longest error message the spec allows.
+const MAX_ERROR_MESSAGE: usize = 4096;
+
+impl Answer {
+    /// Checks a content chunk `[at, at+n)` of a read of `[offset, offset+len)`: non-empty,
+    /// inside the request, overlapping no earlier chunk. Returns where it starts in the
+    /// caller's buffer.
+    fn place(&mut self, offset: u64, len: u64, at: u64, n: u64, what: &str) -> Result<usize, String> {
+        let bad = |why: &str| Err(format!("protocol error: {what} chunk {why}"));
+        let start = match at.checked_sub(offset) {
+            Some(s) if s < len && n <= len - s => s,
+            _ => return bad("outside the request"),
+        };
+        if n == 0 {
+            return bad("of no length");
+        }
+        let mut end = start + n;
+        let mut from = start;
+        if let Some((&s, &e)) = self.content.range(..end).next_back() {
+            if e > start {
+                return bad("overlapping an earlier one");
+            }
+            if e == start {
+                self.content.remove(&s);
+                from = s;
+            }
+        }
+        if let Some(e) = self.content.remove(&end) {
+            end = e;
+        }
+        self.content.insert(from, end);
+        if self.content.len() > MAX_PIECES {
+            return bad("splitting the read into too many pieces");
+        }
+        self.covered += n;
+        Ok(start as usize)
+    }
 }
 
 /// Condition variables per connection; threads whose cookies share a slot see each other's
@@ -239,6 +291,9 @@ impl Connection {
                     Ok(true) => {
                         let mut st = self.state.lock().unwrap();
                         st.reading = false;
+                        // With the turn: a duplicate reply read by the next holder must find
+                        // this cookie gone (a protocol error), not be handed to nobody.
+                        st.outstanding.remove(&cookie);
                         // Someone else must read the socket now.
                         let next = st.waiting.iter().next().copied();
                         drop(st);
@@ -322,21 +377,22 @@ impl Connection {
             Header::Chunk(c) => c,
         };
         let bad = |what: &str| Err(format!("protocol error: {what}"));
+        let done = c.flags & REPLY_FLAG_DONE != 0;
         match c.ty {
-            REPLY_TYPE_NONE if c.len == 0 => {}
+            REPLY_TYPE_NONE => {
+                if c.len != 0 || !done {
+                    return bad("a none chunk with a payload or not the last");
+                }
+            }
             REPLY_TYPE_OFFSET_DATA => {
                 let Target::Read(buf) = target else { return bad("data chunk for a request without data") };
-                if c.len < 8 {
+                if c.len < 9 {
                     return bad("data chunk too short");
                 }
                 let at = read_u64(r).map_err(io)?;
                 let n = u64::from(c.len - 8);
-                if at < offset || at + n > offset + len {
-                    return bad("data chunk outside the request");
-                }
-                let start = (at - offset) as usize;
+                let start = answer.place(offset, len, at, n, "data")?;
                 r.read_exact(&mut buf[start..start + n as usize]).map_err(io)?;
-                answer.covered += n;
             }
             REPLY_TYPE_OFFSET_HOLE => {
                 let Target::Read(buf) = target else { return bad("hole chunk for a request without data") };
@@ -345,23 +401,29 @@ impl Connection {
                 }
                 let at = read_u64(r).map_err(io)?;
                 let n = u64::from(read_u32(r).map_err(io)?);
-                if at < offset || at + n > offset + len {
-                    return bad("hole chunk outside the request");
-                }
-                let start = (at - offset) as usize;
+                let start = answer.place(offset, len, at, n, "hole")?;
                 buf[start..start + n as usize].fill(0);
-                answer.covered += n;
             }
             REPLY_TYPE_BLOCK_STATUS => {
                 let Target::Status(extents) = target else { return bad("block status for another command") };
-                if c.len < 4 || (c.len - 4) % 8 != 0 {
+                if c.len < 12 || (c.len - 4) % 8 != 0 {
                     return bad("block status chunk of the wrong length");
+                }
+                if c.len > MAX_STATUS_CHUNK {
+                    return bad("block status chunk of more than 2^20 extents");
                 }
                 let mut data = vec![0u8; c.len as usize];
                 r.read_exact(&mut data).map_err(io)?;
                 if Some(be32(&data[0..4])) == self.info.allocation {
+                    if answer.status {
+                        return bad("two block status chunks for one context");
+                    }
+                    answer.status = true;
                     for d in data[4..].chunks_exact(8) {
                         let (n, flags) = (u64::from(be32(&d[0..4])), be32(&d[4..8]));
+                        if n == 0 {
+                            return bad("an extent of no length");
+                        }
                         extents.push(Extent {
                             len: n,
                             hole: flags & STATE_HOLE != 0,
@@ -371,23 +433,34 @@ impl Connection {
                 }
             }
             ty if ty & (1 << 15) != 0 => {
-                // Error chunks: errno, message length, message (and an offset we do not need).
-                if c.len < 6 {
+                // Error chunks, known or not: errno, message length, message, then fields of
+                // their own (an offset for ERROR_OFFSET, which we do not need).
+                let fixed = if ty == REPLY_TYPE_ERROR_OFFSET { 14 } else { 6 };
+                if c.len < fixed {
                     return bad("error chunk too short");
                 }
-                let mut data = vec![0u8; c.len as usize];
-                r.read_exact(&mut data).map_err(io)?;
-                let errno = be32(&data[0..4]);
-                let n = (be16(&data[4..6]) as usize).min(data.len() - 6);
-                let msg = String::from_utf8_lossy(&data[6..6 + n]).into_owned();
+                let mut head = [0u8; 6];
+                r.read_exact(&mut head).map_err(io)?;
+                let errno = be32(&head[0..4]);
+                let n = be16(&head[4..6]) as usize;
+                if n > (c.len - fixed) as usize {
+                    return bad("error message longer than its chunk");
+                }
+                let mut msg = vec![0u8; n];
+                r.read_exact(&mut msg).map_err(io)?;
+                let rest = u64::from(c.len) - 6 - n as u64;
+                std::io::copy(&mut r.take(rest), &mut std::io::sink()).map_err(io)?;
+                msg.truncate(MAX_ERROR_MESSAGE);
+                let msg = String::from_utf8_lossy(&msg).into_owned();
                 answer.error.get_or_insert((if errno == 0 { EIO } else { errno }, msg));
             }
-            _ => {
-                // An informational chunk we do not know: the spec lets clients skip it.
-                std::io::copy(&mut r.take(u64::from(c.len)), &mut std::io::sink()).map_err(io)?;
+            ty => {
+                // The spec: a client that meets an unknown or unexpected type that is not an
+                // error chunk must disconnect.
+                return Err(format!("protocol error: reply chunk of unknown type {ty}"));
             }
         }
-        Ok(c.flags & REPLY_FLAG_DONE != 0)
+        Ok(done)
     }
 }
 
@@ -428,5 +501,255 @@ fn kind_of(errno: u32) -> (ErrorKind, &'static str) {
         ENOTSUP => (ErrorKind::NotSupported, "ENOTSUP"),
         ESHUTDOWN => (ErrorKind::Io, "ESHUTDOWN (the server is shutting down)"),
         _ => (ErrorKind::Io, "an unknown error"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! A scripted server on the other end of a socket pair: each test answers the client's
+    //! requests with replies a broken or hostile server might send.
+    use super::*;
+    use crate::backend::nbd::handshake::DEFAULT_BLOCK;
+    use std::os::unix::net::UnixStream;
+    use std::sync::Arc;
+
+    const SIZE: u64 = 1 << 20;
+    const CONTEXT: u32 = 7;
+
+    fn connection() -> (Arc<Connection>, UnixStream) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        theirs.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+        let info = ExportInfo {
+            size: SIZE,
+            flags: TF_HAS_FLAGS,
+            block: DEFAULT_BLOCK,
+            structured: true,
+            allocation: Some(CONTEXT),
+        };
+        (Arc::new(Connection::new(Box::new(ours), info, "test").unwrap()), theirs)
+    }
+
+    /// The next request the client sent (header only).
+    fn request(s: &mut UnixStream) -> Request {
+        let mut b = [0u8; REQUEST_LEN];
+        s.read_exact(&mut b).unwrap();
+        parse_request(&b).unwrap()
+    }
+
+    fn data_chunk(flags: u16, cookie: u64, at: u64, data: &[u8]) -> Vec<u8> {
+        let mut v = chunk_header(flags, REPLY_TYPE_OFFSET_DATA, cookie, 8 + data.len() as u32).to_vec();
+        v.extend_from_slice(&at.to_be_bytes());
+        v.extend_from_slice(data);
+        v
+    }
+
+    fn hole_chunk(flags: u16, cookie: u64, at: u64, n: u32) -> Vec<u8> {
+        let mut v = chunk_header(flags, REPLY_TYPE_OFFSET_HOLE, cookie, 12).to_vec();
+        v.extend_from_slice(&at.to_be_bytes());
+        v.extend_from_slice(&n.to_be_bytes());
+        v
+    }
+
+    fn status_chunk(flags: u16, cookie: u64, extents: &[(u32, u32)]) -> Vec<u8> {
+        let mut v =
+            chunk_header(flags, REPLY_TYPE_BLOCK_STATUS, cookie, 4 + 8 * extents.len() as u32).to_vec();
+        v.extend_from_slice(&CONTEXT.to_be_bytes());
+        for (n, f) in extents {
+            v.extend_from_slice(&n.to_be_bytes());
+            v.extend_from_slice(&f.to_be_bytes());
+        }
+        v
+    }
+
+    /// A read of `len` at `offset` answered with `reply(cookie)`: the client's result and what
+    /// it read.
+    fn read_with(offset: u64, len: usize, reply: impl FnOnce(u64) -> Vec<u8>) -> (Result<()>, Vec<u8>) {
+        let (c, mut srv) = connection();
+        let t = std::thread::spawn(move || {
+            let mut buf = vec![0xEEu8; len];
+            (c.read(&mut buf, offset), buf)
+        });
+        let r = request(&mut srv);
+        assert_eq!((r.cmd, r.offset, r.len), (CMD_READ, offset, len as u64));
+        srv.write_all(&reply(r.cookie)).unwrap();
+        t.join().unwrap()
+    }
+
+    fn protocol_error(r: &Result<()>, says: &str) {
+        let e = r.as_ref().expect_err("accepted");
+        let text = e.to_string();
+        assert!(text.contains("protocol error") && text.contains(says), "{text}");
+    }
+
+    #[test]
+    fn well_formed_chunks_in_any_order_fill_the_buffer() {
+        let (r, buf) = read_with(4096, 12288, |c| {
+            let mut v = data_chunk(0, c, 4096 + 8192, &[3u8; 4096]);
+            v.extend(hole_chunk(0, c, 4096 + 4096, 4096));
+            v.extend(data_chunk(REPLY_FLAG_DONE, c, 4096, &[1u8; 4096]));
+            v
+        });
+        r.unwrap();
+        assert!(buf[..4096].iter().all(|&b| b == 1));
+        assert!(buf[4096..8192].iter().all(|&b| b == 0));
+        assert!(buf[8192..].iter().all(|&b| b == 3));
+    }
+
+    /// An offset near 2^64 wrapped the bounds check and panicked the thread holding the read
+    /// turn, which hung every other request.
+    #[test]
+    fn a_chunk_offset_that_would_wrap_is_refused() {
+        let (r, _) = read_with(0, 65536, |c| data_chunk(REPLY_FLAG_DONE, c, u64::MAX - 7, &[0u8; 16]));
+        protocol_error(&r, "outside the request");
+        let (r, _) = read_with(0, 65536, |c| hole_chunk(REPLY_FLAG_DONE, c, u64::MAX - 7, 16));
+        protocol_error(&r, "outside the request");
+    }
+
+    /// The same chunk twice summed to the request's length: the rest of the buffer (stale
+    /// bytes of an earlier request) passed for data.
+    #[test]
+    fn overlapping_chunks_are_refused() {
+        let (r, _) = read_with(0, 8192, |c| {
+            let mut v = data_chunk(0, c, 0, &[1u8; 4096]);
+            v.extend(data_chunk(REPLY_FLAG_DONE, c, 0, &[1u8; 4096]));
+            v
+        });
+        protocol_error(&r, "overlapping");
+        let (r, _) = read_with(0, 8192, |c| {
+            let mut v = data_chunk(0, c, 0, &[1u8; 6000]);
+            v.extend(hole_chunk(REPLY_FLAG_DONE, c, 4096, 4096));
+            v
+        });
+        protocol_error(&r, "overlapping");
+        let (r, _) = read_with(0, 8192, |c| hole_chunk(REPLY_FLAG_DONE, c, 0, 0));
+        protocol_error(&r, "no length");
+    }
+
+    #[test]
+    fn malformed_chunks_hang_up() {
+        // An unknown type that is not an error chunk (6: BLOCK_STATUS_EXT, never negotiated).
+        let (r, _) = read_with(0, 4096, |c| {
+            let mut v = chunk_header(REPLY_FLAG_DONE, 6, c, 4).to_vec();
+            v.extend_from_slice(&[0; 4]);
+            v
+        });
+        protocol_error(&r, "unknown type 6");
+        // A NONE chunk with a payload, or not the last.
+        let (r, _) = read_with(0, 4096, |c| {
+            let mut v = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, c, 4).to_vec();
+            v.extend_from_slice(&[0; 4]);
+            v
+        });
+        protocol_error(&r, "none chunk");
+        let (r, _) = read_with(0, 4096, |c| chunk_header(0, REPLY_TYPE_NONE, c, 0).to_vec());
+        protocol_error(&r, "none chunk");
+        // An error message longer than its chunk.
+        let (r, _) = read_with(0, 4096, |c| {
+            let mut v = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, c, 8).to_vec();
+            v.extend_from_slice(&EIO.to_be_bytes());
+            v.extend_from_slice(&100u16.to_be_bytes());
+            v.extend_from_slice(b"ab");
+            v
+        });
+        protocol_error(&r, "longer than its chunk");
+        // An ERROR_OFFSET chunk without room for its offset.
+        let (r, _) = read_with(0, 4096, |c| {
+            let mut v = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR_OFFSET, c, 6).to_vec();
+            v.extend_from_slice(&EIO.to_be_bytes());
+            v.extend_from_slice(&0u16.to_be_bytes());
+            v
+        });
+        protocol_error(&r, "too short");
+    }
+
+    #[test]
+    fn error_chunks_of_any_type_fail_the_request_and_keep_the_connection() {
+        let (c, mut srv) = connection();
+        let c2 = c.clone();
+        let t = std::thread::spawn(move || {
+            let mut buf = vec![0u8; 4096];
+            let first = c2.read(&mut buf, 0);
+            (first, c2.read(&mut buf, 0))
+        });
+        // An unknown error type (bit 15) with a message and a field of its own, then a good
+        // reply to the next request.
+        let r = request(&mut srv);
+        let mut v = chunk_header(REPLY_FLAG_DONE, (1 << 15) | 9, r.cookie, 6 + 5 + 3).to_vec();
+        v.extend_from_slice(&ENOSPC.to_be_bytes());
+        v.extend_from_slice(&5u16.to_be_bytes());
+        v.extend_from_slice(b"full!xyz");
+        srv.write_all(&v).unwrap();
+        let r = request(&mut srv);
+        srv.write_all(&data_chunk(REPLY_FLAG_DONE, r.cookie, 0, &[9u8; 4096])).unwrap();
+        let (first, second) = t.join().unwrap();
+        let e = first.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
+        assert!(e.to_string().contains("full!"), "{e}");
+        second.unwrap();
+    }
+
+    fn status_with(reply: impl FnOnce(u64) -> Vec<u8>) -> Result<Vec<Extent>> {
+        let (c, mut srv) = connection();
+        let t = std::thread::spawn(move || c.block_status(0, 65536));
+        let r = request(&mut srv);
+        assert_eq!(r.cmd, CMD_BLOCK_STATUS);
+        srv.write_all(&reply(r.cookie)).unwrap();
+        t.join().unwrap()
+    }
+
+    #[test]
+    fn block_status_takes_one_chunk_per_context_of_nonzero_extents() {
+        let ok =
+            status_with(|c| status_chunk(REPLY_FLAG_DONE, c, &[(4096, 0), (61440, STATE_HOLE | STATE_ZERO)]));
+        assert_eq!(ok.unwrap().len(), 2);
+        // A second chunk for the same context shifted the map: 64K..128K read as zero.
+        let two = status_with(|c| {
+            let mut v = status_chunk(0, c, &[(65536, 0)]);
+            v.extend(status_chunk(REPLY_FLAG_DONE, c, &[(65536, STATE_HOLE | STATE_ZERO)]));
+            v
+        });
+        protocol_error(&two.map(drop), "two block status chunks");
+        let empty = status_with(|c| status_chunk(REPLY_FLAG_DONE, c, &[(0, 0)]));
+        protocol_error(&empty.map(drop), "no length");
+        // A length announcing 4 GiB is refused before anything is allocated.
+        let huge =
+            status_with(|c| chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, c, u32::MAX - 3).to_vec());
+        protocol_error(&huge.map(drop), "2^20 extents");
+    }
+
+    /// A duplicate reply read by the next holder of the read turn, in the moment after its
+    /// request finished and before the request left the outstanding set, was handed to a
+    /// thread that had gone, and every later request hung. Two threads, a reply for one, a
+    /// duplicate, then the other's reply, many times: the duplicate must kill the connection
+    /// (a reply for an unknown cookie), never hang it. (A race: the old code hung in some
+    /// rounds only.)
+    #[test]
+    fn a_duplicate_reply_kills_the_connection_instead_of_hanging_it() {
+        for _ in 0..200 {
+            let (c, mut srv) = connection();
+            let (tx, rx) = std::sync::mpsc::channel();
+            for at in [0u64, 4096] {
+                let (c, tx) = (c.clone(), tx.clone());
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 4096];
+                    let _ = tx.send((at, c.read(&mut buf, at).map_err(|e| e.to_string())));
+                });
+            }
+            let (r1, r2) = (request(&mut srv), request(&mut srv));
+            let reply = data_chunk(REPLY_FLAG_DONE, r1.cookie, r1.offset, &[1u8; 4096]);
+            srv.write_all(&reply).unwrap();
+            srv.write_all(&reply).unwrap();
+            // The client may have hung up already.
+            let _ = srv.write_all(&data_chunk(REPLY_FLAG_DONE, r2.cookie, r2.offset, &[2u8; 4096]));
+            let mut results = Vec::new();
+            for _ in 0..2 {
+                let got = rx.recv_timeout(std::time::Duration::from_secs(10));
+                results.push(got.expect("a request hung after a duplicate reply"));
+            }
+            results.sort_by_key(|r| if r.0 == r1.offset { 0 } else { 1 });
+            assert!(results[0].1.is_ok(), "{:?}", results[0]);
+            let e = results[1].1.as_ref().expect_err("the reply after a duplicate was taken");
+            assert!(e.contains("unknown cookie"), "{e}");
+        }
     }
 }
