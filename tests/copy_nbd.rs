@@ -193,6 +193,33 @@ fn nbd_to_nbd_between_two_servers() {
     assert!(same_contents(&src, &back));
 }
 
+/// The spec lets the maximum payload be any number: a maximum of 40000 with 4 KiB blocks cut
+/// every request into a 40000-byte piece and a piece starting at 40000, which the server
+/// refused (EINVAL). Pieces are whole minimum blocks now.
+#[test]
+fn a_maximum_payload_that_is_not_whole_blocks() {
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    random_file(&src, 4 * MIB);
+    let odd = Peer::nbdkit(
+        dir.path(),
+        "odd",
+        &[
+            "--filter=blocksize-policy",
+            "memory",
+            &(4 * MIB).to_string(),
+            "blocksize-minimum=4096",
+            "blocksize-preferred=4096",
+            "blocksize-maximum=40000",
+            "blocksize-error-policy=error",
+        ],
+    );
+    ok(&copy(&[s(&src), &odd.uri]));
+    let back = dir.path().join("back.img");
+    ok(&copy(&[&odd.uri, s(&back)]));
+    assert!(same_contents(&src, &back));
+}
+
 #[test]
 fn a_killed_server_fails_the_copy() {
     let dir = scratch();

@@ -127,8 +127,13 @@ pub fn options<S: Read + Write + ?Sized>(
                         allocation = Some(id);
                     }
                 }
-                // Errors only mean no allocation map: copies then read everything.
-                _ => break,
+                REP_ACK => break,
+                // Errors only mean no allocation map: copies then read everything. Contexts
+                // named before the error were not agreed.
+                _ => {
+                    allocation = None;
+                    break;
+                }
             }
         }
     }
@@ -156,8 +161,19 @@ pub fn options<S: Read + Write + ?Sized>(
     }
     let (size, flags) =
         size_flags.ok_or_else(|| fail(ErrorKind::Io, "the server sent no export size".into()))?;
-    if block.minimum == 0 || block.maximum < block.minimum || !block.minimum.is_power_of_two() {
-        return Err(fail(ErrorKind::Io, format!("the server sent invalid block sizes {block:?}")));
+    // The spec: the minimum a power of two up to 64 KiB, the preferred a power of two at least
+    // the minimum and 512, the maximum at least the preferred. Sizes that break it are ignored
+    // (with a warning) rather than the server refused: the defaults hold, and a server that really needs larger blocks refuses
+    // the requests it cannot take (an error naming the request) rather than the connection.
+    let BlockSizes { minimum, preferred, maximum } = block;
+    if !minimum.is_power_of_two()
+        || minimum > 1 << 16
+        || !preferred.is_power_of_two()
+        || preferred < minimum.max(512)
+        || maximum < preferred
+    {
+        tracing::warn!("{who}: ignoring the server's invalid block sizes {block:?}");
+        block = DEFAULT_BLOCK;
     }
     Ok(ExportInfo { size, flags, block, structured, allocation })
 }

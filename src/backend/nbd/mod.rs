@@ -114,7 +114,9 @@ impl NbdBackend {
         if info.has(TF_CAN_MULTI_CONN) {
             for _ in 1..connections {
                 let c = connect(&how, &name)?;
-                if c.info.size != info.size || c.info.flags != info.flags {
+                // Requests go to any connection, aligned and shaped by the first one's terms.
+                let same = |i: &ExportInfo| (i.size, i.flags, i.block, i.structured, i.allocation.is_some());
+                if same(&c.info) != same(&info) {
                     return Err(Error::new(ErrorKind::Io, "connect")
                         .path(&name)
                         .detail("the server describes the export differently on a second connection"));
@@ -159,8 +161,12 @@ impl NbdBackend {
         &self.conns[self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len()]
     }
 
+    /// The largest piece a request is cut into: the server's maximum payload, rounded down to
+    /// whole minimum blocks (the spec lets the maximum be any number, and pieces of it would
+    /// leave the next piece unaligned).
     fn max_payload(&self) -> u64 {
-        u64::from(self.info.block.maximum.max(self.info.block.minimum))
+        let b = &self.info.block;
+        u64::from((b.maximum / b.minimum * b.minimum).max(b.minimum))
     }
 
     /// The server's extents from `offset`, covering at most `len` bytes (at least one).
