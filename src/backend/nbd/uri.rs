@@ -49,7 +49,7 @@ impl Uri {
     /// True when `s` looks like a URI of an NBD scheme (so it is parsed as one, not taken as a
     /// file name).
     pub fn is_nbd(s: &str) -> bool {
-        s.split_once("://").is_some_and(|(scheme, _)| scheme.starts_with("nbd"))
+        s.split_once("://").is_some_and(|(scheme, _)| scheme.to_ascii_lowercase().starts_with("nbd"))
     }
 }
 
@@ -64,7 +64,8 @@ impl std::str::FromStr for Uri {
 
     fn from_str(s: &str) -> Result<Uri, String> {
         let (scheme, rest) = s.split_once("://").ok_or_else(|| format!("'{s}' is not a URI"))?;
-        let (unix, tls) = match scheme {
+        // Schemes are case-insensitive (RFC 3986).
+        let (unix, tls) = match scheme.to_ascii_lowercase().as_str() {
             "nbd" => (false, false),
             "nbd+unix" => (true, false),
             "nbds" => (false, true),
@@ -83,6 +84,9 @@ impl std::str::FromStr for Uri {
             None => (before_query, ""),
         };
         let export = decode(path.strip_prefix('/').unwrap_or(path)).map_err(|e| format!("'{s}': {e}"))?;
+        if export.contains('\0') {
+            return Err(format!("'{s}': an export name may not hold a NUL (%00)"));
+        }
 
         let mut socket = None;
         for param in query.split('&').filter(|p| !p.is_empty()) {
@@ -160,7 +164,11 @@ fn host_port(authority: &str) -> Result<(String, u16), String> {
     }
     let port = match port {
         None | Some("") => DEFAULT_PORT,
-        Some(p) => p.parse().map_err(|_| format!("invalid port '{p}'"))?,
+        // Digits only: `parse` would also take a sign.
+        Some(p) if p.bytes().all(|c| c.is_ascii_digit()) => {
+            p.parse().map_err(|_| format!("invalid port '{p}'"))?
+        }
+        Some(p) => return Err(format!("invalid port '{p}'")),
     };
     Ok((decode(host)?, port))
 }
@@ -174,6 +182,10 @@ fn decode(s: &str) -> Result<String, String> {
     while i < b.len() {
         if b[i] == b'%' {
             let hex = s.get(i + 1..i + 3).ok_or_else(|| format!("bad percent escape in '{s}'"))?;
+            // Two hex digits: `from_str_radix` would also take a sign ("%+1").
+            if !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
+                return Err(format!("bad percent escape '%{hex}'"));
+            }
             out.push(u8::from_str_radix(hex, 16).map_err(|_| format!("bad percent escape '%{hex}'"))?);
             i += 3;
         } else {
@@ -232,6 +244,9 @@ mod tests {
             ("nbd://h/e?socket=s", "only for nbd+unix"),
             ("nbd://h/e?frob=1", "unknown query parameter"),
             ("nbd://h/%zz", "percent"),
+            ("nbd://h/%+1", "percent"),
+            ("nbd://h:+80/e", "invalid port"),
+            ("nbd://h/a%00b", "NUL"),
             ("nbd://[::1/e", "unclosed"),
         ] {
             let e = uri.parse::<Uri>().unwrap_err();
@@ -240,6 +255,9 @@ mod tests {
         assert!(Uri::is_nbd("nbd+unix:///"));
         assert!(Uri::is_nbd("nbds://h/"));
         assert!(!Uri::is_nbd("disk.img"));
+        // Schemes are case-insensitive.
+        assert!(Uri::is_nbd("NBD://h/"));
+        assert_eq!(parse("NBD+Unix:///e?socket=/s").address, Address::Unix("/s".into()));
     }
 
     #[test]
