@@ -793,7 +793,10 @@ fn prefetch_serves_a_sequential_reader_from_its_buffer() {
     let stats: serde_json::Value = serde_json::from_str(stderr.lines().last().unwrap()).unwrap();
     let p = &stats["prefetch"];
     let n = |k: &str| p[k].as_u64().unwrap();
-    assert_eq!(n("streams_found"), 1, "{stats}");
+    // One stream, found once; a worker delayed past the detector's reordering window (a busy
+    // machine: seen once in a clean-clone run, 2 streams) makes it found again, at worst once
+    // per worker.
+    assert!((1..=4).contains(&n("streams_found")), "{stats}");
     // Every 64 KiB read went through the filter. How many the buffer served depends on how
     // the client races the read-ahead (the unit tests check hits deterministically).
     assert_eq!(n("hits") + n("misses"), 256, "{stats}");
