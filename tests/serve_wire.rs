@@ -479,3 +479,67 @@ fn handshake_limits() {
     assert!(closed(&mut c));
     still_serving(&s.sock);
 }
+
+/// Meta-context data: export name, then queries.
+fn meta(export: &str, queries: &[&str]) -> Vec<u8> {
+    let mut d = (export.len() as u32).to_be_bytes().to_vec();
+    d.extend_from_slice(export.as_bytes());
+    d.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+    for q in queries {
+        d.extend_from_slice(&(q.len() as u32).to_be_bytes());
+        d.extend_from_slice(q.as_bytes());
+    }
+    d
+}
+
+/// A SET_META_CONTEXT that fails replaces the earlier selection all the same (the spec):
+/// BLOCK_STATUS is then refused. It stayed allowed.
+#[test]
+fn a_failed_set_meta_context_clears_the_selection() {
+    let (_d, s) = setup();
+    for fail in [true, false] {
+        let mut c = connect(&s.sock);
+        send_option(&mut c, OPT_STRUCTURED_REPLY, &[]);
+        assert_eq!(option_reply(&mut c).0, REP_ACK);
+        send_option(&mut c, OPT_SET_META_CONTEXT, &meta("", &[BASE_ALLOCATION]));
+        assert_eq!(option_reply(&mut c).0, REP_META_CONTEXT);
+        assert_eq!(option_reply(&mut c).0, REP_ACK);
+        if fail {
+            send_option(&mut c, OPT_SET_META_CONTEXT, &meta("nope", &[BASE_ALLOCATION]));
+            assert_eq!(option_reply(&mut c).0, REP_ERR_UNKNOWN);
+        }
+        go(&mut c);
+        request(&mut c, CMD_BLOCK_STATUS, 5, 0, 4096);
+        // One structured reply: its first chunk says whether it is an error.
+        let mut h = [0u8; 20];
+        c.read_exact(&mut h).unwrap();
+        let chunk = parse_chunk_header(&h).expect("a structured reply");
+        assert_eq!(chunk.cookie, 5);
+        let mut payload = vec![0u8; chunk.len as usize];
+        c.read_exact(&mut payload).unwrap();
+        if fail {
+            assert_eq!((chunk.ty, be32(&payload[0..4])), (REPLY_TYPE_ERROR, EINVAL), "fail={fail}");
+        } else {
+            assert_eq!(chunk.ty, REPLY_TYPE_BLOCK_STATUS, "fail={fail}");
+        }
+    }
+}
+
+/// Shutting down with a connection still in its handshake: an EXPORT_NAME gets no option
+/// reply (a client would read its 20 bytes as the export's size and flags) but a hang-up, and
+/// an ABORT still gets its ACK.
+#[test]
+fn options_during_shutdown() {
+    let (_d, mut s) = setup();
+    let mut a = connect(&s.sock);
+    let mut b = connect(&s.sock);
+    // Both connections are past the greeting, waiting for options, when shutdown begins.
+    assert!(Command::new("kill").arg(s.child.id().to_string()).status().unwrap().success());
+    std::thread::sleep(Duration::from_millis(300));
+    send_option(&mut a, OPT_EXPORT_NAME, b"");
+    let mut first = [0u8; 1];
+    assert_eq!(a.read(&mut first).unwrap(), 0, "EXPORT_NAME during shutdown got bytes");
+    send_option(&mut b, OPT_ABORT, &[]);
+    assert_eq!(option_reply(&mut b).0, REP_ACK);
+    let _ = s.child.wait();
+}

@@ -205,7 +205,12 @@ impl Backend for FileBackend {
             Ok(()) => self.fua(flags.fua),
             Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::EINVAL)) => {
                 if flags.fast {
-                    return Err(Error::io("zero", e).path(self.file.path()).at(offset, len));
+                    // Not fast here: ENOTSUP to an NBD client, which then writes zeroes its
+                    // own way (an EINVAL from fallocate would read as a bad request).
+                    return Err(Error::new(ErrorKind::NotSupported, "zero")
+                        .path(self.file.path())
+                        .at(offset, len)
+                        .detail(format!("no fast zero here ({e})")));
                 }
                 super::write_zeroes(self, offset, len, flags.fua)
             }

@@ -194,7 +194,12 @@ pub fn chunk_header(flags: u16, ty: u16, cookie: u64, len: u32) -> [u8; 20] {
 
 /// An `NBD_REPLY_TYPE_ERROR` chunk (header and payload), always the last of its reply.
 pub fn error_chunk(cookie: u64, error: u32, message: &str) -> Vec<u8> {
-    let msg = &message.as_bytes()[..message.len().min(4096)];
+    // At most 4096 bytes, cut at a character boundary (the message is UTF-8).
+    let mut n = message.len().min(4096);
+    while !message.is_char_boundary(n) {
+        n -= 1;
+    }
+    let msg = &message.as_bytes()[..n];
     let mut out = Vec::with_capacity(26 + msg.len());
     out.extend_from_slice(&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, 6 + msg.len() as u32));
     out.extend_from_slice(&error.to_be_bytes());

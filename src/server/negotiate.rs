@@ -103,7 +103,16 @@ pub fn negotiate(server: &Server, mut s: Box<dyn Stream>) -> io::Result<Outcome>
         s.read_exact(&mut data)?;
         let s = &mut s;
         if server.is_shutting_down() {
-            reply(s, option, REP_ERR_SHUTDOWN, b"server is shutting down")?;
+            match option {
+                // EXPORT_NAME has no error reply (an option reply would be read as the
+                // export's size and flags): hang up, as for an export refused.
+                OPT_EXPORT_NAME => {}
+                // ABORT is acknowledged, shutting down or not.
+                OPT_ABORT => {
+                    let _ = reply(s, option, REP_ACK, &[]);
+                }
+                _ => reply(s, option, REP_ERR_SHUTDOWN, b"server is shutting down")?,
+            }
             return Ok(Outcome::Close);
         }
         let tls_missing = !tls_active && server.tls.as_ref().is_some_and(|t| t.required);
@@ -238,6 +247,10 @@ fn meta_context(
     data: &[u8],
     agreed: &mut Agreed,
 ) -> io::Result<()> {
+    // SET replaces the earlier selection even when it fails (the spec).
+    if option == OPT_SET_META_CONTEXT {
+        agreed.meta_context = false;
+    }
     if !agreed.structured {
         return reply(s, option, REP_ERR_INVALID, b"negotiate structured replies first");
     }

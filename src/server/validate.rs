@@ -72,11 +72,16 @@ pub fn check(r: &Request, l: &Limits) -> Verdict {
         CMD_BLOCK_STATUS if r.len == 0 => return Error(EINVAL),
         _ => {}
     }
+    // FAST_ZERO not advertised: the spec says EINVAL; ENOTSUP is the answer to a fast zero
+    // that was advertised but cannot be done (the backend's, below).
     if r.cmd == CMD_WRITE_ZEROES && r.flags & CMD_FLAG_FAST_ZERO != 0 && !l.can_fast_zero {
-        return Error(ENOTSUP);
-    }
-    if r.cmd == CMD_READ && r.len > u64::from(l.max_payload) {
         return Error(EINVAL);
+    }
+    // A READ over the maximum: with structured replies the spec lets the server refuse it
+    // with EOVERFLOW (the client may retry smaller); with simple replies the client broke a
+    // MUST.
+    if r.cmd == CMD_READ && r.len > u64::from(l.max_payload) {
+        return Error(if l.structured { EOVERFLOW } else { EINVAL });
     }
     if r.cmd != CMD_FLUSH && end > l.size {
         return Error(if matches!(r.cmd, CMD_WRITE | CMD_WRITE_ZEROES) { ENOSPC } else { EINVAL });
@@ -140,7 +145,8 @@ mod tests {
         let small = Limits { max_payload: 1 << 20, size: 1 << 30, ..L };
         assert_eq!(check(&req(CMD_WRITE, 0, 0, 2 << 20), &small), Verdict::Error(EINVAL));
         assert_eq!(check(&req(CMD_WRITE, 0, 0, 64 << 20), &small), Verdict::Disconnect);
-        assert_eq!(check(&req(CMD_READ, 0, 0, 2 << 20), &small), Verdict::Error(EINVAL));
+        // Structured replies: EOVERFLOW (the client may retry smaller).
+        assert_eq!(check(&req(CMD_READ, 0, 0, 2 << 20), &small), Verdict::Error(EOVERFLOW));
         // Commands without payload may exceed the maximum payload size.
         assert_eq!(check(&req(CMD_WRITE_ZEROES, 0, 0, 1 << 30), &small), Verdict::Ok);
         assert_eq!(check(&req(CMD_TRIM, 0, 0, 1 << 30), &small), Verdict::Ok);
@@ -154,10 +160,11 @@ mod tests {
         assert_eq!(check(&req(CMD_FLUSH, CMD_FLAG_FUA, 0, 0), &L), Verdict::Ok);
         assert_eq!(check(&req(99, 0, 0, 1), &L), Verdict::Error(EINVAL));
         let no_fast = Limits { can_fast_zero: false, ..L };
-        assert_eq!(
-            check(&req(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, 0, 1), &no_fast),
-            Verdict::Error(ENOTSUP)
-        );
+        assert_eq!(check(&req(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, 0, 1), &no_fast), Verdict::Error(EINVAL));
+        let big = u64::from(L.max_payload) + 1;
+        assert_eq!(check(&req(CMD_READ, 0, 0, big), &L), Verdict::Error(EOVERFLOW));
+        let simple = Limits { structured: false, ..L };
+        assert_eq!(check(&req(CMD_READ, 0, 0, big), &simple), Verdict::Error(EINVAL));
         let simple = Limits { structured: false, ..L };
         assert_eq!(check(&req(CMD_BLOCK_STATUS, 0, 0, 1), &simple), Verdict::Error(EINVAL));
     }
