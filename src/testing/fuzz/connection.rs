@@ -307,14 +307,23 @@ impl Client {
             CMD_WRITE_ZEROES => !tf(TF_SEND_WRITE_ZEROES),
             CMD_CACHE => !tf(TF_SEND_CACHE),
             CMD_BLOCK_STATUS => !self.s.meta || r.len == 0,
-            CMD_READ | CMD_WRITE => r.len > MAX_PAYLOAD,
+            CMD_WRITE => r.len > MAX_PAYLOAD,
+            // With structured replies a READ over the maximum may be refused with EOVERFLOW
+            // (the client may retry smaller); with simple ones the client broke a MUST.
+            CMD_READ if r.len > MAX_PAYLOAD && self.s.structured => {
+                e.push(EOVERFLOW);
+                false
+            }
+            CMD_READ => r.len > MAX_PAYLOAD,
             _ => false,
         };
         if unsupported {
             e.push(EINVAL);
         }
+        // FAST_ZERO the server did not advertise: EINVAL, the spec says (ENOTSUP is for an
+        // advertised fast zero that cannot be done).
         if r.cmd == CMD_WRITE_ZEROES && r.flags & CMD_FLAG_FAST_ZERO != 0 && !tf(TF_SEND_FAST_ZERO) {
-            e.push(ENOTSUP);
+            e.push(EINVAL);
         }
         e
     }
