@@ -251,6 +251,123 @@ fn block_device_destination() {
     assert!(std::fs::read(&small.dev).unwrap().iter().all(|&b| b == 0x5a));
 }
 
+/// A device in use is refused (O_EXCL: here another holder; a mounted filesystem is the
+/// case it is for), and a second device node for the same device counts as the same file.
+#[test]
+fn block_devices_in_use_or_named_twice() {
+    if euid() != 0 {
+        eprintln!("SKIPPED block_devices_in_use_or_named_twice: needs root for losetup");
+        return;
+    }
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let dir = scratch();
+    let src = dir.path().join("src");
+    sample(&src, 4 * MIB, MIB);
+    let dev = Loop::new(4 * MIB);
+    std::fs::write(&dev.dev, vec![0x5au8; 4 * MIB as usize]).unwrap();
+    let held = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_EXCL).open(&dev.dev).unwrap();
+    let out = copy(&[s(&src), &dev.dev]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("in use"), "{}", text(&out));
+    drop(held);
+    assert!(std::fs::read(&dev.dev).unwrap().iter().all(|&b| b == 0x5a), "written while in use");
+    // The same device under another name.
+    let alias = dir.path().join("alias");
+    let rdev = std::fs::metadata(&dev.dev).unwrap().rdev();
+    let c = std::ffi::CString::new(alias.to_str().unwrap()).unwrap();
+    // SAFETY: mknod with a NUL-terminated path and integer arguments.
+    assert_eq!(unsafe { libc::mknod(c.as_ptr(), libc::S_IFBLK | 0o600, rdev) }, 0);
+    let out = copy(&[&dev.dev, s(&alias)]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("same file"), "{}", text(&out));
+}
+
+/// Standard input redirected from the destination: refused before it is truncated (it was
+/// truncated and the copy reported 0 bytes). A `null:` source needs a size (one of 0 bytes
+/// emptied the destination).
+#[test]
+fn stdin_from_the_destination_and_null_without_a_size() {
+    let dir = scratch();
+    let img = dir.path().join("img");
+    random_file(&img, MIB);
+    let before = std::fs::read(&img).unwrap();
+    let out = Command::new(bin())
+        .args(["copy", "-", s(&img)])
+        .stdin(std::fs::File::open(&img).unwrap())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("same file"), "{}", text(&out));
+    assert_eq!(std::fs::read(&img).unwrap(), before);
+    let out = copy(&["null:", s(&img)]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("needs a size"), "{}", text(&out));
+    assert_eq!(std::fs::read(&img).unwrap(), before);
+    // One export on both sides, however spelt.
+    let sock = dir.path().join("none.sock");
+    let (a, b) = (format!("nbd+unix:///?socket={}", s(&sock)), format!("nbd+unix://?socket={}", s(&sock)));
+    let out = copy(&[&a, &b]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("same export"), "{}", text(&out));
+}
+
+/// A FIFO destination, end to end. lightfoot measured the page cache of every path before
+/// the copy, opening the FIFO and closing it again: that woke the reader at the other end,
+/// which could see no writer, read nothing and leave, and the copy then waited for ever for a
+/// reader. A race the copy's own open usually won: this test passed with the old code too,
+/// and guards the path rather than the race.
+#[test]
+fn a_fifo_destination_is_opened_once() {
+    let dir = scratch();
+    let (src, fifo, out_file) = (dir.path().join("src"), dir.path().join("fifo"), dir.path().join("out"));
+    random_file(&src, 4 * MIB);
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo with a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let mut reader =
+        Command::new("sh").args(["-c", &format!("cat {} > {}", s(&fifo), s(&out_file))]).spawn().unwrap();
+    // Let the reader block in its open of the FIFO first.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut lf =
+        Command::new(bin()).args(["copy", s(&src), s(&fifo)]).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = lf.try_wait().unwrap() {
+            break st;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = lf.kill();
+            let _ = reader.kill();
+            panic!("the copy into a FIFO hung");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(status.success());
+    assert!(reader.wait().unwrap().success());
+    assert!(same_contents(&src, &out_file));
+}
+
+/// A sparse source cut short during the copy: its vanished end read as a hole, and the copy
+/// succeeded with zeroes the source no longer has. The size is checked again at the end.
+#[test]
+fn a_source_that_shrinks_during_the_copy_fails_it() {
+    let dir = scratch();
+    let src = dir.path().join("src");
+    // 16 MiB of data, then 48 MiB of hole; cut to 32 MiB while the data is being copied.
+    random_file(&src, 16 * MIB);
+    std::fs::OpenOptions::new().write(true).open(&src).unwrap().set_len(64 * MIB).unwrap();
+    let slow = format!("nbdkit --filter=delay memory {} wdelay=100ms", 64 * MIB);
+    let mut args = vec!["copy", "-j1", "--request-size=1M", "--", s(&src), "["];
+    args.extend(slow.split(' '));
+    args.push("]");
+    let lf = Command::new(bin()).args(&args).stderr(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    std::fs::OpenOptions::new().write(true).open(&src).unwrap().set_len(32 * MIB).unwrap();
+    let out = lf.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("shrank during the copy"), "{}", text(&out));
+}
+
 /// Files this user cannot write: cachestat answers EPERM, so residency is unknown; the copy
 /// must say so and still be neutral (DONTCACHE or O_DIRECT need no residency).
 #[test]

@@ -20,7 +20,7 @@ const AFTER_HELP: &str = "\
 ENDPOINTS:
   PATH        a regular file or a block device
   -           standard input (as SRC) or standard output (as DST); sequential
-  null:[SIZE] reads zeroes, discards writes (a DST of any size; SRC of SIZE bytes)
+  null:[SIZE] reads zeroes, discards writes (as SRC: null:SIZE, SIZE bytes; as DST: null:)
   nbd://HOST[:PORT]/EXPORT
   nbd+unix:///EXPORT?socket=PATH
               an export on an NBD server
@@ -179,6 +179,14 @@ struct Summary {
 
 fn cached_now(ep: &Endpoint) -> Option<u64> {
     let Endpoint::Path(p) = ep else { return None };
+    // Regular files and block devices only: opening a FIFO here, before the copy opens it,
+    // would wake the program at its other end and then leave it (it could read an empty pipe
+    // and finish, or be killed by SIGPIPE), and a tape device would rewind.
+    use std::os::unix::fs::FileTypeExt;
+    let kind = std::fs::metadata(p).ok()?.file_type();
+    if !(kind.is_file() || kind.is_block_device()) {
+        return None;
+    }
     let f = open_for_inspection(p).ok()?;
     residency(&f, p, 0, None).ok().map(|r| r.cached_bytes())
 }
@@ -203,6 +211,17 @@ pub fn run(args: CopyArgs) -> i32 {
             return 2;
         }
     };
+    // One export on both sides (however the URIs are spelt): the destination's up-front
+    // zeroing would wipe the source. Different addresses of one server cannot be told apart.
+    {
+        use lightfoot::backend::nbd::Target::Uri;
+        if let (Endpoint::Nbd(Uri(a)), Endpoint::Nbd(Uri(b))) = (&src_ep, &dst_ep) {
+            if a.address == b.address && a.export == b.export {
+                eprintln!("lightfoot: copy {dst_ep}: source and destination are the same export");
+                return 1;
+            }
+        }
+    }
     let nbd = |ep: &Endpoint| matches!(ep, Endpoint::Nbd(_));
     // NBD: many small requests in flight. Servers pay per request for large buffers (qemu-nbd
     // used twice the CPU for 1-4 MiB requests as for 256 KiB ones, docs/benchmarks.md), and
@@ -264,6 +283,8 @@ pub fn run(args: CopyArgs) -> i32 {
         bar.finish_and_clear();
     }
     let result = result.and_then(|stats| {
+        src.check_size_unchanged(size)
+            .map_err(|error| lightfoot::copy::Failure { error, done: stats.bytes })?;
         if opts.flush {
             dst.sync_parent().map_err(|error| lightfoot::copy::Failure { error, done: stats.bytes })?;
         }

@@ -2,7 +2,8 @@
 //! `-` (standard input or output), `null:[SIZE]`, an NBD URI or a captive NBD server
 //! (`[ CMD ARGS ]`, given as separate arguments: see [`parse_endpoints`]).
 
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -112,16 +113,68 @@ pub struct Opened {
     pub created: bool,
     /// The destination reads as zeroes where not written.
     pub zeroed: bool,
+    /// What the endpoint is on this machine, when it is a file or block device (standard
+    /// input included): see [`identity`].
+    pub id: Option<(u64, u64)>,
+    /// A block device destination held open with `O_EXCL` for the whole copy: the kernel then
+    /// refuses to mount it (and refused the copy if it was mounted).
+    _claim: Option<std::fs::File>,
+}
+
+/// Which file or device `meta` describes: a block device by its device number (two device
+/// nodes for one disk are the same disk), anything else by device and inode.
+pub fn identity(meta: &std::fs::Metadata) -> (u64, u64) {
+    if meta.file_type().is_block_device() {
+        (u64::MAX, meta.rdev())
+    } else {
+        (meta.dev(), meta.ino())
+    }
 }
 
 impl Opened {
     fn plain(backend: Arc<dyn Backend>, zeroed: bool) -> Opened {
-        Opened { backend, file: None, created: false, zeroed }
+        Opened { backend, file: None, created: false, zeroed, id: None, _claim: None }
     }
 
-    fn file(file: FileBackend, created: bool, zeroed: bool) -> Opened {
+    fn file(file: FileBackend, created: bool, zeroed: bool) -> Result<Opened> {
+        let meta =
+            file.policy().file().metadata().map_err(|e| Error::io("stat", e).path(file.policy().path()))?;
         let file = Arc::new(file);
-        Opened { backend: file.clone(), file: Some(file), created, zeroed }
+        Ok(Opened {
+            backend: file.clone(),
+            file: Some(file),
+            created,
+            zeroed,
+            id: Some(identity(&meta)),
+            _claim: None,
+        })
+    }
+
+    /// For a regular file source: fails if the file is now shorter than the `size` that was
+    /// copied. Its vanished end read as a hole (SEEK_DATA finds nothing past the end of a
+    /// file), so zeroes were copied for bytes it no longer has. A file that grew is only
+    /// warned about: the copy holds its first `size` bytes.
+    pub fn check_size_unchanged(&self, size: Option<u64>) -> Result<()> {
+        let (Some(f), Some(size)) = (&self.file, size) else { return Ok(()) };
+        let path = f.policy().path();
+        let meta = f.policy().file().metadata().map_err(|e| Error::io("stat", e).path(path))?;
+        if !meta.is_file() {
+            return Ok(());
+        }
+        let now = meta.len();
+        if now < size {
+            return Err(Error::new(ErrorKind::UnexpectedEof, "copy").path(path).detail(format!(
+                "the source shrank during the copy, from {size} to {now} bytes: the destination \
+                 does not match it"
+            )));
+        }
+        if now > size {
+            tracing::warn!(
+                "{}: grew during the copy, from {size} to {now} bytes; only the first {size} were copied",
+                path.display()
+            );
+        }
+        Ok(())
     }
 
     /// After a new file was made durable: makes its directory entry durable too.
@@ -144,8 +197,23 @@ impl Opened {
 pub fn open_source(ep: &Endpoint, mode: CacheMode, tuning: &Tuning, connections: usize) -> Result<Opened> {
     match ep {
         Endpoint::Nbd(t) => Ok(Opened::plain(Arc::new(NbdBackend::open(t, connections)?), false)),
-        Endpoint::Stdio => Ok(Opened::plain(Arc::new(PipeBackend::stdin()?), false)),
-        Endpoint::Null(size) => Ok(Opened::plain(Arc::new(NullBackend::new(Some(size.unwrap_or(0)))), false)),
+        Endpoint::Stdio => {
+            let mut o = Opened::plain(Arc::new(PipeBackend::stdin()?), false);
+            // Standard input redirected from a file or device: known, so that it is never
+            // also the destination (`lightfoot copy - img < img` truncated img).
+            if let Ok(fd) = std::io::stdin().as_fd().try_clone_to_owned() {
+                if let Ok(m) = std::fs::File::from(fd).metadata() {
+                    if m.is_file() || m.file_type().is_block_device() {
+                        o.id = Some(identity(&m));
+                    }
+                }
+            }
+            Ok(o)
+        }
+        Endpoint::Null(None) => Err(Error::new(ErrorKind::InvalidInput, "open")
+            .path("null:")
+            .detail("a null: source needs a size (null:SIZE, e.g. null:1G)")),
+        Endpoint::Null(size) => Ok(Opened::plain(Arc::new(NullBackend::new(*size)), false)),
         Endpoint::Path(p) => {
             let meta = std::fs::metadata(p).map_err(|e| Error::io("open", e).path(p))?;
             if meta.is_dir() {
@@ -159,7 +227,7 @@ pub fn open_source(ep: &Endpoint, mode: CacheMode, tuning: &Tuning, connections:
                 ));
             }
             let fb = FileBackend::open(p, OpenOptions::default(), mode, tuning)?;
-            Ok(Opened::file(fb, false, false))
+            Opened::file(fb, false, false)
         }
     }
 }
@@ -204,13 +272,8 @@ pub fn open_destination(
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
                 Err(e) => return Err(Error::io("open", e).path(p)),
             };
-            if let (Some(m), Some(sf)) = (&existing, &src.file) {
-                let sm = sf
-                    .policy()
-                    .file()
-                    .metadata()
-                    .map_err(|e| Error::io("stat", e).path(sf.policy().path()))?;
-                if m.dev() == sm.dev() && m.ino() == sm.ino() {
+            if let (Some(m), Some(id)) = (&existing, src.id) {
+                if identity(m) == id {
                     return Err(Error::new(ErrorKind::InvalidInput, "copy")
                         .path(p)
                         .detail("source and destination are the same file"));
@@ -221,9 +284,22 @@ pub fn open_destination(
                     return Err(Error::new(ErrorKind::InvalidInput, "open").path(p).detail("is a directory"))
                 }
                 Some(m) if m.file_type().is_block_device() => {
+                    // O_EXCL on a block device: refused while it is mounted or claimed (as
+                    // mkfs does), and it cannot be mounted while we hold it.
+                    let claim =
+                        std::fs::OpenOptions::new().write(true).custom_flags(libc::O_EXCL).open(p).map_err(
+                            |e| match e.raw_os_error() {
+                                Some(libc::EBUSY) => Error::new(ErrorKind::Permission, "open")
+                                    .path(p)
+                                    .detail("the device is in use (mounted, or held by another program)"),
+                                _ => Error::io("open", e).path(p),
+                            },
+                        )?;
                     let opts_o = OpenOptions { write: true, create: false, truncate: false };
                     let fb = FileBackend::open(p, opts_o, mode, tuning)?;
-                    return Ok(Opened::file(fb, false, opts.destination_is_zero));
+                    let mut o = Opened::file(fb, false, opts.destination_is_zero)?;
+                    o._claim = Some(claim);
+                    return Ok(o);
                 }
                 Some(m) if m.file_type().is_fifo() || m.file_type().is_char_device() => {
                     let f = std::fs::OpenOptions::new()
@@ -245,7 +321,7 @@ pub fn open_destination(
                 }
                 fb.set_len(size)?;
             }
-            Ok(Opened::file(fb, existing.is_none(), true))
+            Opened::file(fb, existing.is_none(), true)
         }
     }
 }

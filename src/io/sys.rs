@@ -574,11 +574,14 @@ pub fn activate_socket(cmd: &mut std::process::Command, listener: std::os::fd::B
     }
 }
 
-/// Sends SIGTERM to a child process.
-pub fn terminate(child: &std::process::Child) -> io::Result<()> {
-    // SAFETY: kill with integer arguments; the pid is our unreaped child, so it cannot have
-    // been reused by another process.
-    check(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) } as libc::c_long).map(drop)
+/// Sends `sig` to the process group a child leads (spawned with `process_group(0)`): the
+/// child and whatever it started (a wrapper script's server, a forked daemon) that stayed in
+/// its group.
+pub fn signal_group(child: &std::process::Child, sig: libc::c_int) -> io::Result<()> {
+    // SAFETY: kill with integer arguments. The group id is our child's pid; the kernel does
+    // not hand out a pid again while a process group of that id still has members, and once
+    // it has none the call fails with ESRCH.
+    check(unsafe { libc::kill(-(child.id() as libc::pid_t), sig) } as libc::c_long).map(drop)
 }
 
 static USR1: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

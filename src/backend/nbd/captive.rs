@@ -95,8 +95,11 @@ impl Captive {
     /// Stops the server: SIGTERM, then SIGKILL after a grace period. Idempotent.
     pub fn stop(&self) {
         let Some(mut child) = self.child.lock().unwrap().take() else { return };
-        if let Ok(None) = child.try_wait() {
-            let _ = crate::io::sys::terminate(&child);
+        let running = matches!(child.try_wait(), Ok(None));
+        // The whole group, even when the child itself has exited: a server started by a
+        // wrapper script without `exec`, or one that forked, is not the child.
+        let _ = crate::io::sys::signal_group(&child, libc::SIGTERM);
+        if running {
             let deadline = Instant::now() + STOP_GRACE;
             loop {
                 match child.try_wait() {
@@ -106,6 +109,7 @@ impl Captive {
                             "{}: still running {STOP_GRACE:?} after SIGTERM; killing it",
                             self.display
                         );
+                        let _ = crate::io::sys::signal_group(&child, libc::SIGKILL);
                         let _ = child.kill();
                         let _ = child.wait();
                         break;
