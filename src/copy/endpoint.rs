@@ -183,7 +183,9 @@ impl Opened {
         if !self.created {
             return Ok(());
         }
-        let path = f.policy().path();
+        // The entry made is where the path leads: through a symlink, another directory.
+        let path =
+            std::fs::canonicalize(f.policy().path()).unwrap_or_else(|_| f.policy().path().to_path_buf());
         let parent = match path.parent() {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),
