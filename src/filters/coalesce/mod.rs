@@ -361,7 +361,13 @@ impl Coalesce {
         let sh = &self.shared;
         let len = buf.len() as u64;
         if !sh.wait_for_room(len) {
-            return self.pass(offset, len, || sh.inner.write(buf, offset, fua).map(|()| sh.wrote(buf.len())));
+            // Straight down (a write-back error is latched, so room may never come); a FUA
+            // write must still report that error, as every FUA after it does.
+            self.pass(offset, len, || sh.inner.write(buf, offset, fua).map(|()| sh.wrote(buf.len())))?;
+            if fua {
+                sh.check_latch("write")?;
+            }
+            return Ok(());
         }
         let mut locks = sh.write_locks(offset, len);
         self.absorb(&mut locks, buf, offset);
@@ -383,6 +389,10 @@ impl Coalesce {
     /// drops the dirty bytes it superseded (kept if it failed: they were acknowledged).
     fn pass(&self, offset: u64, len: u64, op: impl FnOnce() -> Result<()>) -> Result<()> {
         let sh = &self.shared;
+        if len == 0 {
+            // Supersedes nothing (a discard of nothing would split a run in two).
+            return op();
+        }
         // Locked even when nothing is dirty: a block dirtied while `op` runs must not have
         // its gaps read before `op` and written back after it.
         let mut locks = sh.write_locks(offset, len);

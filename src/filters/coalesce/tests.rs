@@ -184,6 +184,41 @@ fn a_failed_write_back_fails_every_later_flush_and_fua() {
     assert_eq!(c.stats().errors, 1);
 }
 
+/// With an error latched and the bound full, small writes go straight down: a FUA one among
+/// them still reports the error (it was answered OK).
+#[test]
+fn a_fua_write_past_a_full_bound_reports_a_latched_error() {
+    let mem = full(MIB);
+    let bad = Rule::new(Op::Write, Fault::Fail(ErrorKind::Io)).at(0, 64 * K);
+    let f = Arc::new(FaultInjector::new(mem.clone(), vec![bad]));
+    let c = Coalesce::new(f, CoalesceConfig { size: 128 * K, ..cfg() });
+    c.write(&[1u8; 1024], 10, false).unwrap();
+    assert!(c.flush().is_err());
+    // Fill the bound with blocks elsewhere (held: no room for more).
+    for b in 1..3u64 {
+        c.write(&vec![2u8; 64 * K as usize - 1024], b * 64 * K, false).unwrap();
+    }
+    assert!(c.stats().held + 4096 > 128 * K, "{:?}", c.stats());
+    assert!(c.write(&[3u8; 4096], 512 * K, true).is_err(), "a FUA write succeeded after the error");
+}
+
+/// A bound that holds only two blocks: a whole-block write waits for room, and the background
+/// thread must make it (it stopped at 3/4 of the bound, and the writer waited for the age).
+#[test]
+fn a_write_larger_than_a_quarter_of_the_bound_gets_room() {
+    let mem = full(MIB);
+    // An age bound that ends the wait in 20 s at the latest.
+    let c =
+        Coalesce::new(mem.clone(), CoalesceConfig { size: 128 * K, age: Duration::from_secs(20), ..cfg() });
+    c.write(&vec![1u8; 16 * K as usize], 0, false).unwrap();
+    c.write(&vec![2u8; 64 * K as usize], 64 * K, false).unwrap();
+    let t0 = Instant::now();
+    c.write(&vec![3u8; 64 * K as usize], 256 * K, false).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(10), "the write waited {:?}", t0.elapsed());
+    c.finish().unwrap();
+    assert_eq!(read(&*mem, 256 * K, 64 * K), vec![3u8; 64 * K as usize]);
+}
+
 #[test]
 fn writers_wait_within_the_memory_bound() {
     let mem = full(16 * MIB);

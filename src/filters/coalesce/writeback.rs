@@ -336,7 +336,7 @@ impl Shared {
         let mut earliest = start;
         for (since, b) in all {
             let too_old = old.is_some_and(|o| since <= o);
-            if !too_old && self.held.load(SeqCst) <= self.low_mark() {
+            if !too_old && !self.under_pressure() {
                 // The oldest block left; blocks written back and failed restart their clock.
                 earliest = earliest.min(since);
                 break;
@@ -347,9 +347,20 @@ impl Shared {
         earliest + self.cfg.age
     }
 
-    /// Where write-back under memory pressure stops.
+    /// Where write-back under memory pressure stops: 3/4 of the bound, and low enough that the
+    /// largest write held fits (a writer waiting for more room than the last quarter would
+    /// otherwise wait for the age bound: `--coalesce-size 128K` with 64 KiB writes).
     fn low_mark(&self) -> u64 {
-        self.cfg.size / 4 * 3
+        let size = self.cfg.size;
+        (size / 4 * 3).min(size - self.cfg.max_request.min(size))
+    }
+
+    /// More is held than the low mark, and writing back can help: with a write-back error
+    /// latched, held blocks fail again (each holding its stripe across the failing I/O), and
+    /// writers go straight down instead of waiting (see [`Self::wait_for_room`]); they are
+    /// retried at the next FLUSH or once too old.
+    fn under_pressure(&self) -> bool {
+        self.held.load(SeqCst) > self.low_mark() && self.latched().is_none()
     }
 
     /// The background thread: wakes when a writer is over the bound, and when a block may have
@@ -379,7 +390,7 @@ impl Shared {
                 let _ = self.write_back_one(b);
             }
             let held = self.held.load(SeqCst);
-            if held > self.low_mark() || (held > 0 && Instant::now() >= due) {
+            if self.under_pressure() || (held > 0 && Instant::now() >= due) {
                 due = self.write_back_old();
             } else if held == 0 {
                 // Blocks dirtied from now on are due an age from now at the earliest.
