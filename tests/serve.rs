@@ -771,6 +771,35 @@ print("ok")
     assert!(outside <= 64 * MIB / 100, "left {outside} bytes cached outside the working set");
 }
 
+/// Two connections writing into one 2 MiB block: the second saw the first one's pages there
+/// and took the block for one cached before the job, so its own writes into it were never
+/// evicted. One record of which blocks held pages before the job now serves every
+/// connection.
+#[test]
+fn connections_sharing_a_block_leave_nothing_behind() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(16 * MIB).unwrap();
+    let s = Served::start(&img, &[]);
+    let script = r#"
+import os, nbd
+a = nbd.NBD(); a.connect_uri(os.environ["URI"])
+b = nbd.NBD(); b.connect_uri(os.environ["URI"])
+X = 4 << 20
+a.pwrite(b"\x01" * 4096, X)
+b.pwrite(b"\x02" * 4096, X + 8192)
+a.flush()
+b.pwrite(b"\x03" * 4096, X + 16384)
+b.flush()
+a.flush()
+print("ok")
+"#;
+    let out = nbdsh(script, &s.uri());
+    assert!(out.status.success(), "{}", text(&out));
+    s.stop();
+    assert_eq!(cached(&img, 0, None), 0, "pages left cached");
+}
+
 #[test]
 fn prefetch_serves_a_sequential_reader_from_its_buffer() {
     let dir = scratch();

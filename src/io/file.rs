@@ -98,6 +98,8 @@ pub struct Shared {
     /// trim went through it since): no direct small writes ([`PolicyFile::direct_pays`]).
     holes: AtomicBool,
     known_data: KnownData,
+    /// Which 2 MiB blocks held pages before the job (write-behind's record, one for all opens).
+    classes: Arc<super::writebehind::Classes>,
 }
 
 impl Default for Shared {
@@ -108,6 +110,7 @@ impl Default for Shared {
             page_locks: (0..1 << PAGE_LOCK_BITS).map(|_| Mutex::new(())).collect(),
             holes: AtomicBool::new(false),
             known_data: KnownData::default(),
+            classes: Default::default(),
         }
     }
 }
@@ -324,7 +327,7 @@ impl PolicyFile {
             direct_small: AtomicBool::new(
                 has_direct && residency && mode == CacheMode::Neutral && sys::page_size() as u64 == PAGE,
             ),
-            write_behind: WriteBehind::new(write == WriteMech::DontCache),
+            write_behind: WriteBehind::new(write == WriteMech::DontCache, shared.classes.clone()),
             shared,
             notes: Mutex::new(notes),
             touched_lo: AtomicU64::new(u64::MAX),
@@ -520,6 +523,11 @@ impl PolicyFile {
     /// through the cache, or straight to the disk where that saves reading a page
     /// ([`Self::direct_pays`]).
     pub fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        if buf.is_empty() {
+            // Nothing to write (an NBD client may send a zero-length WRITE). Under O_DIRECT
+            // an unaligned one would otherwise read and rewrite its whole block.
+            return Ok(());
+        }
         let len = buf.len() as u64;
         let err = |e: io::Error| Error::io("write", e).path(&self.path).at(offset, len);
         self.touch(offset, len);

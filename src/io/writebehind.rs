@@ -28,7 +28,7 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use super::sys::{self, Advice};
 
@@ -44,7 +44,17 @@ pub struct WriteBehind {
     /// pages found after it are reported.
     verify: AtomicBool,
     inner: Mutex<Inner>,
-    /// 2 MiB blocks seen by `classify`, and those of them that held pages before: bitmaps.
+    /// Which blocks held pages before the job: one record per file and job, shared by every
+    /// open of it (a server's connections).
+    classes: Arc<Classes>,
+}
+
+/// 2 MiB blocks seen by [`WriteBehind::classify`], and those of them that held pages before
+/// the job's first write into them. Shared by all opens of a file in one job: with one record
+/// per connection, a block connection A wrote first looked pre-cached to connection B (A's
+/// pages were there), and B's drain never evicted it.
+#[derive(Default)]
+pub struct Classes {
     seen: Mutex<Vec<u64>>,
     precached: Mutex<Vec<u64>>,
     /// `classify` is in use: only blocks it saw empty are evicted.
@@ -121,15 +131,13 @@ pub struct Outcome {
 }
 
 impl WriteBehind {
-    pub fn new(verify: bool) -> WriteBehind {
+    pub fn new(verify: bool, classes: Arc<Classes>) -> WriteBehind {
         WriteBehind {
             max_dirty: 2 * WINDOW,
             max_writeback: 2 * WINDOW,
             verify: AtomicBool::new(verify),
             inner: Mutex::new(Inner::default()),
-            seen: Mutex::new(Vec::new()),
-            precached: Mutex::new(Vec::new()),
-            guarded: AtomicBool::new(false),
+            classes,
         }
     }
 
@@ -140,15 +148,16 @@ impl WriteBehind {
         if len == 0 {
             return;
         }
-        self.guarded.store(true, Ordering::Relaxed);
-        let mut seen = self.seen.lock().unwrap();
+        let c = &*self.classes;
+        c.guarded.store(true, Ordering::Relaxed);
+        let mut seen = c.seen.lock().unwrap();
         for b in offset / BLOCK..(offset + len).div_ceil(BLOCK) {
             if bit(&seen, b) {
                 continue;
             }
             set_bit(&mut seen, b);
             if sys::cachestat(fd, b * BLOCK, BLOCK).is_ok_and(|s| s.cached > 0) {
-                set_bit(&mut self.precached.lock().unwrap(), b);
+                set_bit(&mut c.precached.lock().unwrap(), b);
             }
         }
     }
@@ -179,10 +188,19 @@ impl WriteBehind {
         };
         // With DONTCACHE the kernel has started writeback already; this then finds nothing
         // dirty and returns at once.
+        // An error still lets the windows already taken off the queue be waited for and
+        // evicted (nothing else would); the first error is returned.
+        let mut first_err = None;
         for w in start {
-            sys::sync_file_range(fd, w * WINDOW, WINDOW, sys::SFR_WRITE)?;
+            if let Err(e) = sys::sync_file_range(fd, w * WINDOW, WINDOW, sys::SFR_WRITE) {
+                first_err.get_or_insert(e);
+            }
         }
-        self.wait_and_evict(fd, wait)
+        let waited = self.wait_and_evict(fd, wait);
+        match first_err {
+            Some(e) => Err(e),
+            None => waited,
+        }
     }
 
     /// Stops checking for pages left behind (the caller has switched away from DONTCACHE).
@@ -226,8 +244,9 @@ impl WriteBehind {
             // With classification on, the job's blocks are the ones it wrote into that held
             // no pages before; the rest of the window (pre-cached, or never written by us)
             // is not ours to evict.
-            let guarded = self.guarded.load(Ordering::Relaxed);
-            let (seen, precached) = (self.seen.lock().unwrap(), self.precached.lock().unwrap());
+            let c = &*self.classes;
+            let guarded = c.guarded.load(Ordering::Relaxed);
+            let (seen, precached) = (c.seen.lock().unwrap(), c.precached.lock().unwrap());
             let ours = |b: u64| !guarded || (bit(&seen, b) && !bit(&precached, b));
             let blocks = w * WINDOW / BLOCK..(w + 1) * WINDOW / BLOCK;
             let mut b = blocks.start;
@@ -278,7 +297,7 @@ mod tests {
     #[test]
     fn a_stream_starts_a_window_when_the_third_begins_and_waits_two_behind() {
         let f = tempfile::tempfile().unwrap();
-        let wb = WriteBehind::new(false);
+        let wb = WriteBehind::new(false, Default::default());
         let chunk = vec![1u8; 1 << 20];
         let mut at = 0;
         let mut write_through = |end: u64| {
@@ -299,7 +318,7 @@ mod tests {
     #[test]
     fn scattered_small_writes_wait_for_nothing_until_their_pages_add_up() {
         let f = tempfile::tempfile().unwrap();
-        let wb = WriteBehind::new(false);
+        let wb = WriteBehind::new(false, Default::default());
         // 1 KiB into each of 64 windows (512 MiB apart from first to last): 64 pages.
         for i in 0..64u64 {
             let at = i * WINDOW + 3072;
