@@ -24,7 +24,7 @@
 //! The same tracker checks RWF_DONTCACHE writes (`verify`): when a window waited on still has
 //! pages cached, DONTCACHE is leaving them (ext4 overwrites on 6.18) and the caller falls back.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -55,26 +55,16 @@ pub struct WriteBehind {
 /// pages were there), and B's drain never evicted it.
 #[derive(Default)]
 pub struct Classes {
-    seen: Mutex<Vec<u64>>,
-    precached: Mutex<Vec<u64>>,
+    // Sets, not bitmaps: a bitmap is sized by the highest block, and one write near the end of
+    // a huge sparse file would have asked for gigabytes.
+    seen: Mutex<HashSet<u64>>,
+    precached: Mutex<HashSet<u64>>,
     /// `classify` is in use: only blocks it saw empty are evicted.
     guarded: AtomicBool,
 }
 
 /// Granularity of the pre-cached check: the largest folio (DONTNEED drops whole folios).
 const BLOCK: u64 = 2 << 20;
-
-fn bit(map: &[u64], i: u64) -> bool {
-    map.get((i / 64) as usize).is_some_and(|w| w & (1 << (i % 64)) != 0)
-}
-
-fn set_bit(map: &mut Vec<u64>, i: u64) {
-    let w = (i / 64) as usize;
-    if map.len() <= w {
-        map.resize(w + 1, 0);
-    }
-    map[w] |= 1 << (i % 64);
-}
 
 /// A window with the bytes written into it (in whole pages: a 1 KiB write caches a page),
 /// and whether any of them were written without RWF_DONTCACHE (its pages are then expected
@@ -152,12 +142,11 @@ impl WriteBehind {
         c.guarded.store(true, Ordering::Relaxed);
         let mut seen = c.seen.lock().unwrap();
         for b in offset / BLOCK..(offset + len).div_ceil(BLOCK) {
-            if bit(&seen, b) {
+            if !seen.insert(b) {
                 continue;
             }
-            set_bit(&mut seen, b);
             if sys::cachestat(fd, b * BLOCK, BLOCK).is_ok_and(|s| s.cached > 0) {
-                set_bit(&mut c.precached.lock().unwrap(), b);
+                c.precached.lock().unwrap().insert(b);
             }
         }
     }
@@ -247,7 +236,7 @@ impl WriteBehind {
             let c = &*self.classes;
             let guarded = c.guarded.load(Ordering::Relaxed);
             let (seen, precached) = (c.seen.lock().unwrap(), c.precached.lock().unwrap());
-            let ours = |b: u64| !guarded || (bit(&seen, b) && !bit(&precached, b));
+            let ours = |b: u64| !guarded || (seen.contains(&b) && !precached.contains(&b));
             let blocks = w * WINDOW / BLOCK..(w + 1) * WINDOW / BLOCK;
             let mut b = blocks.start;
             while b < blocks.end {
