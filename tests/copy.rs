@@ -69,7 +69,7 @@ fn neutral_leaves_the_cache_as_found() {
         let before = cached(&src, 0, Some(ws - 2 * MIB));
         let after = cached(&src, ws + ws_len + 2 * MIB, None);
         let dst_cached = cached(&dst, 0, None);
-        assert_eq!(kept, ws_len, "{name}: working set lost {} bytes", ws_len - kept);
+        assert_kept(kept, ws_len, name);
         assert!(before + after <= SIZE / 100, "{name}: source left {} bytes cached", before + after);
         assert!(dst_cached <= SIZE / 100, "{name}: destination left {dst_cached} bytes cached");
         let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -392,7 +392,7 @@ fn unprivileged_user_on_a_root_owned_source() {
         let out = cmd.args([bin(), "copy", "-v", s(&src), s(&dst)]).output().unwrap();
         assert!(out.status.success(), "{env:?}: {}", text(&out));
         assert!(text(&out).contains("cachestat denied"), "{env:?}: {}", text(&out));
-        assert_eq!(cached(&src, 8 * MIB, Some(4 * MIB)), 4 * MIB, "{env:?}: working set lost");
+        assert_kept(cached(&src, 8 * MIB, Some(4 * MIB)), 4 * MIB, &format!("{env:?}"));
         let outside = cached(&src, 0, Some(6 * MIB)) + cached(&src, 14 * MIB, None);
         assert!(outside <= 32 * MIB / 100, "{env:?}: left {outside} cached");
         assert!(same_contents(&src, &dst));
