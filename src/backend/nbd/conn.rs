@@ -76,11 +76,10 @@ enum Target<'a> {
 #[derive(Default)]
 struct Answer {
     error: Option<(u32, String)>,
-    /// Bytes of a structured READ covered by data and hole chunks.
-    covered: u64,
-    /// The parts of the request those chunks covered (start to end, relative to the request,
-    /// neighbours merged): the spec forbids overlaps, and a server that sent one chunk twice
-    /// would otherwise pass for one that covered the request.
+    /// The parts of a READ its reply covered (start to end, relative to the request,
+    /// neighbours merged; a simple reply covers it whole). Kept as ranges, not a byte count:
+    /// the spec forbids overlapping chunks, and a server that sent one chunk twice would
+    /// otherwise pass for one that covered the request.
     content: BTreeMap<u64, u64>,
     /// The status chunk for `base:allocation` came (a reply holds one per context).
     status: bool,
@@ -127,8 +126,12 @@ impl Answer {
         if self.content.len() > MAX_PIECES {
             return bad("splitting the read into too many pieces");
         }
-        self.covered += n;
         Ok(start as usize)
+    }
+
+    /// Bytes of the READ the reply covered.
+    fn covered(&self) -> u64 {
+        self.content.iter().map(|(s, e)| e - s).sum()
     }
 }
 
@@ -260,7 +263,7 @@ impl Connection {
             };
             return Err(Error::new(kind, op).path(&self.who).at(offset, len).detail(detail));
         }
-        if cmd == CMD_READ && self.info.structured && answer.covered != len {
+        if cmd == CMD_READ && self.info.structured && answer.covered() != len {
             self.kill("short structured read".into());
             return Err(lost("the server's read reply did not cover the request"));
         }
@@ -370,7 +373,7 @@ impl Connection {
                     answer.error = Some((error, String::new()));
                 } else if let Target::Read(buf) = target {
                     r.read_exact(buf).map_err(io)?;
-                    answer.covered = len;
+                    answer.content.insert(0, len);
                 }
                 return Ok(true);
             }

@@ -163,8 +163,9 @@ pub fn options<S: Read + Write + ?Sized>(
         size_flags.ok_or_else(|| fail(ErrorKind::Io, "the server sent no export size".into()))?;
     // The spec: the minimum a power of two up to 64 KiB, the preferred a power of two at least
     // the minimum and 512, the maximum at least the preferred. Sizes that break it are ignored
-    // (with a warning) rather than the server refused: the defaults hold, and a server that really needs larger blocks refuses
-    // the requests it cannot take (an error naming the request) rather than the connection.
+    // (with a warning) rather than the server refused: the defaults hold, and a server that
+    // really needs larger blocks refuses the requests it cannot take (an error naming the
+    // request) rather than the connection.
     let BlockSizes { minimum, preferred, maximum } = block;
     if !minimum.is_power_of_two()
         || minimum > 1 << 16

@@ -403,11 +403,11 @@ impl Shared {
     /// each flush below, at once, and the kernel shares the work between them: a journalled
     /// ext4's fdatasync joins a running commit; without a journal (these VMs' ext4) the later
     /// callers find the metadata buffers already under writeback and wait on them, and the
-    /// block layer sends their device flushes as one. A group commit here (a caller arriving while a flush ran
-    /// waited for it and then for one more) was slower: 4 clients of 4 KiB random writes
-    /// flushing every 64 writes waited 10 ms a FLUSH for it against 5 ms for the plain
-    /// server's parallel fdatasyncs, and dropping it took the filter from 0.98x to 1.17x the
-    /// plain server there (bench/coalesce.sh, 2026-11-23).
+    /// block layer sends their device flushes as one. A group commit here (a caller arriving
+    /// while a flush ran waited for it and then for one more) was slower: 4 clients of 4 KiB
+    /// random writes flushing every 64 writes waited 10 ms a FLUSH for it against 5 ms for
+    /// the plain server's parallel fdatasyncs, and dropping it took the filter from 0.98x to
+    /// 1.17x the plain server there (bench/coalesce.sh, 2026-11-23).
     pub(super) fn flush_below(&self) -> Result<()> {
         self.counters.backend_flushes.fetch_add(1, SeqCst);
         if let Err(e) = self.inner.flush() {

@@ -304,7 +304,11 @@ impl Client {
         let unsupported = match r.cmd {
             CMD_FLUSH => !tf(TF_SEND_FLUSH),
             CMD_TRIM => !tf(TF_SEND_TRIM),
-            CMD_WRITE_ZEROES => !tf(TF_SEND_WRITE_ZEROES),
+            // FAST_ZERO the server did not advertise: EINVAL too, the spec says (ENOTSUP is for
+            // an advertised fast zero that cannot be done).
+            CMD_WRITE_ZEROES => {
+                !tf(TF_SEND_WRITE_ZEROES) || (r.flags & CMD_FLAG_FAST_ZERO != 0 && !tf(TF_SEND_FAST_ZERO))
+            }
             CMD_CACHE => !tf(TF_SEND_CACHE),
             CMD_BLOCK_STATUS => !self.s.meta || r.len == 0,
             CMD_WRITE => r.len > MAX_PAYLOAD,
@@ -318,11 +322,6 @@ impl Client {
             _ => false,
         };
         if unsupported {
-            e.push(EINVAL);
-        }
-        // FAST_ZERO the server did not advertise: EINVAL, the spec says (ENOTSUP is for an
-        // advertised fast zero that cannot be done).
-        if r.cmd == CMD_WRITE_ZEROES && r.flags & CMD_FLAG_FAST_ZERO != 0 && !tf(TF_SEND_FAST_ZERO) {
             e.push(EINVAL);
         }
         e
