@@ -14,6 +14,7 @@ command -v nocache   >/dev/null || need+=(nocache)
 command -v losetup   >/dev/null || need+=(mount)
 command -v setpriv   >/dev/null || need+=(util-linux)
 command -v openssl   >/dev/null || need+=(openssl)
+command -v mksquashfs >/dev/null || need+=(squashfs-tools)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

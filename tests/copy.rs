@@ -227,6 +227,59 @@ fn full_disk_fails_cleanly_and_says_the_destination_is_incomplete() {
     assert!(t.contains("is incomplete"), "{t}");
 }
 
+/// A source on squashfs, which refuses both O_DIRECT and RWF_DONTCACHE: read with
+/// evict-behind (it has cachestat), copied whole, the cache left as found. The copy failed
+/// before ("O_DIRECT: invalid argument"), as it would on iso9660.
+#[test]
+fn copies_from_a_filesystem_without_direct_io() {
+    if euid() != 0 {
+        eprintln!("SKIPPED copies_from_a_filesystem_without_direct_io: needs root to mount");
+        return;
+    }
+    let found = Command::new("sh").args(["-c", "command -v mksquashfs"]).output().unwrap();
+    assert!(
+        found.status.success(),
+        "mksquashfs is missing: `make test` installs it (Debian package squashfs-tools)"
+    );
+    let dir = scratch();
+    let (tree, mnt) = (dir.path().join("tree"), dir.path().join("mnt"));
+    std::fs::create_dir(&tree).unwrap();
+    std::fs::create_dir(&mnt).unwrap();
+    random_file(&tree.join("disk.img"), 24 * MIB);
+    let image = dir.path().join("fs.squashfs");
+    let out =
+        Command::new("mksquashfs").arg(&tree).arg(&image).args(["-noappend", "-quiet"]).output().unwrap();
+    assert!(out.status.success(), "mksquashfs: {}", text(&out));
+    let st = Command::new("mount")
+        .args(["-t", "squashfs", "-o", "loop,ro"])
+        .arg(&image)
+        .arg(&mnt)
+        .status()
+        .unwrap();
+    assert!(st.success(), "mount squashfs");
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(&mnt);
+    let src = mnt.join("disk.img");
+    evict(&src);
+    let (ws, ws_len) = (8 * MIB, 4 * MIB);
+    warm(&src, ws, ws_len);
+    let dst = dir.path().join("dst");
+    let out = copy(&[s(&src), s(&dst)]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_kept(cached(&src, ws, Some(ws_len)), ws_len, "squashfs source");
+    // Reading the working set, squashfs also cached the 128 KiB block after it: the 2 MiB
+    // block holding those pages counts as cached before the job, and is left alone.
+    let outside = cached(&src, 0, Some(ws - 2 * MIB)) + cached(&src, ws + ws_len + 2 * MIB, None);
+    assert_eq!(outside, 0, "bytes of the source left cached outside the working set");
+    assert_eq!(cached(&dst, 0, None), 0, "destination left cached");
+    assert!(same_contents(&tree.join("disk.img"), &dst));
+}
+
 #[test]
 fn block_device_destination() {
     if euid() != 0 {

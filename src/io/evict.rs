@@ -6,9 +6,14 @@
 //! any page before the job is never evicted: a pre-cached region may leak up to one block of
 //! the job's pages at each edge, but never loses its own.
 //!
-//! Why a check just before the read rather than one snapshot at start: pages another process
-//! caches during a long job are then respected too. It only works with readahead off
-//! (`POSIX_FADV_RANDOM`), otherwise our own readahead would already have loaded the block.
+//! Why a check just before the first read of each block rather than one snapshot at start:
+//! blocks another process caches during a long job, before the job reaches them, are then
+//! respected too. It only works with readahead off (`POSIX_FADV_RANDOM`), otherwise our own
+//! readahead would already have loaded the block. The verdict is recorded once per file and
+//! job ([`Classes`], shared with write-behind and with a server's other connections) and never
+//! taken again: a block read again after it was evicted, or read by another connection, holds
+//! the job's own pages then and must not pass for pre-cached (a server's connections left 9-18
+//! MiB of a 256 MiB file behind that way).
 //!
 //! `POSIX_FADV_RANDOM` does not stop everything, though: reading a folio that another
 //! reader's readahead marked (PG_readahead) still starts an asynchronous readahead window,
@@ -20,9 +25,10 @@
 
 use std::collections::BTreeMap;
 use std::os::fd::BorrowedFd;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use super::sys::{self, Advice};
+use super::writebehind::Classes;
 
 /// Eviction granularity: the largest folio readahead builds.
 pub const BLOCK: u64 = 2 << 20;
@@ -35,6 +41,8 @@ pub struct EvictBehind {
     /// Most blocks of ours kept cached at once before the oldest is evicted (bounds the
     /// footprint of random readers that never finish a block).
     max_blocks: usize,
+    /// Which blocks held pages before the job (one record per file and job).
+    classes: Arc<Classes>,
     inner: Mutex<Inner>,
 }
 
@@ -47,44 +55,59 @@ struct Inner {
 }
 
 impl EvictBehind {
-    pub fn new(evict_foreign: bool, max_bytes: u64, lookahead: u64) -> EvictBehind {
+    pub fn new(evict_foreign: bool, max_bytes: u64, lookahead: u64, classes: Arc<Classes>) -> EvictBehind {
         EvictBehind {
             evict_foreign,
             lookahead,
             max_blocks: (max_bytes / BLOCK).max(2) as usize,
+            classes,
             inner: Mutex::new(Inner::default()),
         }
+    }
+
+    fn ours(&self, block: u64) -> bool {
+        self.evict_foreign || self.classes.ours(block)
     }
 
     /// Call before reading `[offset, offset+len)`: classifies the blocks seen for the first
     /// time. `Err` only if cachestat fails (the caller then stops using this mechanism).
     pub fn before_read(&self, fd: BorrowedFd, offset: u64, len: u64) -> std::io::Result<()> {
+        if !self.evict_foreign {
+            self.classes.classify(fd, offset, len + self.lookahead)?;
+        }
         let mut inner = self.inner.lock().unwrap();
         inner.clock += 1;
         let now = inner.clock;
         for block in blocks(offset, len + self.lookahead) {
-            if let Some(t) = inner.ours.get_mut(&block) {
-                *t = now;
-                continue;
-            }
-            let ours = self.evict_foreign || sys::cachestat(fd, block * BLOCK, BLOCK)?.cached == 0;
-            if ours {
+            if self.ours(block) {
                 inner.ours.insert(block, now);
             }
         }
         Ok(())
     }
 
-    /// Call after the read: evicts the blocks whose last byte this read reached, and the
-    /// least recently touched ones beyond the limit.
+    /// Call after the read: evicts the blocks of ours whose last byte this read reached, and
+    /// the least recently touched ones beyond the limit. Another request may have evicted a
+    /// block while this one was reading into it or past its end: the block is held again, so
+    /// that the pages this read brought in go too. (squashfs rounds a read that ends on one
+    /// of its blocks up by one more block: with two workers, 128 KiB at the start of the next
+    /// 2 MiB block stayed behind when the other worker had already read and evicted it.)
     pub fn after_read(&self, fd: BorrowedFd, offset: u64, len: u64) {
         let end = offset + len;
         let mut evict = Vec::new();
         {
             let mut inner = self.inner.lock().unwrap();
-            for block in blocks(offset, len) {
-                if (block + 1) * BLOCK <= end && inner.ours.remove(&block).is_some() {
+            inner.clock += 1;
+            let now = inner.clock;
+            for block in blocks(offset, len + self.lookahead) {
+                if !self.ours(block) {
+                    continue;
+                }
+                if (block + 1) * BLOCK <= end {
+                    inner.ours.remove(&block);
                     evict.push(block);
+                } else {
+                    inner.ours.insert(block, now);
                 }
             }
             while inner.ours.len() > self.max_blocks {

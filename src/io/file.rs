@@ -248,7 +248,7 @@ impl PolicyFile {
             }
         };
         let probe = Probe { is_block, dontcache, cachestat };
-        let Choice { mut read, write, fadvise, mut notes } = choose(mode, probe, tuning);
+        let Choice { mut read, write, mut fadvise, mut notes } = choose(mode, probe, tuning);
         notes.splice(0..0, pre_notes);
 
         let wants_direct =
@@ -265,17 +265,29 @@ impl PolicyFile {
                     notes.push(format!("O_DIRECT unavailable ({e}): no fallback if DONTCACHE fails"));
                     None
                 }
-                // O_DIRECT chosen for speed, not forced: DONTCACHE instead where it works.
+                // O_DIRECT chosen for speed, not forced (squashfs and iso9660 refuse it):
+                // DONTCACHE instead where it works, else evict-behind where residency is known.
                 Err(e)
                     if read == ReadMech::Direct
                         && mode == CacheMode::Neutral
                         && tuning.read.is_none()
-                        && write != WriteMech::Direct
-                        && dontcache
-                        && !tuning.no_dontcache =>
+                        && write != WriteMech::Direct =>
                 {
-                    read = ReadMech::DontCache;
-                    notes.push(format!("O_DIRECT unavailable ({e}): reading with DONTCACHE"));
+                    if dontcache && !tuning.no_dontcache {
+                        read = ReadMech::DontCache;
+                        notes.push(format!("O_DIRECT unavailable ({e}): reading with DONTCACHE"));
+                    } else if cachestat && !tuning.no_cachestat {
+                        read = ReadMech::EvictBehind;
+                        fadvise = tuning.fadvise.unwrap_or(Fadvise::Random);
+                        notes.push(format!(
+                            "O_DIRECT and RWF_DONTCACHE unavailable ({e}): reading with evict-behind"
+                        ));
+                    } else {
+                        return Err(Error::io("open", e).path(path).detail(
+                            "O_DIRECT; with neither RWF_DONTCACHE nor cachestat here, a read cannot \
+                             leave the page cache as it found it: use --cache drop or --cache keep",
+                        ));
+                    }
                     None
                 }
                 Err(e) => return Err(Error::io("open", e).path(path).detail("O_DIRECT")),
@@ -321,7 +333,12 @@ impl PolicyFile {
             read_mech: AtomicU8::new(read as u8),
             write_mech: AtomicU8::new(write as u8),
             fadvise,
-            evict: EvictBehind::new(mode == CacheMode::Drop, EVICT_BEHIND_MAX, lookahead),
+            evict: EvictBehind::new(
+                mode == CacheMode::Drop,
+                EVICT_BEHIND_MAX,
+                lookahead,
+                shared.classes.clone(),
+            ),
             guard_reads,
             residency,
             direct_small: AtomicBool::new(

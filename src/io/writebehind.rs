@@ -49,10 +49,11 @@ pub struct WriteBehind {
     classes: Arc<Classes>,
 }
 
-/// 2 MiB blocks seen by [`WriteBehind::classify`], and those of them that held pages before
-/// the job's first write into them. Shared by all opens of a file in one job: with one record
-/// per connection, a block connection A wrote first looked pre-cached to connection B (A's
-/// pages were there), and B's drain never evicted it.
+/// 2 MiB blocks seen by [`Classes::classify`] (before the job's first write into them, and
+/// before evict-behind's first read), and those of them that held pages then. Shared by all
+/// opens of a file in one job, reads and writes alike: with one record per connection, a
+/// block connection A wrote or read first looked pre-cached to connection B (A's pages were
+/// there), and B never evicted it.
 #[derive(Default)]
 pub struct Classes {
     // Sets, not bitmaps: a bitmap is sized by the highest block, and one write near the end of
@@ -61,6 +62,42 @@ pub struct Classes {
     precached: Mutex<HashSet<u64>>,
     /// `classify` is in use: only blocks it saw empty are evicted.
     guarded: AtomicBool,
+}
+
+impl Classes {
+    /// Checks the 2 MiB blocks of `[offset, offset+len)` not seen before with cachestat and
+    /// records them; from then on only the blocks it found empty are [`Classes::ours`]. A
+    /// block cachestat failed on is recorded as empty, and the first error returned.
+    pub fn classify(&self, fd: BorrowedFd, offset: u64, len: u64) -> io::Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.guarded.store(true, Ordering::Relaxed);
+        let mut seen = self.seen.lock().unwrap();
+        let mut first_err = None;
+        for b in offset / BLOCK..(offset + len).div_ceil(BLOCK) {
+            if !seen.insert(b) {
+                continue;
+            }
+            match sys::cachestat(fd, b * BLOCK, BLOCK) {
+                Ok(s) if s.cached > 0 => {
+                    self.precached.lock().unwrap().insert(b);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Whether the job may evict 2 MiB block `b`: `classify` saw it empty (every block while
+    /// `classify` is not in use).
+    pub fn ours(&self, b: u64) -> bool {
+        !self.guarded.load(Ordering::Relaxed)
+            || (self.seen.lock().unwrap().contains(&b) && !self.precached.lock().unwrap().contains(&b))
+    }
 }
 
 /// Granularity of the pre-cached check: the largest folio (DONTNEED drops whole folios).
@@ -135,20 +172,8 @@ impl WriteBehind {
     /// stay: remembers which of its 2 MiB blocks already held pages. Without cachestat
     /// (EPERM) nothing is remembered and every window is evicted.
     pub fn classify(&self, fd: BorrowedFd, offset: u64, len: u64) {
-        if len == 0 {
-            return;
-        }
-        let c = &*self.classes;
-        c.guarded.store(true, Ordering::Relaxed);
-        let mut seen = c.seen.lock().unwrap();
-        for b in offset / BLOCK..(offset + len).div_ceil(BLOCK) {
-            if !seen.insert(b) {
-                continue;
-            }
-            if sys::cachestat(fd, b * BLOCK, BLOCK).is_ok_and(|s| s.cached > 0) {
-                c.precached.lock().unwrap().insert(b);
-            }
-        }
+        // A block cachestat could not check counts as ours, as before the record existed.
+        let _ = self.classes.classify(fd, offset, len);
     }
 
     /// Call after each successful write of `[offset, offset+len)`; `buffered` when it was
