@@ -763,6 +763,39 @@ fn evict_behind_serving_leaves_the_cache_as_found() {
     assert_eq!(outside, 0, "bytes left cached outside the working set");
 }
 
+/// Trims and zeroes that start or end inside a page: the kernel reads those edge pages and
+/// zeroes part of them in the cache. They are written back and evicted like small writes, and
+/// edges inside the working set stay. 16 such requests left 32 pages behind before.
+#[test]
+fn unaligned_trims_and_zeroes_leave_no_pages_behind() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    random_file(&img, 16 * MIB);
+    let mut want = std::fs::read(&img).unwrap();
+    evict(&img);
+    let (ws, ws_len) = (12 * MIB, 2 * MIB);
+    warm(&img, ws, ws_len);
+    let s = Served::start(&img, &[]);
+    let mut script = String::from("import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\n");
+    let mut zeroed = |off: u64, len: u64, call: &str| {
+        script += &format!("h.{call}({len}, {off})\n");
+        want[off as usize..(off + len) as usize].fill(0);
+    };
+    for i in 0..8 {
+        zeroed(i * MIB + 512, 3 * 8192 - 1024, "trim");
+        zeroed(i * MIB + MIB / 2 + 512, 3 * 8192 - 1024, "zero");
+    }
+    zeroed(ws + 512, 8192 - 1024, "trim");
+    script += "h.flush()\n";
+    let out = nbdsh(&script, &s.uri());
+    assert!(out.status.success(), "{}", text(&out));
+    s.stop();
+    assert_kept(cached(&img, ws, Some(ws_len)), ws_len, "working set");
+    let outside = cached(&img, 0, Some(ws)) + cached(&img, ws + ws_len, None);
+    assert_eq!(outside, 0, "bytes left cached outside the working set");
+    assert!(std::fs::read(&img).unwrap() == want, "contents differ");
+}
+
 /// Regression: write-behind evicted whole 8 MiB windows, including blocks of the window
 /// the job never wrote, so one 4 KiB write next to a cached working set evicted 6 MiB of it
 /// (fio random writes: 0.1 % of the working set kept).

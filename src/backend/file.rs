@@ -194,12 +194,17 @@ impl Backend for FileBackend {
             sys::block_zeroout(fd, start, end - start)
         } else if flags.may_trim {
             self.file.made_holes();
-            sys::fallocate(fd, sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE, offset, len)
+            self.file
+                .change_in_place(offset, len, || {
+                    sys::fallocate(fd, sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE, offset, len)
+                })
                 .inspect(|()| self.file.known_data().forget(offset, len))
         } else {
             // Unwritten extents: like holes, they need no read before a write into them.
             self.file.made_holes();
-            sys::fallocate(fd, sys::FALLOC_ZERO_RANGE | sys::FALLOC_KEEP_SIZE, offset, len)
+            self.file.change_in_place(offset, len, || {
+                sys::fallocate(fd, sys::FALLOC_ZERO_RANGE | sys::FALLOC_KEEP_SIZE, offset, len)
+            })
         };
         match res {
             Ok(()) => self.fua(flags.fua),
@@ -233,7 +238,10 @@ impl Backend for FileBackend {
             sys::block_discard(fd, start, end - start)
         } else {
             self.file.made_holes();
-            sys::fallocate(fd, sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE, offset, len)
+            self.file
+                .change_in_place(offset, len, || {
+                    sys::fallocate(fd, sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE, offset, len)
+                })
                 .inspect(|()| self.file.known_data().forget(offset, len))
         };
         match res {

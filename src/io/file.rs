@@ -609,6 +609,43 @@ impl PolicyFile {
         }
     }
 
+    /// Runs `op`, a change the filesystem makes to `[offset, offset+len)` itself (fallocate
+    /// punching a hole or zeroing a range), within the cache policy. A range that starts or
+    /// ends inside a page makes the kernel read that page (if it was not cached) and zero part
+    /// of it in the cache: 16 unaligned trims and zeroes left 32 pages cached. So those edge
+    /// pages are classified first (cached before the job: left alone), locked like a partial
+    /// write's (a direct small write into one must not race the kernel's buffered zeroing,
+    /// see [`Shared::page_locks`]), and handed to write-behind afterwards, which writes and
+    /// evicts them with the job's other buffered writes.
+    pub fn change_in_place(
+        &self,
+        offset: u64,
+        len: u64,
+        op: impl FnOnce() -> io::Result<()>,
+    ) -> io::Result<()> {
+        self.touch(offset, len);
+        let mech = self.write_mech();
+        let pages = if self.is_block || !matches!(mech, WriteMech::DontCache | WriteMech::WriteBehind) {
+            [None; 2]
+        } else {
+            partial_pages(offset, len)
+        };
+        for &p in pages.iter().flatten() {
+            self.classify_before_write(p, PAGE);
+        }
+        let locks = if self.mode == CacheMode::Neutral { self.lock_pages(pages) } else { Vec::new() };
+        op()?;
+        drop(locks);
+        for &p in pages.iter().flatten() {
+            if let Err(e) = self.write_behind.after_write(self.fd(), p, PAGE, true) {
+                let raw = e.raw_os_error().unwrap_or(libc::EIO);
+                self.shared.latch.set(&Error::io("writeback", e).path(&self.path));
+                return Err(io::Error::from_raw_os_error(raw));
+            }
+        }
+        Ok(())
+    }
+
     /// The locks of `pages` (see [`Shared::page_locks`]), taken in index order.
     fn lock_pages(&self, pages: [Option<u64>; 2]) -> Vec<std::sync::MutexGuard<'_, ()>> {
         let mut idx: Vec<usize> =
