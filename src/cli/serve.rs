@@ -436,7 +436,7 @@ fn print_stats(server: &Server, prefetch: Option<&Prefetch>, coalesce: Option<&C
     }
     if let Some(c) = cstats {
         t += &format!(
-            "coalesce: {} client writes ({} held), {} backend writes, {} written, {} read to fill gaps in {} reads, {} flushes ({} below), {} write-back errors, {} held\n",
+            "coalesce: {} client writes ({} held), {} backend writes, {} written, {} read to fill gaps in {} reads, {} flushes ({} below), {} write-back errors, {} held (at most {})\n",
             c.client_writes,
             c.absorbed,
             c.backend_writes,
@@ -446,7 +446,8 @@ fn print_stats(server: &Server, prefetch: Option<&Prefetch>, coalesce: Option<&C
             c.flushes,
             c.backend_flushes,
             c.errors,
-            super::human::bytes(c.held)
+            super::human::bytes(c.held),
+            super::human::bytes(c.peak_held)
         );
     }
     eprint!("{t}");

@@ -118,6 +118,9 @@ pub struct CoalesceStats {
     pub errors: u64,
     /// Dirty bytes held now.
     pub held: u64,
+    /// The most bytes held at once (counting room taken by writes on their way in): never
+    /// more than `--coalesce-size`.
+    pub peak_held: u64,
 }
 
 #[derive(Default)]
@@ -141,8 +144,11 @@ struct Shared {
     /// The size of the layer below: write-back never reads or writes past it.
     size: u64,
     stripes: Vec<Stripe>,
-    /// Dirty bytes held, over all stripes. Decremented only after the bytes are below.
+    /// Dirty bytes held, over all stripes, and room taken by writes on their way in
+    /// ([`Shared::reserve`]). Decremented only after the bytes are below.
     held: AtomicU64,
+    /// The most `held` has been.
+    peak: AtomicU64,
     /// The first write-back error: (kind, message). Never cleared.
     latch: Mutex<Option<(ErrorKind, String)>>,
     counters: Counters,
@@ -182,6 +188,7 @@ impl Coalesce {
             size,
             stripes: (0..STRIPES).map(|_| RwLock::new(HashMap::new())).collect(),
             held: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
             latch: Mutex::new(None),
             counters: Counters::default(),
             stopping: AtomicBool::new(false),
@@ -226,6 +233,7 @@ impl Coalesce {
             backend_flushes: c.backend_flushes.load(SeqCst),
             errors: c.errors.load(SeqCst),
             held: self.shared.held.load(SeqCst),
+            peak_held: self.shared.peak.load(SeqCst),
         }
     }
 
@@ -313,7 +321,9 @@ impl Coalesce {
         !self.finished.load(SeqCst) && len <= cfg.max_request && len <= cfg.size
     }
 
-    /// Copies `buf` into the dirty map under `locks` (the stripes of its blocks).
+    /// Copies `buf` into the dirty map under `locks` (the stripes of its blocks). Its room was
+    /// taken beforehand ([`Shared::reserve`]); what it overwrote rather than added is given
+    /// back.
     fn absorb(
         &self,
         locks: &mut stripes::Locked<RwLockWriteGuard<'_, HashMap<u64, Block>>>,
@@ -338,7 +348,8 @@ impl Coalesce {
             }
             at += n;
         }
-        sh.held.fetch_add(added, SeqCst);
+        debug_assert!(added <= len, "a write adds at most its own bytes");
+        sh.release(len - added);
         sh.counters.absorbed.fetch_add(1, SeqCst);
     }
 
@@ -348,10 +359,13 @@ impl Coalesce {
     fn write_at_hand_via(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
         let sh = &self.shared;
         let len = buf.len() as u64;
-        if len == 0 || !self.holds(len) || sh.held.load(SeqCst) + len > sh.cfg.size {
+        if len == 0 || !self.holds(len) || !sh.reserve(len) {
             return None;
         }
-        let mut locks = sh.try_write_locks(offset, len)?;
+        let Some(mut locks) = sh.try_write_locks(offset, len) else {
+            sh.release(len);
+            return None;
+        };
         sh.counters.client_writes.fetch_add(1, SeqCst);
         self.absorb(&mut locks, buf, offset);
         Some(Ok(()))

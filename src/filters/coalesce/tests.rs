@@ -350,3 +350,30 @@ fn writes_at_hand_are_held_or_left_alone() {
     c.finish().unwrap();
     assert!(c.write_at_hand(&[5u8; 16], 0).is_none(), "after finish nothing is held");
 }
+
+#[test]
+fn concurrent_writers_never_hold_more_than_the_bound() {
+    let mem = full(8 * MIB);
+    let bound = 64 * K;
+    let c = Arc::new(Coalesce::new(mem.clone(), CoalesceConfig { size: bound, ..cfg() }));
+    let threads: Vec<_> = (0..8u64)
+        .map(|t| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                for i in 0..400u64 {
+                    c.write(&[t as u8 + 1; 4096], t * MIB + (i % 256) * 4096, false).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    c.flush().unwrap();
+    let s = c.stats();
+    assert!(s.peak_held > 0 && s.peak_held <= bound, "held {} at most, bound {bound}", s.peak_held);
+    assert_eq!(s.held, 0);
+    for t in 0..8 {
+        assert_eq!(read(&*mem, t * MIB, 256 * 4096), vec![t as u8 + 1; 256 * 4096]);
+    }
+}

@@ -418,13 +418,31 @@ impl Shared {
         self.check_latch("flush")
     }
 
-    /// Backpressure: waits while adding `len` bytes would pass the bound. Returns false when
-    /// the write should go straight down instead (a write-back error is latched, so room may
-    /// never come).
-    pub(super) fn wait_for_room(&self, len: u64) -> bool {
-        let limit = self.cfg.size;
+    /// Counts `len` more bytes as held if that stays within the bound. A writer takes its room
+    /// before its stripes and gives back what it overwrote once its bytes are in: writers that
+    /// only compared `held` with the bound could pass it together, each seeing room for itself.
+    pub(super) fn reserve(&self, len: u64) -> bool {
+        let mut cur = self.held.load(SeqCst);
         loop {
-            if self.held.load(SeqCst) + len <= limit {
+            if cur + len > self.cfg.size {
+                return false;
+            }
+            match self.held.compare_exchange_weak(cur, cur + len, SeqCst, SeqCst) {
+                Ok(_) => {
+                    self.peak.fetch_max(cur + len, SeqCst);
+                    return true;
+                }
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Backpressure: waits until `len` bytes fit within the bound and takes that room
+    /// ([`Self::reserve`]). Returns false, taking nothing, when the write should go straight
+    /// down instead (a write-back error is latched, so room may never come).
+    pub(super) fn wait_for_room(&self, len: u64) -> bool {
+        loop {
+            if self.reserve(len) {
                 return true;
             }
             if self.latched().is_some() {
@@ -433,7 +451,7 @@ impl Shared {
             if self.stopping.load(SeqCst) {
                 // No background thread: make room here.
                 self.write_back_old();
-                if self.held.load(SeqCst) + len > limit {
+                if self.held.load(SeqCst) + len > self.cfg.size {
                     return false;
                 }
                 continue;
