@@ -317,7 +317,7 @@ impl Backend for FileBackend {
     }
 
     fn cache_info(&self) -> Option<CacheInfo> {
-        let stat = sys::cachestat(self.file.fd(), 0, 0).ok()?;
+        let stat = self.file.cache_stat()?;
         Some(CacheInfo { page_size: sys::page_size() as u64, stat, mechanism: self.file.mechanism() })
     }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use super::evict::{self, EvictBehind};
 use super::policy::{choose, CacheMode, Choice, Fadvise, Probe, ReadMech, Tuning, WriteMech};
-use super::sys::{self, Advice, AlignedBuf};
+use super::sys::{self, Advice, AlignedBuf, CacheStat};
 use super::writebehind::WriteBehind;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -236,6 +236,17 @@ impl PolicyFile {
         };
         let cachestat = match sys::cachestat(fd, 0, 4096) {
             Ok(_) => true,
+            // Kernels before 6.5: mincore instead ([`sys::cached_pages`]), truthful for files
+            // this user may write (for others it reports every page cached).
+            Err(e)
+                if e.raw_os_error() == Some(libc::ENOSYS)
+                    && (opts.write
+                        || std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+                            .is_ok_and(|c| sys::can_write(&c))) =>
+            {
+                pre_notes.push("no cachestat on this kernel: residency from mincore".to_string());
+                true
+            }
             Err(e) => {
                 let why = if e.raw_os_error() == Some(libc::EPERM) {
                     "cachestat denied (the file is not writable by this user): residency unknown".to_string()
@@ -681,7 +692,7 @@ impl PolicyFile {
             return false;
         }
         let (start, end) = (offset / PAGE * PAGE, (offset + len).div_ceil(PAGE) * PAGE);
-        matches!(sys::cachestat(self.fd(), start, end - start), Ok(c) if c.cached == 0)
+        matches!(sys::cached_pages(self.fd(), start, end - start), Ok(0))
     }
 
     /// Says that the file may have holes from now on (a zero or trim, a file extended or
@@ -793,6 +804,20 @@ impl PolicyFile {
             self.shared.latch.set(&e);
             e
         })
+    }
+
+    /// What the page cache holds of the whole file: cachestat, or on kernels without it the
+    /// resident pages from mincore (only counted for files whose residency is visible). `None`
+    /// where residency is unknown.
+    pub fn cache_stat(&self) -> Option<CacheStat> {
+        match sys::cachestat(self.fd(), 0, 0) {
+            Ok(s) => Some(s),
+            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) && self.residency => {
+                let cached = sys::mincore_cached_pages(self.fd(), 0, self.size().ok()?).ok()?;
+                Some(CacheStat { cached, ..CacheStat::default() })
+            }
+            Err(_) => None,
+        }
     }
 
     /// The size of the file or device now.

@@ -73,12 +73,18 @@ pub struct Tuning {
 }
 
 impl Tuning {
-    /// Applies `LIGHTFOOT_NO_DONTCACHE=1` and `LIGHTFOOT_NO_CACHESTAT=1` from the environment.
+    /// Applies `LIGHTFOOT_NO_DONTCACHE=1` and `LIGHTFOOT_NO_CACHESTAT=1` from the environment,
+    /// and `LIGHTFOOT_NO_CACHESTAT_SYSCALL=1` (behave as a kernel without cachestat, before
+    /// 6.5: residency then comes from mincore).
     /// Only the binary calls this; the library never reads the environment by itself.
     pub fn with_env(mut self) -> Tuning {
         let set = |name: &str| std::env::var(name).map(|v| v != "0" && !v.is_empty()).unwrap_or(false);
         self.no_dontcache |= set("LIGHTFOOT_NO_DONTCACHE");
         self.no_cachestat |= set("LIGHTFOOT_NO_CACHESTAT");
+        // Process-wide, like the kernel it stands for.
+        if set("LIGHTFOOT_NO_CACHESTAT_SYSCALL") {
+            super::sys::pretend_no_cachestat();
+        }
         self
     }
 }

@@ -86,6 +86,9 @@ struct RawCachestat {
 /// `cachestat(2)` (Linux 6.5) of `[offset, offset + len)`; `len == 0` means to the end of file.
 /// Since 2025 it answers EPERM for files the caller could not write (KERNEL-NOTES).
 pub fn cachestat(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<CacheStat> {
+    if NO_CACHESTAT.load(std::sync::atomic::Ordering::Relaxed) {
+        return Err(io::Error::from_raw_os_error(libc::ENOSYS));
+    }
     let range = CachestatRange { off: offset, len };
     let mut raw = RawCachestat::default();
     retry(|| {
@@ -108,6 +111,26 @@ pub fn cachestat(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<CacheStat>
         evicted: raw.nr_evicted,
         recently_evicted: raw.nr_recently_evicted,
     })
+}
+
+/// Set by [`pretend_no_cachestat`].
+static NO_CACHESTAT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes [`cachestat`] answer ENOSYS from now on, as kernels before 6.5 do: for tests of the
+/// mincore fallback (`LIGHTFOOT_NO_CACHESTAT_SYSCALL=1`, read by the binary).
+pub fn pretend_no_cachestat() {
+    NO_CACHESTAT.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Pages of `[offset, offset+len)` in the page cache: [`cachestat`], or on kernels without it
+/// [`mincore_cached_pages`], which is truthful only for files the caller may write (callers
+/// check that once per file, `PolicyFile::open`).
+pub fn cached_pages(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<u64> {
+    match cachestat(fd, offset, len) {
+        Ok(s) => Ok(s.cached),
+        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => mincore_cached_pages(fd, offset, len),
+        Err(e) => Err(e),
+    }
 }
 
 /// The advice values of `posix_fadvise` that lightfoot uses.

@@ -79,8 +79,8 @@ impl Classes {
             if !seen.insert(b) {
                 continue;
             }
-            match sys::cachestat(fd, b * BLOCK, BLOCK) {
-                Ok(s) if s.cached > 0 => {
+            match sys::cached_pages(fd, b * BLOCK, BLOCK) {
+                Ok(n) if n > 0 => {
                     self.precached.lock().unwrap().insert(b);
                 }
                 Ok(_) => {}

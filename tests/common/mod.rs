@@ -160,12 +160,18 @@ pub struct Served {
 impl Served {
     /// Starts `lightfoot serve --unix FILE.sock EXTRA... FILE` and waits for its socket.
     pub fn start(file: &Path, extra: &[&str]) -> Served {
+        Self::start_with_env(file, extra, &[])
+    }
+
+    /// `start`, with these environment variables set for the server.
+    pub fn start_with_env(file: &Path, extra: &[&str], env: &[(&str, &str)]) -> Served {
         let sock = file.with_extension("sock");
         let child = Command::new(bin())
             .args(["serve", "--unix"])
             .arg(&sock)
             .args(extra)
             .arg(file)
+            .envs(env.iter().copied())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
