@@ -71,13 +71,18 @@ const RMW_LOCK_BITS: u32 = 6;
 /// The pages a write of `[offset, offset+len)` covers only in part: the first and the last,
 /// each where the write does not cover it whole (`None` otherwise, or when both are one page).
 fn partial_pages(offset: u64, len: u64) -> [Option<u64>; 2] {
+    partial_units(offset, len, PAGE)
+}
+
+/// The starts of the `unit`-aligned pieces `[offset, offset+len)` covers only in part.
+fn partial_units(offset: u64, len: u64, unit: u64) -> [Option<u64>; 2] {
     let end = offset + len;
     if len == 0 {
         return [None; 2];
     }
-    let head = (!offset.is_multiple_of(PAGE)).then_some(offset / PAGE * PAGE);
-    let tail_page = (end - 1) / PAGE * PAGE;
-    let tail = (!end.is_multiple_of(PAGE) && Some(tail_page) != head).then_some(tail_page);
+    let head = (!offset.is_multiple_of(unit)).then_some(offset / unit * unit);
+    let tail_unit = (end - 1) / unit * unit;
+    let tail = (!end.is_multiple_of(unit) && Some(tail_unit) != head).then_some(tail_unit);
     [head, tail]
 }
 
@@ -162,6 +167,8 @@ pub struct PolicyFile {
     direct: Option<File>,
     /// O_DIRECT offset and length alignment.
     align: u64,
+    /// The filesystem's block size (st_blksize): fallocate zeroes partial blocks in the cache.
+    fs_block: u64,
     is_block: bool,
     mode: CacheMode,
     read_mech: AtomicU8,
@@ -236,14 +243,9 @@ impl PolicyFile {
         };
         let cachestat = match sys::cachestat(fd, 0, 4096) {
             Ok(_) => true,
-            // Kernels before 6.5: mincore instead ([`sys::cached_pages`]), truthful for files
-            // this user may write (for others it reports every page cached).
-            Err(e)
-                if e.raw_os_error() == Some(libc::ENOSYS)
-                    && (opts.write
-                        || std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-                            .is_ok_and(|c| sys::can_write(&c))) =>
-            {
+            // Kernels before 6.5: mincore instead ([`sys::cached_pages`]), where it tells the
+            // truth (for files this user may not write it reports every page cached).
+            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) && sys::mincore_is_truthful(fd) => {
                 pre_notes.push("no cachestat on this kernel: residency from mincore".to_string());
                 true
             }
@@ -339,13 +341,17 @@ impl PolicyFile {
             path: path.to_path_buf(),
             direct,
             align,
+            fs_block: meta.blksize(),
             is_block,
             mode,
             read_mech: AtomicU8::new(read as u8),
             write_mech: AtomicU8::new(write as u8),
             fadvise,
+            // Outside neutral mode (drop, or a mechanism forced in keep or direct mode) guarded
+            // reads evict every block they bring in, as write-behind then does: only neutral
+            // mode classifies, on both sides.
             evict: EvictBehind::new(
-                mode == CacheMode::Drop,
+                mode != CacheMode::Neutral,
                 EVICT_BEHIND_MAX,
                 lookahead,
                 shared.classes.clone(),
@@ -451,9 +457,17 @@ impl PolicyFile {
                     if !self.guard_reads {
                         read_full(self.fd(), buf, offset, flags)
                     } else if let Err(e) = self.evict.before_read(self.fd(), offset, len) {
-                        self.read_mech.store(ReadMech::Direct as u8, Ordering::Relaxed);
-                        self.note(format!("cachestat failed ({e}): switching reads to O_DIRECT"));
-                        continue;
+                        if self.direct.is_some() {
+                            self.read_mech.store(ReadMech::Direct as u8, Ordering::Relaxed);
+                            self.note(format!("cachestat failed ({e}): switching reads to O_DIRECT"));
+                            continue;
+                        }
+                        // No O_DIRECT here (squashfs, iso9660): the blocks it could not check
+                        // count as cached before (never evicted), and the read goes on.
+                        self.note(format!("residency check failed ({e}): unchecked blocks are left cached"));
+                        let res = read_full(self.fd(), buf, offset, flags);
+                        self.evict.after_read(self.fd(), offset, len);
+                        res
                     } else {
                         let res = read_full(self.fd(), buf, offset, flags);
                         self.evict.after_read(self.fd(), offset, len);
@@ -636,23 +650,33 @@ impl PolicyFile {
     ) -> io::Result<()> {
         self.touch(offset, len);
         let mech = self.write_mech();
-        let pages = if self.is_block || !matches!(mech, WriteMech::DontCache | WriteMech::WriteBehind) {
+        // The kernel zeroes partial filesystem blocks through the cache, in whole pages.
+        // (st_blksize is a preferred I/O size: capped at the largest block size filesystems
+        // use, 64 KiB.)
+        let unit = (sys::page_size() as u64).max(self.fs_block.min(64 << 10)).max(PAGE);
+        let edges = if self.is_block || !matches!(mech, WriteMech::DontCache | WriteMech::WriteBehind) {
             [None; 2]
         } else {
-            partial_pages(offset, len)
+            partial_units(offset, len, unit)
         };
-        for &p in pages.iter().flatten() {
-            self.classify_before_write(p, PAGE);
+        for &p in edges.iter().flatten() {
+            self.classify_before_write(p, unit);
         }
-        let locks = if self.mode == CacheMode::Neutral { self.lock_pages(pages) } else { Vec::new() };
-        op()?;
+        let locks = if self.mode == CacheMode::Neutral { self.lock_pages(edges) } else { Vec::new() };
+        let res = op();
         drop(locks);
-        for &p in pages.iter().flatten() {
-            if let Err(e) = self.write_behind.after_write(self.fd(), p, PAGE, true) {
-                let raw = e.raw_os_error().unwrap_or(libc::EIO);
-                self.shared.latch.set(&Error::io("writeback", e).path(&self.path));
-                return Err(io::Error::from_raw_os_error(raw));
+        // Also after a failure: the filesystem may have zeroed the edges before it failed.
+        let mut first_err = None;
+        for &p in edges.iter().flatten() {
+            if let Err(e) = self.write_behind.after_write(self.fd(), p, unit, true) {
+                first_err.get_or_insert(e);
             }
+        }
+        res?;
+        if let Some(e) = first_err {
+            let raw = e.raw_os_error().unwrap_or(libc::EIO);
+            self.shared.latch.set(&Error::io("writeback", e).path(&self.path));
+            return Err(io::Error::from_raw_os_error(raw));
         }
         Ok(())
     }

@@ -428,6 +428,20 @@ pub fn mincore_cached_pages(fd: BorrowedFd, offset: u64, len: u64) -> io::Result
     Ok(cached)
 }
 
+/// Whether mincore tells the truth about this file's pages: it reports every page of a file
+/// the caller may not write (and does not own) as resident, so a page past the end of the
+/// file, which cannot be cached, shows who answers. False if the file cannot be mapped.
+pub fn mincore_is_truthful(fd: BorrowedFd) -> bool {
+    let page = page_size() as u64;
+    // SAFETY: fstat fills a plain struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return false;
+    }
+    let past_end = (st.st_size as u64).div_ceil(page) * page;
+    matches!(mincore_cached_pages(fd, past_end, page), Ok(0))
+}
+
 pub fn page_size() -> usize {
     // SAFETY: sysconf has no memory effects.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
@@ -640,6 +654,16 @@ pub fn euid() -> u32 {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn mincore_tells_the_truth_about_a_file_of_ours() {
+        use std::io::Write;
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(&[1u8; 8192]).unwrap();
+        assert!(super::mincore_is_truthful(std::os::fd::AsFd::as_fd(&f)));
+        // Written through the cache: its pages are there.
+        assert_eq!(super::mincore_cached_pages(std::os::fd::AsFd::as_fd(&f), 0, 8192).unwrap(), 2);
+    }
     use super::*;
 
     #[test]

@@ -67,7 +67,8 @@ pub struct Classes {
 impl Classes {
     /// Checks the 2 MiB blocks of `[offset, offset+len)` not seen before with cachestat and
     /// records them; from then on only the blocks it found empty are [`Classes::ours`]. A
-    /// block cachestat failed on is recorded as empty, and the first error returned.
+    /// block the check failed on counts as cached before (the safe side: never evicted), and
+    /// the first error is returned.
     pub fn classify(&self, fd: BorrowedFd, offset: u64, len: u64) -> io::Result<()> {
         if len == 0 {
             return Ok(());
@@ -85,6 +86,7 @@ impl Classes {
                 }
                 Ok(_) => {}
                 Err(e) => {
+                    self.precached.lock().unwrap().insert(b);
                     first_err.get_or_insert(e);
                 }
             }
@@ -172,7 +174,7 @@ impl WriteBehind {
     /// stay: remembers which of its 2 MiB blocks already held pages. Without cachestat
     /// (EPERM) nothing is remembered and every window is evicted.
     pub fn classify(&self, fd: BorrowedFd, offset: u64, len: u64) {
-        // A block cachestat could not check counts as ours, as before the record existed.
+        // A block that could not be checked is left alone (Classes::classify).
         let _ = self.classes.classify(fd, offset, len);
     }
 
@@ -306,6 +308,25 @@ mod tests {
         let inner = wb.inner.lock().unwrap();
         let ids = |q: &Queue| q.windows.iter().map(|e| e.window).collect();
         (ids(&inner.dirty), ids(&inner.writeback))
+    }
+
+    #[test]
+    fn a_block_that_cannot_be_checked_counts_as_cached_before() {
+        // cachestat fails on an O_PATH descriptor (EBADF): the job must not take the block
+        // for its own.
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        let opath = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(&path).unwrap();
+        let c = Classes::default();
+        assert!(c.classify(opath.as_fd(), 0, 4096).is_err());
+        assert!(!c.ours(0), "an unchecked block would be evicted");
+        // A block checked empty is the job's.
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(8 << 20).unwrap();
+        c.classify(f.as_fd(), 4 << 20, 4096).unwrap();
+        assert!(c.ours(2));
     }
 
     #[test]

@@ -315,10 +315,15 @@ impl Coalesce {
         Some(Ok(n))
     }
 
-    /// Whether a write of `len` bytes is held (rather than sent straight down).
-    fn holds(&self, len: u64) -> bool {
-        let cfg = &self.shared.cfg;
-        !self.finished.load(SeqCst) && len <= cfg.max_request && len <= cfg.size
+    /// Whether a write of `len` bytes at `offset` is held (rather than sent straight down).
+    /// Not past the size the filter was made with: write-back never writes there (a file that
+    /// grew while served would have its new bytes dropped), so such writes go straight down.
+    fn holds(&self, offset: u64, len: u64) -> bool {
+        let sh = &self.shared;
+        !self.finished.load(SeqCst)
+            && len <= sh.cfg.max_request
+            && len <= sh.cfg.size
+            && offset.checked_add(len).is_some_and(|end| end <= sh.size)
     }
 
     /// Copies `buf` into the dirty map under `locks` (the stripes of its blocks). Its room was
@@ -359,7 +364,7 @@ impl Coalesce {
     fn write_at_hand_via(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
         let sh = &self.shared;
         let len = buf.len() as u64;
-        if len == 0 || !self.holds(len) || !sh.reserve(len) {
+        if len == 0 || !self.holds(offset, len) || !sh.reserve(len) {
             return None;
         }
         let Some(mut locks) = sh.try_write_locks(offset, len) else {
@@ -465,7 +470,7 @@ impl Coalesce {
             return Ok(());
         }
         // After `finish` nothing would write held bytes back: write through.
-        if self.holds(buf.len() as u64) {
+        if self.holds(offset, buf.len() as u64) {
             return self.write_small(buf, offset, fua);
         }
         self.pass(offset, buf.len() as u64, || {
