@@ -438,7 +438,16 @@ pub fn mincore_is_truthful(fd: BorrowedFd) -> bool {
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
         return false;
     }
-    let past_end = (st.st_size as u64).div_ceil(page) * page;
+    let size = if st.st_mode & libc::S_IFMT == libc::S_IFBLK {
+        // st_size is 0 for a device.
+        match block_size_bytes(fd) {
+            Ok(n) => n,
+            Err(_) => return false,
+        }
+    } else {
+        st.st_size as u64
+    };
+    let past_end = size.div_ceil(page) * page;
     matches!(mincore_cached_pages(fd, past_end, page), Ok(0))
 }
 
