@@ -48,6 +48,7 @@
 pub mod dirty;
 mod stripes;
 mod writeback;
+mod zeroes;
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -164,6 +165,8 @@ struct Shared {
     /// Blocks a writer has moved past, for the background thread to write back now rather
     /// than at the next FLUSH (see [`Shared::passed`]).
     passed: Mutex<Vec<u64>>,
+    /// Ranges known to read as zeroes below (holes when the filter started, not written since).
+    zeroes: Mutex<zeroes::Zeroes>,
 }
 
 /// The write-coalescing filter: a [`Backend`] over a [`Backend`].
@@ -182,6 +185,7 @@ impl Coalesce {
             "blocks are whole units"
         );
         let size = inner.size().unwrap_or(0);
+        let zeroes = zeroes::Zeroes::of(&*inner, size);
         let shared = Arc::new(Shared {
             inner,
             cfg,
@@ -197,6 +201,7 @@ impl Coalesce {
             room: Condvar::new(),
             helpers: Mutex::new(None),
             passed: Mutex::new(Vec::new()),
+            zeroes: Mutex::new(zeroes),
         });
         let s = shared.clone();
         let mut threads = vec![std::thread::Builder::new()
@@ -382,7 +387,7 @@ impl Coalesce {
         if !sh.wait_for_room(len) {
             // Straight down (a write-back error is latched, so room may never come); a FUA
             // write must still report that error, as every FUA after it does.
-            self.pass(offset, len, || sh.inner.write(buf, offset, fua).map(|()| sh.wrote(buf.len())))?;
+            self.pass(offset, len, || sh.write_below(buf, offset, fua))?;
             if fua {
                 sh.check_latch("write")?;
             }
@@ -473,9 +478,7 @@ impl Coalesce {
         if self.holds(offset, buf.len() as u64) {
             return self.write_small(buf, offset, fua);
         }
-        self.pass(offset, buf.len() as u64, || {
-            sh.inner.write(buf, offset, fua).map(|()| sh.wrote(buf.len()))
-        })?;
+        self.pass(offset, buf.len() as u64, || sh.write_below(buf, offset, fua))?;
         if fua {
             sh.check_latch("write")?;
         }

@@ -377,3 +377,34 @@ fn concurrent_writers_never_hold_more_than_the_bound() {
         assert_eq!(read(&*mem, t * MIB, 256 * 4096), vec![t as u8 + 1; 256 * 4096]);
     }
 }
+
+#[test]
+fn gaps_known_to_read_as_zeroes_are_filled_without_reading() {
+    // Holes everywhere but the second MiB, which holds data before the filter starts.
+    let mem = Arc::new(MemoryBackend::new(4 * MIB));
+    mem.write(&vec![5u8; MIB as usize], MIB, false).unwrap();
+    let c = Coalesce::new(mem.clone(), cfg());
+    // 1 KiB every 4 KiB over 256 KiB of holes and 256 KiB of data: four 64 KiB blocks each.
+    for i in 0..64u64 {
+        c.write(&[9u8; 1024], i * 4096, false).unwrap();
+        c.write(&[9u8; 1024], MIB + i * 4096, false).unwrap();
+    }
+    c.flush().unwrap();
+    let s = c.stats();
+    assert_eq!(s.fill_reads, 4, "only the data region's blocks read their gaps: {s:?}");
+    let page = |region: u64, i: u64| read(&*mem, region + i * 4096, 4096);
+    for i in 0..64 {
+        assert_eq!(page(0, i), [&[9u8; 1024][..], &[0u8; 3072][..]].concat());
+        assert_eq!(page(MIB, i), [&[9u8; 1024][..], &[5u8; 3072][..]].concat());
+    }
+    // Written since: no longer known zeroes, so the next write-back there reads its gaps and
+    // keeps the bytes written before.
+    for i in 0..64u64 {
+        c.write(&[7u8; 1024], i * 4096 + 2048, false).unwrap();
+    }
+    c.flush().unwrap();
+    assert_eq!(c.stats().fill_reads, 8, "{:?}", c.stats());
+    for i in 0..64 {
+        assert_eq!(page(0, i), [&[9u8; 1024][..], &[0u8; 1024], &[7u8; 1024], &[0u8; 1024]].concat());
+    }
+}
