@@ -456,19 +456,19 @@ impl PolicyFile {
                     let flags = if mech == ReadMech::DontCache { sys::RWF_DONTCACHE } else { 0 };
                     if !self.guard_reads {
                         read_full(self.fd(), buf, offset, flags)
-                    } else if let Err(e) = self.evict.before_read(self.fd(), offset, len) {
-                        if self.direct.is_some() {
-                            self.read_mech.store(ReadMech::Direct as u8, Ordering::Relaxed);
-                            self.note(format!("cachestat failed ({e}): switching reads to O_DIRECT"));
-                            continue;
-                        }
-                        // No O_DIRECT here (squashfs, iso9660): the blocks it could not check
-                        // count as cached before (never evicted), and the read goes on.
-                        self.note(format!("residency check failed ({e}): unchecked blocks are left cached"));
-                        let res = read_full(self.fd(), buf, offset, flags);
-                        self.evict.after_read(self.fd(), offset, len);
-                        res
                     } else {
+                        if let Err(e) = self.evict.before_read(self.fd(), offset, len) {
+                            if self.direct.is_some() {
+                                self.read_mech.store(ReadMech::Direct as u8, Ordering::Relaxed);
+                                self.note(format!("cachestat failed ({e}): switching reads to O_DIRECT"));
+                                continue;
+                            }
+                            // No O_DIRECT here (squashfs, iso9660): the blocks it could not
+                            // check count as cached before (never evicted), and the read goes on.
+                            self.note(format!(
+                                "residency check failed ({e}): unchecked blocks are left cached"
+                            ));
+                        }
                         let res = read_full(self.fd(), buf, offset, flags);
                         self.evict.after_read(self.fd(), offset, len);
                         res

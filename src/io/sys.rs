@@ -663,17 +663,18 @@ pub fn euid() -> u32 {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn mincore_tells_the_truth_about_a_file_of_ours() {
         use std::io::Write;
+        use std::os::fd::AsFd;
         let mut f = tempfile::tempfile().unwrap();
         f.write_all(&[1u8; 8192]).unwrap();
-        assert!(super::mincore_is_truthful(std::os::fd::AsFd::as_fd(&f)));
+        assert!(mincore_is_truthful(f.as_fd()));
         // Written through the cache: its pages are there.
-        assert_eq!(super::mincore_cached_pages(std::os::fd::AsFd::as_fd(&f), 0, 8192).unwrap(), 2);
+        assert_eq!(mincore_cached_pages(f.as_fd(), 0, 8192).unwrap(), 2);
     }
-    use super::*;
 
     #[test]
     fn aligned_buffers_are_zeroed_aligned_and_writable() {

@@ -260,10 +260,7 @@ impl WriteBehind {
             // With classification on, the job's blocks are the ones it wrote into that held
             // no pages before; the rest of the window (pre-cached, or never written by us)
             // is not ours to evict.
-            let c = &*self.classes;
-            let guarded = c.guarded.load(Ordering::Relaxed);
-            let (seen, precached) = (c.seen.lock().unwrap(), c.precached.lock().unwrap());
-            let ours = |b: u64| !guarded || (seen.contains(&b) && !precached.contains(&b));
+            let ours = |b: u64| self.classes.ours(b);
             let blocks = w * WINDOW / BLOCK..(w + 1) * WINDOW / BLOCK;
             let mut b = blocks.start;
             while b < blocks.end {
