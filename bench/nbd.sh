@@ -17,6 +17,7 @@
 # Environment:
 #     SIZE       size of each source (default 4G)
 #     RUNS       rounds (default 5); each round runs every transfer with both tools
+#     TRANSFERS  which transfers (default: "pull-half pull-rand push-half push-rand")
 #     PIECE      data/hole alternation of the half source (default 1M)
 #     SERVER     qemu (default): qemu-nbd -f raw --cache=none --aio=native --discard=unmap,
 #                read-only exports with -e 8 (so it advertises multi-conn);
@@ -51,6 +52,7 @@ PIECE=${PIECE:-1M}
 SERVER=${SERVER:-qemu}
 VERIFY=${VERIFY:-first}
 QUIET=${QUIET:-10}
+TRANSFERS=${TRANSFERS:-pull-half pull-rand push-half push-rand}
 DIR=${DIR:-${1:-/work/tmp/bench-nbd}}
 LIGHTFOOT=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
 
@@ -61,6 +63,11 @@ PIECE_BYTES=$(to_bytes "$PIECE" PIECE)
 [[ $SERVER == qemu || $SERVER == lightfoot ]] || die "SERVER=$SERVER: qemu or lightfoot"
 [[ $VERIFY == first || $VERIFY == all || $VERIFY == none ]] || die "VERIFY=$VERIFY: first, all or none"
 [[ $QUIET =~ ^[0-9]+$ ]] || die "QUIET=$QUIET: a percentage"
+read -r -a TRANSFER_KEYS <<<"${TRANSFERS//,/ }"
+((${#TRANSFER_KEYS[@]})) || die "TRANSFERS: empty"
+for t in "${TRANSFER_KEYS[@]}"; do
+	[[ $t =~ ^(pull|push)-(half|rand)$ ]] || die "TRANSFERS: unknown $t (pull-half, pull-rand, push-half, push-rand)"
+done
 [[ -x $LIGHTFOOT ]] || die "no lightfoot binary at $LIGHTFOOT (cargo build --release, or set LIGHTFOOT=)"
 LIGHTFOOT=$(realpath -- "$LIGHTFOOT")
 for t in nbdcopy qemu-nbd python3 /usr/bin/time; do
@@ -179,7 +186,7 @@ run() { # ROUND TRANSFER TOOL
 }
 
 for ((r = 1; r <= RUNS; r++)); do
-	for transfer in pull-half pull-rand push-half push-rand; do
+	for transfer in "${TRANSFER_KEYS[@]}"; do
 		if ((r % 2)); then
 			run "$r" "$transfer" lightfoot
 			run "$r" "$transfer" nbdcopy
