@@ -24,6 +24,7 @@
 #                lightfoot: lightfoot serve (neutral cache mode), -r for sources
 #     VERIFY     first (default): compare DST with SRC in the first round; all; none
 #     LIGHTFOOT  the binary to test (default ../target/release/lightfoot beside this script)
+#     LIGHTFOOT_ARGS  more options for `lightfoot copy`, e.g. "--request-size 512K"
 #     DIR        sources, destinations, results (default: the argument, else /work/tmp/bench-nbd);
 #                needs about 3.5 x SIZE free
 #
@@ -55,6 +56,7 @@ QUIET=${QUIET:-10}
 TRANSFERS=${TRANSFERS:-pull-half pull-rand push-half push-rand}
 DIR=${DIR:-${1:-/work/tmp/bench-nbd}}
 LIGHTFOOT=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
+LIGHTFOOT_ARGS=${LIGHTFOOT_ARGS:-}
 
 to_bytes() { numfmt --from=iec -- "$1" 2>/dev/null || die "$2=$1: not a size"; }
 SIZE_BYTES=$(to_bytes "$SIZE" SIZE)
@@ -160,7 +162,8 @@ run() { # ROUND TRANSFER TOOL
 	echo 3 >/proc/sys/vm/drop_caches
 	local cmd
 	case $tool in
-	lightfoot) cmd=("$LIGHTFOOT" copy "$from" "$to") ;;
+	# shellcheck disable=SC2086 # LIGHTFOOT_ARGS: words
+	lightfoot) cmd=("$LIGHTFOOT" copy $LIGHTFOOT_ARGS "$from" "$to") ;;
 	nbdcopy) cmd=(nbdcopy --flush "$from" "$to") ;;
 	esac
 	echo "--- $round $transfer $tool: ${cmd[*]}" >>"$LOG"
