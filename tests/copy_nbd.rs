@@ -235,6 +235,48 @@ fn a_killed_server_fails_the_copy() {
     fails_with(&out, &[&server.uri, "at offset", "incomplete"]);
 }
 
+/// The child processes of `pid` (all its threads' children).
+fn children(pid: u32) -> Vec<i32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return vec![] };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|c| c.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<i32>>())
+        .collect()
+}
+
+#[test]
+fn a_captive_server_that_dies_is_named_with_how_it_ended() {
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    random_file(&src, 64 * MIB);
+    let dst = dir.path().join("dst.img");
+    let captive = ["[", "nbdkit", "--filter=delay", "file", s(&src), "rdelay=2", "]"];
+    let copy = Command::new(bin())
+        .args(["copy", "--"])
+        .args(captive)
+        .arg(&dst)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let server = loop {
+        if let Some(&p) = children(copy.id()).first() {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "no captive server started");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    // Reads take 2 s each: the copy is under way and far from done.
+    std::thread::sleep(Duration::from_millis(800));
+    assert_eq!(unsafe { libc::kill(server, libc::SIGKILL) }, 0);
+    let out = copy.wait_with_output().unwrap();
+    fails_with(
+        &out,
+        &["[ nbdkit --filter=delay", "connection lost", "ended during the copy (signal: 9", "incomplete"],
+    );
+}
+
 #[test]
 fn server_errors_name_the_uri_and_offset() {
     let dir = scratch();

@@ -291,12 +291,25 @@ pub fn run(args: CopyArgs) -> i32 {
         Ok(stats)
     });
 
+    // A captive server that died mid-copy shows as a lost connection: say how it ended (while
+    // it is still ours to ask: dropping the backends stops it).
+    let ended: Vec<String> = if result.is_err() {
+        [&src, &dst]
+            .iter()
+            .filter_map(|o| o.nbd.as_ref()?.captive_ended(std::time::Duration::from_millis(200)))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let (src_after, _, src_mech) = cached_of(&src);
     let (dst_after, dst_stat, dst_mech) = cached_of(&dst);
     let to_stdout = dst_ep == Endpoint::Stdio;
     let (ok, bytes, written, zero, seconds, error) = match &result {
         Ok(s) => (true, s.bytes, s.written, s.zero, s.seconds, None),
-        Err(f) => (false, f.done, 0, 0, 0.0, Some(f.error.to_string())),
+        Err(f) => {
+            let error = std::iter::once(f.error.to_string()).chain(ended.iter().cloned()).collect::<Vec<_>>();
+            (false, f.done, 0, 0, 0.0, Some(error.join("; ")))
+        }
     };
     let summary = Summary {
         ok,
@@ -352,6 +365,9 @@ pub fn run(args: CopyArgs) -> i32 {
                 return 0;
             }
             super::report(&f.error);
+            for e in &ended {
+                eprintln!("lightfoot: {e}");
+            }
             if !matches!(dst_ep, Endpoint::Null(_)) {
                 let total = size.map(|s| format!(" of {}", human::bytes(s))).unwrap_or_default();
                 eprintln!(

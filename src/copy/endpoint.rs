@@ -109,6 +109,8 @@ pub struct Opened {
     pub backend: Arc<dyn Backend>,
     /// The same backend when it is a file or device (for footprint figures and file steps).
     pub file: Option<Arc<FileBackend>>,
+    /// The same backend when it is an NBD server (to say how a captive server ended).
+    pub nbd: Option<Arc<NbdBackend>>,
     /// The destination file did not exist before the job.
     pub created: bool,
     /// The destination reads as zeroes where not written.
@@ -133,7 +135,12 @@ pub fn identity(meta: &std::fs::Metadata) -> (u64, u64) {
 
 impl Opened {
     fn plain(backend: Arc<dyn Backend>, zeroed: bool) -> Opened {
-        Opened { backend, file: None, created: false, zeroed, id: None, _claim: None }
+        Opened { backend, file: None, nbd: None, created: false, zeroed, id: None, _claim: None }
+    }
+
+    fn nbd(backend: NbdBackend, zeroed: bool) -> Opened {
+        let nbd = Arc::new(backend);
+        Opened { nbd: Some(nbd.clone()), ..Opened::plain(nbd, zeroed) }
     }
 
     fn file(file: FileBackend, created: bool, zeroed: bool) -> Result<Opened> {
@@ -143,6 +150,7 @@ impl Opened {
         Ok(Opened {
             backend: file.clone(),
             file: Some(file),
+            nbd: None,
             created,
             zeroed,
             id: Some(identity(&meta)),
@@ -198,7 +206,7 @@ impl Opened {
 /// Opens the source. `connections` is for NBD servers that advertise multi-conn.
 pub fn open_source(ep: &Endpoint, mode: CacheMode, tuning: &Tuning, connections: usize) -> Result<Opened> {
     match ep {
-        Endpoint::Nbd(t) => Ok(Opened::plain(Arc::new(NbdBackend::open(t, connections)?), false)),
+        Endpoint::Nbd(t) => Ok(Opened::nbd(NbdBackend::open(t, connections)?, false)),
         Endpoint::Stdio => {
             let mut o = Opened::plain(Arc::new(PipeBackend::stdin()?), false);
             // Standard input redirected from a file or device: known, so that it is never
@@ -266,7 +274,7 @@ pub fn open_destination(
         Endpoint::Nbd(t) => {
             let b = NbdBackend::open(t, opts.connections)?;
             let zeroed = prepare_nbd_destination(&b, size, opts)?;
-            Ok(Opened::plain(Arc::new(b), zeroed))
+            Ok(Opened::nbd(b, zeroed))
         }
         Endpoint::Path(p) => {
             let existing = match std::fs::metadata(p) {

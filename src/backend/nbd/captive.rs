@@ -27,6 +27,8 @@ pub struct Captive {
     /// `[ cmd args ]`, for messages.
     pub display: String,
     child: Mutex<Option<Child>>,
+    /// How the server ended, when it ended before [`Captive::stop`] (it died, or quit).
+    ended: Mutex<Option<ExitStatus>>,
     dir: PathBuf,
     socket: PathBuf,
 }
@@ -65,7 +67,9 @@ impl Captive {
             Ok::<_, std::io::Error>(child)
         })();
         match spawned {
-            Ok(child) => Ok(Captive { display, child: Mutex::new(Some(child)), dir, socket }),
+            Ok(child) => {
+                Ok(Captive { display, child: Mutex::new(Some(child)), ended: Mutex::new(None), dir, socket })
+            }
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
                 Err(Error::io("start server", e).path(&display))
@@ -85,17 +89,33 @@ impl Captive {
         let deadline = Instant::now() + patience;
         loop {
             match child.try_wait() {
-                Ok(Some(status)) => return Some(status),
+                Ok(Some(status)) => {
+                    *self.ended.lock().unwrap() = Some(status);
+                    return Some(status);
+                }
                 Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
                 _ => return None,
             }
         }
     }
 
+    /// How the server ended if it ended on its own (not stopped by [`Captive::stop`]), as
+    /// far as [`Captive::exited`] or `stop` saw.
+    pub fn ended(&self) -> Option<ExitStatus> {
+        *self.ended.lock().unwrap()
+    }
+
     /// Stops the server: SIGTERM, then SIGKILL after a grace period. Idempotent.
     pub fn stop(&self) {
         let Some(mut child) = self.child.lock().unwrap().take() else { return };
-        let running = matches!(child.try_wait(), Ok(None));
+        let running = match child.try_wait() {
+            Ok(Some(status)) => {
+                *self.ended.lock().unwrap() = Some(status);
+                false
+            }
+            Ok(None) => true,
+            Err(_) => false,
+        };
         // The whole group, even when the child itself has exited: a server started by a
         // wrapper script without `exec`, or one that forked, is not the child.
         let _ = crate::io::sys::signal_group(&child, libc::SIGTERM);

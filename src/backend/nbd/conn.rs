@@ -191,6 +191,11 @@ impl Connection {
         Ok(extents)
     }
 
+    /// The connection broke (or was closed) and takes no more requests.
+    pub fn is_dead(&self) -> bool {
+        self.state.lock().unwrap().dead.is_some()
+    }
+
     /// Sends `NBD_CMD_DISC` (no reply comes) and closes the connection.
     pub fn disconnect(&self) {
         if self.state.lock().unwrap().dead.is_none() {

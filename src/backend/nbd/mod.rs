@@ -302,6 +302,17 @@ fn connect_unix(path: &std::path::Path) -> std::io::Result<UnixStream> {
     }
 }
 
+impl NbdBackend {
+    /// After a failed job: how the captive server ended, if it did within `patience` (a
+    /// server that died mid-copy shows only as a lost connection otherwise). `None` for a
+    /// server reached by URI, or one still running.
+    pub fn captive_ended(&self, patience: Duration) -> Option<String> {
+        let c = self.captive.as_ref()?;
+        let status = c.ended().or_else(|| c.exited(patience))?;
+        Some(format!("the server {} ended during the copy ({status})", c.display))
+    }
+}
+
 /// A failed connection to a captive server usually means the server failed: say how it ended.
 fn explain_captive(e: Error, captive: Option<&Captive>) -> Error {
     let Some(c) = captive else { return e };
@@ -453,10 +464,16 @@ impl Backend for NbdBackend {
         if self.finished.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
+        // A lost connection to a captive server: give the server a moment to finish dying, so
+        // that how it ended is its own doing, not our SIGTERM's (see `captive_ended`).
+        let lost = self.conns.iter().any(|c| c.is_dead());
         for c in &self.conns {
             c.disconnect();
         }
         if let Some(c) = &self.captive {
+            if lost {
+                c.exited(Duration::from_millis(200));
+            }
             c.stop();
         }
         Ok(())
