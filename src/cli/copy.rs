@@ -291,8 +291,9 @@ pub fn run(args: CopyArgs) -> i32 {
         Ok(stats)
     });
 
-    // A captive server that died mid-copy shows as a lost connection: say how it ended (while
-    // it is still ours to ask: dropping the backends stops it).
+    // A captive server that died mid-copy shows as a lost connection: say how it ended. The
+    // engine's finish has stopped the server by now; Captive kept how it ended if that was
+    // before the stop.
     let ended: Vec<String> = if result.is_err() {
         [&src, &dst]
             .iter()
