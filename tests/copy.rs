@@ -507,6 +507,13 @@ fn readahead_left_by_another_reader_does_not_spill() {
         all.extend_from_slice(&[s(&src), s(&dst)]);
         let out = lightfoot(&all);
         assert!(out.status.success(), "{}", text(&out));
-        assert_eq!(blocks(&src), before, "{args:?}: cache changed");
+        let after = blocks(&src);
+        // Nothing added anywhere (the regression left a readahead window cached), and what dd
+        // cached kept but for the few pages the host's background reclaim may take meanwhile
+        // (a 16 KiB folio of one block went once in 8 runs of this file's tests in parallel).
+        for (b, (a, w)) in after.iter().zip(&before).enumerate() {
+            assert!(a <= w, "{args:?}: block {b} gained cache ({w} -> {a}): {after:?}");
+        }
+        assert_kept(after.iter().sum(), before.iter().sum(), &format!("{args:?}: dd's pages"));
     }
 }
