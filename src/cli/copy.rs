@@ -295,10 +295,7 @@ pub fn run(args: CopyArgs) -> i32 {
     // engine's finish has stopped the server by now; Captive kept how it ended if that was
     // before the stop.
     let ended: Vec<String> = if result.is_err() {
-        [&src, &dst]
-            .iter()
-            .filter_map(|o| o.nbd.as_ref()?.captive_ended(std::time::Duration::from_millis(200)))
-            .collect()
+        [&src, &dst].iter().filter_map(|o| o.nbd.as_ref()?.captive_ended()).collect()
     } else {
         Vec::new()
     };

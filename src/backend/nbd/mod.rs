@@ -303,12 +303,13 @@ fn connect_unix(path: &std::path::Path) -> std::io::Result<UnixStream> {
 }
 
 impl NbdBackend {
-    /// After a failed job: how the captive server ended, if it did within `patience` (a
-    /// server that died mid-copy shows only as a lost connection otherwise). `None` for a
-    /// server reached by URI, or one still running.
-    pub fn captive_ended(&self, patience: Duration) -> Option<String> {
+    /// After a failed job: how the captive server ended, if it ended on its own (a server
+    /// that died mid-copy shows only as a lost connection otherwise). [`Backend::finish`]
+    /// has already given a server whose connection broke its moment to finish dying; this
+    /// only asks. `None` for a server reached by URI, or one still running.
+    pub fn captive_ended(&self) -> Option<String> {
         let c = self.captive.as_ref()?;
-        let status = c.ended().or_else(|| c.exited(patience))?;
+        let status = c.ended().or_else(|| c.exited(Duration::ZERO))?;
         Some(format!("the server {} ended during the copy ({status})", c.display))
     }
 }
