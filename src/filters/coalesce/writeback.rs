@@ -459,12 +459,9 @@ impl Shared {
                 return false;
             }
             if self.stopping.load(SeqCst) {
-                // No background thread: make room here.
+                // No background thread: make room here, once; no room then, straight down.
                 self.write_back_old();
-                if self.held.load(SeqCst) + len > self.cfg.size {
-                    return false;
-                }
-                continue;
+                return self.reserve(len);
             }
             let g = self.signal.lock().unwrap();
             self.work.notify_one();
