@@ -15,8 +15,12 @@
 # the socket allow on this machine, a bound for every server; and `nbdkit memory` (key
 # memory), which stores in memory but never touches a disk.
 # Backend write calls (pwrite64, pwritev, pwritev2 of the server and all its threads) are
-# counted by running the server under `perf stat` on the syscall tracepoints; lightfoot
-# --coalesce also reports its own count (--stats).
+# counted in separate counting runs (COUNT), the server under `perf stat` on the syscall
+# tracepoints; lightfoot --coalesce also reports its own count (--stats) in every run. The
+# timed rounds run untraced: while a syscall tracepoint is enabled, every syscall of every
+# process on the machine takes the kernel's slow path, and that moved the servers unequally
+# (strided, paired probe runs at < 10 % steal: --coalesce 14 % slower traced, the plain server
+# 10 % faster, medians; see docs/benchmarks.md, 2026-11-24).
 #
 # Usage (as root: it drops caches):
 #     bench/coalesce.sh [DIR]
@@ -38,6 +42,8 @@
 #     DROP       1 (default): drop caches before each run; 0: don't (smoke tests on a machine
 #                where someone else is measuring)
 #     QUIET      steal limit in percent (default 10) for the quiet-rounds column
+#     COUNT      counting runs per workload and server, traced, before the timed rounds
+#                (default 1; 0: no backend write counts but lightfoot's own)
 #
 # Output: a table of medians per workload (IOPS, ratio to lightfoot without --coalesce,
 # backend writes per client write, the host's CPU steal during the runs) on stdout and in
@@ -67,6 +73,7 @@ LIGHTFOOT=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
 DROP=${DROP:-1}
 COALESCE_ARGS=${COALESCE_ARGS:-}
 QUIET=${QUIET:-10}
+COUNT=${COUNT:-1}
 
 JOBS=4
 FSYNC=64
@@ -74,6 +81,7 @@ SIZE_BYTES=$(numfmt --from=iec -- "$SIZE") || die "SIZE=$SIZE: not a size"
 ((SIZE_BYTES % (JOBS * 4096) == 0)) || die "SIZE=$SIZE: must be a multiple of $((JOBS * 4))K"
 ((SIZE_BYTES >= JOBS * 64 << 20)) || die "SIZE=$SIZE: at least $((JOBS * 64))M (rand64m)"
 [[ $RUNS =~ ^[1-9][0-9]*$ && $RUNTIME =~ ^[1-9][0-9]*$ ]] || die "RUNS and RUNTIME: positive integers"
+[[ $COUNT =~ ^[0-9]+$ ]] || die "COUNT=$COUNT: a number of runs"
 [[ $TARGET == sparse || $TARGET == data ]] || die "TARGET=$TARGET: sparse or data"
 [[ -x $LIGHTFOOT ]] || die "no lightfoot binary at $LIGHTFOOT: cargo build --release, or set LIGHTFOOT="
 LIGHTFOOT=$(realpath -- "$LIGHTFOOT")
@@ -90,7 +98,7 @@ CSV=$DIR/results.csv
 URI="nbd+unix:///?socket=$SOCK"
 ((${#SOCK} < 100)) || die "$SOCK: too long for a Unix socket path"
 rm -f -- "$DIR"/logs/*
-echo "round,workload,config,iops,client_writes,flushes,backend_writes,lightfoot_backend_writes,steal_pct,error" >"$CSV"
+echo "round,workload,config,traced,iops,client_writes,flushes,backend_writes,lightfoot_backend_writes,steal_pct,error" >"$CSV"
 
 # shellcheck source=steal.sh
 . "$HERE/steal.sh"
@@ -164,14 +172,19 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# start_server KEY LOG PERF_OUT: the server runs under `perf stat`, which counts the file
-# writes of all its threads (inherited); SERVER_PID is perf's, REAL_PID the server's.
+# start_server KEY LOG [PERF_OUT]: with PERF_OUT, the server runs under `perf stat`, which
+# counts the file writes of all its threads (inherited); SERVER_PID is perf's then, REAL_PID
+# always the server's.
 start_server() {
 	rm -f -- "$SOCK" "$PIDF"
 	server_cmd "$1"
 	echo "+ ${SCMD[*]}" >"$2"
-	perf stat -x, -o "$3" -e syscalls:sys_enter_pwrite64,syscalls:sys_enter_pwritev,syscalls:sys_enter_pwritev2 \
-		-- "${SCMD[@]}" >>"$2" 2>&1 &
+	if [[ -n ${3:-} ]]; then
+		perf stat -x, -o "$3" -e syscalls:sys_enter_pwrite64,syscalls:sys_enter_pwritev,syscalls:sys_enter_pwritev2 \
+			-- "${SCMD[@]}" >>"$2" 2>&1 &
+	else
+		"${SCMD[@]}" >>"$2" 2>&1 &
+	fi
 	SERVER_PID=$!
 	local i
 	for ((i = 0; i < 200; i++)); do
@@ -200,13 +213,15 @@ stop_server() {
 	rm -f -- "$SOCK" "$PIDF"
 }
 
-# One run: prints nothing, appends a CSV line.
+# One run (ROUND: a number, timed; or cN, the Nth counting run, traced): prints nothing,
+# appends a CSV line.
 run_one() {
-	local round=$1 w=$2 c=$3 base=$DIR/logs/$2-$3-$1
+	local round=$1 w=$2 c=$3 base=$DIR/logs/$2-$3-$1 traced=0 perf=""
+	[[ $round != c* ]] || { traced=1 perf=$base.perf; }
 	prepare_file
 	REAL_PID=""
-	if ! start_server "$c" "$base.server" "$base.perf"; then
-		echo "$round,$w,$c,,,,,,,server did not start" >>"$CSV"
+	if ! start_server "$c" "$base.server" $perf; then
+		echo "$round,$w,$c,$traced,,,,,,,server did not start" >>"$CSV"
 		stop_server
 		return
 	fi
@@ -219,9 +234,9 @@ run_one() {
 	# The client's last flush (end_fsync) wrote everything back: the count at exit covers the
 	# run only.
 	stop_server
-	python3 - "$round" "$w" "$c" "$base.fio" "$base.perf" "$base.server" "$steal" "$err" >>"$CSV" <<'EOF'
+	python3 - "$round" "$w" "$c" "$traced" "$base.fio" "$base.perf" "$base.server" "$steal" "$err" >>"$CSV" <<'EOF'
 import json, sys
-rnd, w, c, fio, perf, server, steal, err = sys.argv[1:]
+rnd, w, c, traced, fio, perf, server, steal, err = sys.argv[1:]
 iops = writes = syncs = backend = lf = ""
 try:
     text = open(fio).read()
@@ -235,11 +250,11 @@ except (OSError, ValueError, KeyError) as e:
     err = err or "fio output unparsable"
 try:
     n = 0
-    for line in open(perf):
+    for line in open(perf) if traced == "1" else ():
         f = line.strip().split(",")
         if len(f) > 2 and f[2].startswith("syscalls:") and f[0].isdigit():
             n += int(f[0])
-    backend = n
+    backend = n if traced == "1" else ""
 except OSError:
     pass
 try:
@@ -248,11 +263,19 @@ try:
             lf = json.loads(line)["coalesce"]["backend_writes"]
 except (OSError, ValueError, KeyError):
     pass
-print(f"{rnd},{w},{c},{iops},{writes},{syncs},{backend},{lf},{steal},{err}")
+print(f"{rnd},{w},{c},{traced},{iops},{writes},{syncs},{backend},{lf},{steal},{err}")
 EOF
 	tail -n 1 "$CSV" | sed 's/^/   /' >&2
 }
 
+for ((r = 1; r <= COUNT; r++)); do
+	for w in "${WORKLOAD_KEYS[@]}"; do
+		for c in "${CONFIG_KEYS[@]}"; do
+			say "counting run $r/$COUNT (traced, not timed): $w, $(config_name "$c")"
+			run_one "c$r" "$w" "$c"
+		done
+	done
+done
 for ((r = 1; r <= RUNS; r++)); do
 	for w in "${WORKLOAD_KEYS[@]}"; do
 		for c in "${CONFIG_KEYS[@]}"; do
@@ -276,31 +299,41 @@ def steal(r):
 def med(xs):
     xs = [float(x) for x in xs if x not in ("", None)]
     return statistics.median(xs) if xs else None
+def per_write(rs, col):
+    return med(float(r[col]) / float(r["client_writes"]) for r in rs
+               if r[col] and r["client_writes"] and float(r["client_writes"]) > 0)
+def fmt(x, f):
+    return "-" if x is None else format(x, f)
+print("\nIOPS and ratios from the timed rounds (untraced); backend writes from the counting runs "
+      "(perf stat on the write syscalls); lightfoot's own count (--stats) from every run.")
 for w in dict.fromkeys(r["workload"] for r in rows):
     print(f"\n### {w} (fio nbd, 4 jobs x iodepth 1, flush every 64 writes)\n")
     print(f"| server | IOPS | × lightfoot | × lightfoot, same round | same round, quiet rounds (steal < {quiet:g} %) "
-          "| backend writes / client write | host steal % | failed runs |")
-    print("|---|---|---|---|---|---|---|---|")
-    base = med(r["iops"] for r in rows if r["workload"] == w and r["config"] == "lightfoot")
+          "| backend writes / client write | lightfoot's own count | host steal % | failed runs |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    timed = [r for r in rows if r["workload"] == w and r["traced"] == "0"]
+    base = med(r["iops"] for r in timed if r["config"] == "lightfoot" and not r["error"])
     # Per round, against the plain server's run of the same round: less exposed to slow drifts.
-    plain = {r["round"]: float(r["iops"]) for r in rows
-             if r["workload"] == w and r["config"] == "lightfoot" and not r["error"] and r["iops"]}
-    plain_steal = {r["round"]: steal(r) for r in rows if r["workload"] == w and r["config"] == "lightfoot"}
+    plain = {r["round"]: float(r["iops"]) for r in timed
+             if r["config"] == "lightfoot" and not r["error"] and r["iops"]}
+    plain_steal = {r["round"]: steal(r) for r in timed if r["config"] == "lightfoot"}
     for c in sys.argv[2].replace(",", " ").split():
-        rs = [r for r in rows if r["workload"] == w and r["config"] == c]
+        rs = [r for r in timed if r["config"] == c]
         ok = [r for r in rs if not r["error"]]
+        counted = [r for r in rows if r["workload"] == w and r["config"] == c and r["traced"] == "1"
+                   and not r["error"]]
+        mine = [r for r in rows if r["workload"] == w and r["config"] == c and not r["error"]]
         iops = med(r["iops"] for r in ok)
         ratio = f"{iops / base:.2f}" if iops and base else "-"
         paired = med(float(r["iops"]) / plain[r["round"]] for r in ok if r["iops"] and plain.get(r["round"]))
-        paired = f"{paired:.2f}" if paired else "-"
         calm = [float(r["iops"]) / plain[r["round"]] for r in ok if r["iops"] and plain.get(r["round"])
                 and steal(r) is not None and plain_steal.get(r["round"]) is not None
                 and max(steal(r), plain_steal[r["round"]]) < quiet]
         calm = f"{statistics.median(calm):.2f} ({len(calm)})" if calm else "-"
         st = [steal(r) for r in rs if steal(r) is not None]
         st = f"{statistics.median(st):.0f} (max {max(st):.0f})" if st else "-"
-        per = med(float(r["backend_writes"]) / float(r["client_writes"]) for r in ok
-                  if r["backend_writes"] and r["client_writes"] and float(r["client_writes"]) > 0)
-        print(f"| {names.get(c, c)} | {iops or '-':.0f} | {ratio} | {paired} | {calm} | {per if per is None else f'{per:.3f}'} | {st} | {len(rs) - len(ok)} |"
-              if iops else f"| {names.get(c, c)} | - | - | - | - | - | {st} | {len(rs) - len(ok)} |")
+        failed = len(rs) - len(ok)
+        print(f"| {names.get(c, c)} | {fmt(iops, '.0f')} | {ratio} | {fmt(paired, '.2f')} | {calm} "
+              f"| {fmt(per_write(counted, 'backend_writes'), '.3f')} "
+              f"| {fmt(per_write(mine, 'lightfoot_backend_writes'), '.3f')} | {st} | {failed} |")
 EOF
