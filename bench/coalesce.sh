@@ -268,22 +268,21 @@ EOF
 	tail -n 1 "$CSV" | sed 's/^/   /' >&2
 }
 
-for ((r = 1; r <= COUNT; r++)); do
-	for w in "${WORKLOAD_KEYS[@]}"; do
-		for c in "${CONFIG_KEYS[@]}"; do
-			say "counting run $r/$COUNT (traced, not timed): $w, $(config_name "$c")"
-			run_one "c$r" "$w" "$c"
+# sweep N WHAT PREFIX: N rounds of every workload against every server; rounds named
+# PREFIX1.. (a "c" prefix makes them counting runs, see run_one).
+sweep() {
+	local n=$1 what=$2 prefix=$3 r w c
+	for ((r = 1; r <= n; r++)); do
+		for w in "${WORKLOAD_KEYS[@]}"; do
+			for c in "${CONFIG_KEYS[@]}"; do
+				say "$what $r/$n: $w, $(config_name "$c")"
+				run_one "$prefix$r" "$w" "$c"
+			done
 		done
 	done
-done
-for ((r = 1; r <= RUNS; r++)); do
-	for w in "${WORKLOAD_KEYS[@]}"; do
-		for c in "${CONFIG_KEYS[@]}"; do
-			say "round $r/$RUNS: $w, $(config_name "$c")"
-			run_one "$r" "$w" "$c"
-		done
-	done
-done
+}
+sweep "$COUNT" "counting run (traced, not timed)" c
+sweep "$RUNS" round ""
 
 python3 - "$CSV" "$CONFIGS" "$QUIET" <<'EOF' | tee "$DIR/table.md"
 import csv, statistics, sys
