@@ -60,7 +60,8 @@ Cache modes (--cache):
   direct   O_DIRECT for both sides
 
 Exit status: 0 success, 1 failure (DST may be incomplete: the message says so), 2 usage
-error, 130 interrupted. Environment: LIGHTFOOT_NO_DONTCACHE=1 is --no-dontcache.
+error, 130 interrupted, 141 DST is - and its reader closed it early (quiet, as for cat).
+Environment: LIGHTFOOT_NO_DONTCACHE=1 is --no-dontcache.
 See docs/copy.md and docs/cache-policy.md.";
 
 /// Copy a file, block device, stream or NBD export, leaving the page cache as it was.
@@ -354,13 +355,15 @@ pub fn run(args: CopyArgs) -> i32 {
             0
         }
         Err(f) => {
-            // A reader that closed our stdout early is not our failure.
+            // A reader that closed our stdout early (`| head`): quiet, as for `cat`, but not
+            // success, since the copy is incomplete. The status a SIGPIPE death gives, so
+            // `set -o pipefail` treats it the way it treats every other tool in the pipe.
             if to_stdout
                 && std::error::Error::source(&f.error)
                     .and_then(|s| s.downcast_ref::<std::io::Error>())
                     .is_some_and(|e| e.raw_os_error() == Some(libc::EPIPE))
             {
-                return 0;
+                return super::EXIT_BROKEN_PIPE;
             }
             super::report(&f.error);
             for e in &ended {

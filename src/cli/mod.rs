@@ -34,6 +34,8 @@ enum Command {
 
 /// Exit status for an interrupted job (128 + SIGINT, as shells report it).
 pub const EXIT_INTERRUPTED: i32 = 130;
+/// stdout's reader went away: the status a process killed by SIGPIPE reports (128 + 13).
+pub const EXIT_BROKEN_PIPE: i32 = 141;
 
 pub fn run() -> i32 {
     let cli = Cli::parse();
