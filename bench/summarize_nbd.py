@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Summarises bench/nbd.sh: per transfer, median wall time of lightfoot and nbdcopy --flush,
 their ratio, the median of the per-round ratios (each round runs both tools back to back, so
-this pairing cancels the slow drifts of these VMs' disks that the ratio of medians keeps), what
+this pairing cancels the slow drifts of these VMs' disks that the ratio of medians keeps) and
+their middle half (first to third quartile: how far one round says little on its own), what
 each left in the page cache (worst run, source + destination, as a share
 of the bytes transferred) and the median share of CPU time the host stole during the runs;
 then the geometric mean of the ratios. A second table repeats this over the quiet rounds only:
@@ -27,9 +28,9 @@ def steal(r):
 def table(runs, size):
     """Prints one table over `runs` {(transfer, tool): [row]}; returns the geometric mean."""
     print("| transfer | runs | lightfoot s | nbdcopy --flush s | ratio | same-round ratio "
-          "| lightfoot left in cache | nbdcopy left in cache | lightfoot RSS MiB | nbdcopy RSS MiB "
+          "| same-round, middle half | lightfoot left in cache | nbdcopy left in cache | lightfoot RSS MiB | nbdcopy RSS MiB "
           "| host steal % |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
     for t in TRANSFERS:
         lf, nc = runs.get((t, "lightfoot"), []), runs.get((t, "nbdcopy"), [])
@@ -43,6 +44,11 @@ def table(runs, size):
         nc_by_round = {r["round"]: float(r["seconds"]) for r in nc}
         paired = [float(r["seconds"]) / nc_by_round[r["round"]] for r in lf if r["round"] in nc_by_round]
         same = f"{statistics.median(paired):.3f}" if paired else "-"
+        if len(paired) >= 2:
+            q1, _, q3 = statistics.quantiles(paired, n=4)
+            spread = f"{q1:.3f}-{q3:.3f}"
+        else:
+            spread = "-"
 
         def left(rs):
             worst = max(int(r["src_cached"]) + int(r["dst_cached"]) for r in rs)
@@ -53,7 +59,7 @@ def table(runs, size):
 
         st = [s for s in map(steal, lf + nc) if s is not None]
         st = f"{statistics.median(st):.0f} (max {max(st):.0f})" if st else "-"
-        print(f"| {t} | {len(lf)}+{len(nc)} | {ml:.2f} | {mn:.2f} | {ratio:.3f} | {same} | {left(lf)} | {left(nc)} "
+        print(f"| {t} | {len(lf)}+{len(nc)} | {ml:.2f} | {mn:.2f} | {ratio:.3f} | {same} | {spread} | {left(lf)} | {left(nc)} "
               f"| {rss(lf)} | {rss(nc)} | {st} |")
     if not ratios:
         return None
