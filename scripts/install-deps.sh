@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the tests and benchmarks need on a fresh Debian machine: the NBD peers and
-# tools the interop tests and benchmarks run against, and openssl (the TLS tests make their
-# certificates with it). Does nothing when all are present.
+# tools the interop tests and benchmarks run against, openssl (the TLS tests make their
+# certificates with it) and iproute2 (a keepalive test cuts a network namespace's link). Does nothing when all are present.
 set -euo pipefail
 need=()
 command -v qemu-img  >/dev/null || need+=(qemu-utils)
@@ -15,6 +15,7 @@ command -v losetup   >/dev/null || need+=(mount)
 command -v setpriv   >/dev/null || need+=(util-linux)
 command -v openssl   >/dev/null || need+=(openssl)
 command -v mksquashfs >/dev/null || need+=(squashfs-tools)
+command -v ip >/dev/null && command -v ss >/dev/null || need+=(iproute2)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

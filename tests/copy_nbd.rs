@@ -350,3 +350,161 @@ fn captive_lightfoot_serve_and_stdout() {
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(out.stdout, std::fs::read(&src).unwrap());
 }
+
+/// A network namespace joined to the host by a veth pair whose host end can be taken down:
+/// packets across it are then dropped, as when a peer's host dies or its network goes, with
+/// no FIN or RST. Removed on drop.
+struct Netns {
+    name: String,
+    host_if: String,
+}
+
+impl Netns {
+    const HOST: &'static str = "10.251.0.1";
+    const PEER: &'static str = "10.251.0.2";
+
+    fn new() -> Netns {
+        let name = format!("lfka{}", std::process::id());
+        let (host_if, peer_if) = (format!("{name}a"), format!("{name}b"));
+        let ns = Netns { name: name.clone(), host_if: host_if.clone() };
+        let ip = |args: &[&str]| {
+            let st = Command::new("ip").args(args).status().unwrap();
+            assert!(st.success(), "ip {args:?}");
+        };
+        ip(&["netns", "add", &name]);
+        ip(&["link", "add", &host_if, "type", "veth", "peer", "name", &peer_if]);
+        ip(&["link", "set", &peer_if, "netns", &name]);
+        ip(&["addr", "add", &format!("{}/30", Netns::HOST), "dev", &host_if]);
+        ip(&["link", "set", &host_if, "up"]);
+        ip(&["netns", "exec", &name, "ip", "addr", "add", &format!("{}/30", Netns::PEER), "dev", &peer_if]);
+        ip(&["netns", "exec", &name, "ip", "link", "set", &peer_if, "up"]);
+        ns
+    }
+
+    /// `prog args` inside the namespace.
+    fn command(&self, prog: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.name, prog]);
+        c
+    }
+
+    /// Drops every packet between the host and the namespace from now on.
+    fn cut(&self) {
+        assert!(Command::new("ip").args(["link", "set", &self.host_if, "down"]).status().unwrap().success());
+    }
+
+    /// Established TCP connections on `port` inside the namespace.
+    fn established(&self, port: u16) -> usize {
+        let out = self
+            .command("ss")
+            .args(["-Htn", "state", "established", &format!("( sport = :{port} )")])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.trim().is_empty()).count()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "del", &self.host_if]).status();
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+    }
+}
+
+/// Waits up to `secs` for `f` to hold.
+fn within(secs: u64, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    f()
+}
+
+/// A peer that goes silent without closing the connection (its host died, the network went)
+/// is found out by TCP keepalive, on both sides: the client's copy fails instead of waiting
+/// for replies for ever, and the server ends the connection instead of waiting for requests
+/// for ever. Keepalive is shortened to 1 s idle, 1 s between probes, 2 probes for the test
+/// (the defaults find it in 90 s); without keepalive neither side ever notices.
+#[test]
+fn a_peer_gone_silent_over_tcp_is_found_out() {
+    if euid() != 0 {
+        eprintln!("SKIPPED a_peer_gone_silent_over_tcp_is_found_out: needs root for a network namespace");
+        return;
+    }
+    const KEEPALIVE: (&str, &str) = ("LIGHTFOOT_TCP_KEEPALIVE", "1,1,2");
+
+    // The client: nbdkit answers reads only after 60 s; the link goes down while the copy
+    // waits for the first replies.
+    let ns = Netns::new();
+    let mut server = ns
+        .command("nbdkit")
+        .args(["-f", "-i", Netns::PEER, "-p", "10871", "--filter=delay", "pattern", "64M", "rdelay=60"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(within(10, || ns.established(10871) == 0 && listening(&ns, 10871)), "nbdkit did not listen");
+    let mut client = Command::new(bin())
+        .args(["copy", &format!("nbd://{}:10871/", Netns::PEER), "null:"])
+        .env(KEEPALIVE.0, KEEPALIVE.1)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(within(10, || ns.established(10871) > 0), "the copy did not connect");
+    std::thread::sleep(Duration::from_millis(300));
+    ns.cut();
+    let gone = within(20, || client.try_wait().unwrap().is_some());
+    if !gone {
+        let _ = client.kill();
+    }
+    let out = client.wait_with_output().unwrap();
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(gone, "the copy still waited 20 s after the server went silent: {}", text(&out));
+    fails_with(&out, &["nbd://10.251.0.2:10871/", "connection lost", "timed out"]);
+    drop(ns);
+
+    // The server: an idle client (connected, nothing in flight) whose host goes away.
+    let ns = Netns::new();
+    let dir = scratch();
+    let file = dir.path().join("disk.img");
+    std::fs::write(&file, vec![7u8; MIB as usize]).unwrap();
+    let mut server = ns
+        .command(bin())
+        .args(["serve", "--listen", &format!("{}:10872", Netns::PEER), s(&file)])
+        .env(KEEPALIVE.0, KEEPALIVE.1)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(within(10, || listening(&ns, 10872)), "lightfoot serve did not listen");
+    let mut idle = Command::new("/usr/bin/nbdsh")
+        .args(["-u", &format!("nbd://{}:10872/", Netns::PEER), "-c", "import time; time.sleep(120)"])
+        .env("PATH", "/usr/bin:/bin")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(within(10, || ns.established(10872) > 0), "nbdsh did not connect");
+    std::thread::sleep(Duration::from_millis(300));
+    ns.cut();
+    // Its FIN is lost with the link: the server hears nothing more from it.
+    let _ = idle.kill();
+    let _ = idle.wait();
+    let ended = within(20, || ns.established(10872) == 0);
+    let alive = server.try_wait().unwrap().is_none();
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(ended, "the server kept the silent client's connection for 20 s");
+    assert!(alive, "the server itself ended");
+}
+
+/// Something listens on TCP `port` inside the namespace.
+fn listening(ns: &Netns, port: u16) -> bool {
+    let out = ns.command("ss").args(["-Htln", &format!("( sport = :{port} )")]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).lines().any(|l| !l.trim().is_empty())
+}

@@ -61,7 +61,9 @@ Cache modes (--cache):
 
 Exit status: 0 success, 1 failure (DST may be incomplete: the message says so), 2 usage
 error, 130 interrupted, 141 DST is - and its reader closed it early (quiet, as for cat).
-Environment: LIGHTFOOT_NO_DONTCACHE=1 is --no-dontcache.
+Environment: LIGHTFOOT_NO_DONTCACHE=1 is --no-dontcache. LIGHTFOOT_TCP_KEEPALIVE=IDLE,INTERVAL,COUNT
+sets the TCP keepalive of NBD connections (default 30,10,6: a server gone silent without
+closing fails the copy after about 90 s; one that is alive but slow is waited for).
 See docs/copy.md and docs/cache-policy.md.";
 
 /// Copy a file, block device, stream or NBD export, leaving the page cache as it was.

@@ -37,6 +37,11 @@ TLS-PSK is not supported (rustls has no external PSK). See docs/tls.md.
 stops serving when it exits and exits with its status. Example:
   lightfoot serve --unix /tmp/s disk.img --run 'nbdcopy \"$uri\" backup.img'
 
+TCP connections use keepalive: a client that vanishes without closing (its host died, the
+network went) is dropped after about 90 s of silence (probes after 30 s, every 10 s, 6
+unanswered); LIGHTFOOT_TCP_KEEPALIVE=IDLE,INTERVAL,COUNT changes that. An idle client that is
+alive is never dropped.
+
 Exit status: 0 after a clean shutdown (Ctrl-C, SIGTERM), 1 on failure, 2 usage error; with
 --run, the status of CMD. See docs/serve.md and docs/cache-policy.md.";
 

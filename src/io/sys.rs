@@ -528,6 +528,75 @@ pub fn unix_connect_nonblocking(path: &std::path::Path) -> io::Result<()> {
     }
 }
 
+/// Seconds a TCP connection may be silent before keepalive probes start ([`tcp_keepalive`]).
+pub const KEEPALIVE_IDLE: u32 = 30;
+/// Seconds between unanswered probes.
+pub const KEEPALIVE_INTERVAL: u32 = 10;
+/// Unanswered probes that end the connection: a peer that vanished without closing (a host
+/// that died, a cable pulled) is found out within 30 + 6 × 10 = 90 s of silence.
+pub const KEEPALIVE_COUNT: u32 = 6;
+
+/// The keepalive times in use: the defaults above, or `LIGHTFOOT_TCP_KEEPALIVE=IDLE,INTERVAL,COUNT`
+/// (seconds, seconds, probes; each at least 1), which the tests use to find a vanished peer in
+/// seconds. A malformed value is ignored with a warning.
+pub fn keepalive_times() -> (u32, u32, u32) {
+    static TIMES: std::sync::OnceLock<(u32, u32, u32)> = std::sync::OnceLock::new();
+    *TIMES.get_or_init(|| {
+        let default = (KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT);
+        let Ok(v) = std::env::var("LIGHTFOOT_TCP_KEEPALIVE") else { return default };
+        parse_keepalive(&v).unwrap_or_else(|| {
+            tracing::warn!(
+                "LIGHTFOOT_TCP_KEEPALIVE={v:?} ignored: want IDLE,INTERVAL,COUNT, each at least 1"
+            );
+            default
+        })
+    })
+}
+
+/// `IDLE,INTERVAL,COUNT`, each a whole number of at least 1.
+fn parse_keepalive(v: &str) -> Option<(u32, u32, u32)> {
+    let n = v
+        .split(',')
+        .map(|x| x.trim().parse::<u32>().ok().filter(|&x| x >= 1))
+        .collect::<Option<Vec<u32>>>()?;
+    match n[..] {
+        [idle, interval, count] => Some((idle, interval, count)),
+        _ => None,
+    }
+}
+
+/// Turns on TCP keepalive for a connection, so that a blocked read on it fails (ETIMEDOUT)
+/// once the peer has gone without a word, rather than waiting for ever: an NBD client
+/// waiting for replies, or a server waiting for the next request, sends nothing of its own
+/// and would never notice. A peer that is alive answers the probes, however long it is idle
+/// or busy. No `TCP_USER_TIMEOUT`: it would also end a connection whose peer is alive but
+/// not reading (a server holding back a client's writes while its disk catches up).
+pub fn tcp_keepalive(fd: BorrowedFd) -> io::Result<()> {
+    let set = |level: libc::c_int, name: libc::c_int, value: u32| {
+        let v = value as libc::c_int;
+        // SAFETY: plain system call; `v` outlives it and the length is its size.
+        let r = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                level,
+                name,
+                (&raw const v).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    };
+    let (idle, interval, count) = keepalive_times();
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, interval)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, count)?;
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)
+}
+
 /// An exclusive `flock` on a directory, held until dropped: serialises lightfoot processes
 /// that change the same directory entries (replacing a stale socket file). Gives up with
 /// `TimedOut` after `wait`: lightfoot holds it for microseconds, so a lock held longer is
@@ -664,6 +733,41 @@ pub fn euid() -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn sockopt(fd: BorrowedFd, level: libc::c_int, name: libc::c_int) -> libc::c_int {
+        let mut v: libc::c_int = -1;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: `v` and `len` outlive the call; `len` is `v`'s size.
+        let r = unsafe { libc::getsockopt(fd.as_raw_fd(), level, name, (&raw mut v).cast(), &raw mut len) };
+        assert_eq!(r, 0, "{}", io::Error::last_os_error());
+        v
+    }
+
+    #[test]
+    fn keepalive_times_parse_three_positive_numbers_only() {
+        assert_eq!(parse_keepalive("1,1,2"), Some((1, 1, 2)));
+        assert_eq!(parse_keepalive(" 30, 10 ,6"), Some((30, 10, 6)));
+        for bad in ["", "1,1", "1,1,2,3", "1,0,2", "1,x,2", "-1,1,2", "1,,2"] {
+            assert_eq!(parse_keepalive(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn tcp_keepalive_is_set_on_both_ends() {
+        use std::os::fd::AsFd;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (a, _) = l.accept().unwrap();
+        for s in [&c, &a] {
+            assert_eq!(sockopt(s.as_fd(), libc::SOL_SOCKET, libc::SO_KEEPALIVE), 0, "off by default");
+            tcp_keepalive(s.as_fd()).unwrap();
+            assert_eq!(sockopt(s.as_fd(), libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+            let (idle, interval, count) = keepalive_times();
+            assert_eq!(sockopt(s.as_fd(), libc::IPPROTO_TCP, libc::TCP_KEEPIDLE), idle as i32);
+            assert_eq!(sockopt(s.as_fd(), libc::IPPROTO_TCP, libc::TCP_KEEPINTVL), interval as i32);
+            assert_eq!(sockopt(s.as_fd(), libc::IPPROTO_TCP, libc::TCP_KEEPCNT), count as i32);
+        }
+    }
 
     #[test]
     fn mincore_tells_the_truth_about_a_file_of_ours() {

@@ -349,6 +349,9 @@ impl Server {
                 Listener::Tcp(l) => l.accept().and_then(|(s, _)| {
                     s.set_nonblocking(false)?;
                     s.set_nodelay(true)?;
+                    // A client that vanishes between requests is found out, and its
+                    // connection's threads end.
+                    crate::io::sys::tcp_keepalive(std::os::fd::AsFd::as_fd(&s))?;
                     Ok(Box::new(s) as Box<dyn crate::stream::Stream>)
                 }),
                 Listener::Unix(l, _, _) => l.accept().and_then(|(s, _)| {

@@ -278,6 +278,9 @@ fn connect(how: &How, who: &str) -> Result<Connection> {
             let s =
                 TcpStream::connect((host.as_str(), *port)).map_err(|e| Error::io("connect", e).path(who))?;
             s.set_nodelay(true).map_err(|e| Error::io("connect", e).path(who))?;
+            // A server that vanishes while we wait for its replies is found out.
+            crate::io::sys::tcp_keepalive(std::os::fd::AsFd::as_fd(&s))
+                .map_err(|e| Error::io("connect", e).path(who))?;
             Box::new(s)
         }
         Address::Unix(path) => Box::new(connect_unix(path).map_err(|e| Error::io("connect", e).path(who))?),
