@@ -569,8 +569,11 @@ fn parse_keepalive(v: &str) -> Option<(u32, u32, u32)> {
 /// once the peer has gone without a word, rather than waiting for ever: an NBD client
 /// waiting for replies, or a server waiting for the next request, sends nothing of its own
 /// and would never notice. A peer that is alive answers the probes, however long it is idle
-/// or busy. No `TCP_USER_TIMEOUT`: it would also end a connection whose peer is alive but
-/// not reading (a server holding back a client's writes while its disk catches up).
+/// or busy. Not covered: a peer that vanishes while our own data to it is unacknowledged;
+/// TCP's retransmissions give up on that after `tcp_retries2` (about 15 minutes by default).
+/// No `TCP_USER_TIMEOUT` to shorten it: it also governs zero-window probing, where the peer is
+/// alive but not reading (a server holding back a client's writes while its disk catches
+/// up), and how kernels treat that case has changed between versions.
 pub fn tcp_keepalive(fd: BorrowedFd) -> io::Result<()> {
     let set = |level: libc::c_int, name: libc::c_int, value: u32| {
         let v = value as libc::c_int;
