@@ -63,7 +63,8 @@ Exit status: 0 success, 1 failure (DST may be incomplete: the message says so), 
 error, 130 interrupted, 141 DST is - and its reader closed it early (quiet, as for cat).
 Environment: LIGHTFOOT_NO_DONTCACHE=1 is --no-dontcache. LIGHTFOOT_TCP_KEEPALIVE=IDLE,INTERVAL,COUNT
 sets the TCP keepalive of NBD connections (default 30,10,6: a server gone silent without
-closing fails the copy after about 90 s; one that is alive but slow is waited for).
+closing fails the copy after about 90 s, or after TCP's retransmission limit, ~15 min, if it
+went while lightfoot was sending it data; one that is alive but slow is waited for).
 See docs/copy.md and docs/cache-policy.md.";
 
 /// Copy a file, block device, stream or NBD export, leaving the page cache as it was.

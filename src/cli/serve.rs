@@ -39,8 +39,9 @@ stops serving when it exits and exits with its status. Example:
 
 TCP connections use keepalive: a client that vanishes without closing (its host died, the
 network went) is dropped after about 90 s of silence (probes after 30 s, every 10 s, 6
-unanswered); LIGHTFOOT_TCP_KEEPALIVE=IDLE,INTERVAL,COUNT changes that. An idle client that is
-alive is never dropped.
+unanswered), or after TCP's retransmission limit (~15 min) if replies to it were still
+unacknowledged; LIGHTFOOT_TCP_KEEPALIVE=IDLE,INTERVAL,COUNT changes the probes. An idle
+client that is alive is never dropped.
 
 Exit status: 0 after a clean shutdown (Ctrl-C, SIGTERM), 1 on failure, 2 usage error; with
 --run, the status of CMD. See docs/serve.md and docs/cache-policy.md.";

@@ -537,7 +537,7 @@ pub const KEEPALIVE_INTERVAL: u32 = 10;
 pub const KEEPALIVE_COUNT: u32 = 6;
 
 /// The keepalive times in use: the defaults above, or `LIGHTFOOT_TCP_KEEPALIVE=IDLE,INTERVAL,COUNT`
-/// (seconds, seconds, probes; each at least 1), which the tests use to find a vanished peer in
+/// (seconds, seconds, probes), which the tests use to find a vanished peer in
 /// seconds. A malformed value is ignored with a warning.
 pub fn keepalive_times() -> (u32, u32, u32) {
     static TIMES: std::sync::OnceLock<(u32, u32, u32)> = std::sync::OnceLock::new();
@@ -546,21 +546,25 @@ pub fn keepalive_times() -> (u32, u32, u32) {
         let Ok(v) = std::env::var("LIGHTFOOT_TCP_KEEPALIVE") else { return default };
         parse_keepalive(&v).unwrap_or_else(|| {
             tracing::warn!(
-                "LIGHTFOOT_TCP_KEEPALIVE={v:?} ignored: want IDLE,INTERVAL,COUNT, each at least 1"
+                "LIGHTFOOT_TCP_KEEPALIVE={v:?} ignored: want IDLE,INTERVAL,COUNT (1-32767 s, 1-32767 s, 1-127)"
             );
             default
         })
     })
 }
 
-/// `IDLE,INTERVAL,COUNT`, each a whole number of at least 1.
+/// `IDLE,INTERVAL,COUNT`: whole numbers within what Linux takes (seconds 1-32767, probes
+/// 1-127; past them every `setsockopt` would fail and no connection could be made).
 fn parse_keepalive(v: &str) -> Option<(u32, u32, u32)> {
-    let n = v
-        .split(',')
-        .map(|x| x.trim().parse::<u32>().ok().filter(|&x| x >= 1))
-        .collect::<Option<Vec<u32>>>()?;
+    let n = v.split(',').map(|x| x.trim().parse::<u32>().ok()).collect::<Option<Vec<u32>>>()?;
     match n[..] {
-        [idle, interval, count] => Some((idle, interval, count)),
+        [idle, interval, count]
+            if (1..=32767).contains(&idle)
+                && (1..=32767).contains(&interval)
+                && (1..=127).contains(&count) =>
+        {
+            Some((idle, interval, count))
+        }
         _ => None,
     }
 }
@@ -750,6 +754,10 @@ mod tests {
     fn keepalive_times_parse_three_positive_numbers_only() {
         assert_eq!(parse_keepalive("1,1,2"), Some((1, 1, 2)));
         assert_eq!(parse_keepalive(" 30, 10 ,6"), Some((30, 10, 6)));
+        assert_eq!(parse_keepalive("32767,32767,127"), Some((32767, 32767, 127)));
+        for bad in ["32768,1,1", "1,1,128", "4294967295,1,1"] {
+            assert_eq!(parse_keepalive(bad), None, "{bad:?}");
+        }
         for bad in ["", "1,1", "1,1,2,3", "1,0,2", "1,x,2", "-1,1,2", "1,,2"] {
             assert_eq!(parse_keepalive(bad), None, "{bad:?}");
         }
