@@ -307,9 +307,10 @@ print("\nIOPS and ratios from the timed rounds (untraced); backend writes from t
       "(perf stat on the write syscalls); lightfoot's own count (--stats) from every run.")
 for w in dict.fromkeys(r["workload"] for r in rows):
     print(f"\n### {w} (fio nbd, 4 jobs x iodepth 1, flush every 64 writes)\n")
-    print(f"| server | IOPS | × lightfoot | × lightfoot, same round | same round, quiet rounds (steal < {quiet:g} %) "
+    print(f"| server | IOPS | × lightfoot | × lightfoot, same round | same round, middle half "
+          f"| same round, quiet rounds (steal < {quiet:g} %) "
           "| backend writes / client write | lightfoot's own count | host steal % | failed runs |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     timed = [r for r in rows if r["workload"] == w and r["traced"] == "0"]
     base = med(r["iops"] for r in timed if r["config"] == "lightfoot" and not r["error"])
     # Per round, against the plain server's run of the same round: less exposed to slow drifts.
@@ -324,7 +325,13 @@ for w in dict.fromkeys(r["workload"] for r in rows):
         mine = [r for r in rows if r["workload"] == w and r["config"] == c and not r["error"]]
         iops = med(r["iops"] for r in ok)
         ratio = f"{iops / base:.2f}" if iops and base else "-"
-        paired = med(float(r["iops"]) / plain[r["round"]] for r in ok if r["iops"] and plain.get(r["round"]))
+        rounds = [float(r["iops"]) / plain[r["round"]] for r in ok if r["iops"] and plain.get(r["round"])]
+        paired = med(rounds)
+        # First to third quartile of the per-round ratios: how far one round goes on its own.
+        spread = "-"
+        if len(rounds) >= 2:
+            q1, _, q3 = statistics.quantiles(rounds, n=4)
+            spread = f"{q1:.2f}-{q3:.2f}"
         calm = [float(r["iops"]) / plain[r["round"]] for r in ok if r["iops"] and plain.get(r["round"])
                 and steal(r) is not None and plain_steal.get(r["round"]) is not None
                 and max(steal(r), plain_steal[r["round"]]) < quiet]
@@ -332,7 +339,7 @@ for w in dict.fromkeys(r["workload"] for r in rows):
         st = [steal(r) for r in rs if steal(r) is not None]
         st = f"{statistics.median(st):.0f} (max {max(st):.0f})" if st else "-"
         failed = len(rs) - len(ok)
-        print(f"| {names.get(c, c)} | {fmt(iops, '.0f')} | {ratio} | {fmt(paired, '.2f')} | {calm} "
+        print(f"| {names.get(c, c)} | {fmt(iops, '.0f')} | {ratio} | {fmt(paired, '.2f')} | {spread} | {calm} "
               f"| {fmt(per_write(counted, 'backend_writes'), '.3f')} "
               f"| {fmt(per_write(mine, 'lightfoot_backend_writes'), '.3f')} | {st} | {failed} |")
 EOF
