@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests and benchmarks need on a fresh Debian machine: the NBD peers and
 # tools the interop tests and benchmarks run against, openssl (the TLS tests make their
-# certificates with it) and iproute2 (a keepalive test cuts a network namespace's link). Does nothing when all are present.
+# certificates with it) and iproute2 (a keepalive test cuts a network namespace's link).
+# Does nothing when all are present.
 set -euo pipefail
 need=()
 command -v qemu-img  >/dev/null || need+=(qemu-utils)

@@ -401,26 +401,33 @@ impl Netns {
             .success());
     }
 
-    /// The server's established TCP connections on `port`, and the bytes the client has sent
-    /// on them that the server has not acknowledged (the client's Send-Q).
+    /// The sockets `ss ARGS` lists inside namespace `ns` (a line each, no header).
+    fn ss(ns: &str, args: &[&str]) -> Vec<String> {
+        let out = Netns::command(ns, "ss").arg("-H").args(args).output().unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The client's established TCP connections to `port`, and the bytes it has sent on them
+    /// that the server has not acknowledged (its Send-Q).
     fn established(&self, port: u16) -> (usize, u64) {
-        let out = Netns::command(&self.client, "ss")
-            .args(["-Htn", "state", "established", &format!("( dport = :{port} )")])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        let lines =
+            Netns::ss(&self.client, &["-tn", "state", "established", &format!("( dport = :{port} )")]);
         let unacked = lines.iter().filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()).sum();
         (lines.len(), unacked)
     }
 
     /// Something listens on TCP `port` in the server's namespace.
     fn listening(&self, port: u16) -> bool {
-        let out = Netns::command(&self.server, "ss")
-            .args(["-Htln", &format!("( sport = :{port} )")])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).lines().any(|l| !l.trim().is_empty())
+        !Netns::ss(&self.server, &["-tln", &format!("( sport = :{port} )")]).is_empty()
+    }
+
+    /// The server's established TCP connections on `port`.
+    fn served(&self, port: u16) -> usize {
+        Netns::ss(&self.server, &["-tn", "state", "established", &format!("( sport = :{port} )")]).len()
     }
 }
 
@@ -530,13 +537,7 @@ fn a_peer_gone_silent_over_tcp_is_found_out() {
     Netns::silence(&ns.client);
     // Its FIN would be lost with the link: the server hears nothing more from it.
     drop(idle);
-    let ended = within(20, || {
-        let out = Netns::command(&ns.server, "ss")
-            .args(["-Htn", "state", "established", "( sport = :10872 )"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).trim().is_empty()
-    });
+    let ended = within(20, || ns.served(10872) == 0);
     let alive = server.running();
     drop(server);
     assert!(ended, "the server kept the silent client's connection for 20 s");
