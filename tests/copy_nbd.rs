@@ -543,3 +543,56 @@ fn a_peer_gone_silent_over_tcp_is_found_out() {
     assert!(ended, "the server kept the silent client's connection for 20 s");
     assert!(alive, "the server itself ended");
 }
+
+/// Ctrl-C during a copy whose server is alive but no longer answering (here: nbdkit holding
+/// every read for 100 s) ends the copy about 2 s later, the ordinary way: exit 130, the
+/// interrupted request named, the destination called incomplete. Before, the first Ctrl-C
+/// waited for the replies (100 s here, for ever for a wedged server) and only a second one
+/// ended it, without the clean-up.
+#[test]
+fn ctrl_c_ends_a_copy_whose_server_stopped_answering() {
+    let dir = scratch();
+    let server = Peer::nbdkit(dir.path(), "stuck", &["--filter=delay", "pattern", "64M", "rdelay=100"]);
+    let dst = dir.path().join("dst.img");
+    let mut cmd = Command::new(bin());
+    cmd.args(["copy", &server.uri, s(&dst)]);
+    let mut copy = Kill::spawn(cmd);
+    // Its requests are sent and waiting.
+    std::thread::sleep(Duration::from_millis(800));
+    interrupt(&copy);
+    let ended = within(15, || !copy.running());
+    let out = copy.finish();
+    assert!(ended, "the copy still waited 15 s after Ctrl-C: {}", text(&out));
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out));
+    for w in [&server.uri, "at offset", "interrupted while waiting for the server", "is incomplete"] {
+        assert!(text(&out).contains(w), "message lacks '{w}': {}", text(&out));
+    }
+}
+
+/// The same in the handshake: a server that accepts the connection and never greets.
+#[test]
+fn ctrl_c_ends_a_handshake_that_never_comes() {
+    let dir = scratch();
+    let sock = dir.path().join("mute.sock");
+    // Connections wait in the listen queue; nothing is ever sent on them.
+    let _mute = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let dst = dir.path().join("dst.img");
+    let mut cmd = Command::new(bin());
+    cmd.args(["copy", &uri, s(&dst)]);
+    let mut copy = Kill::spawn(cmd);
+    std::thread::sleep(Duration::from_millis(500));
+    interrupt(&copy);
+    let ended = within(15, || !copy.running());
+    let out = copy.finish();
+    assert!(ended, "the copy still waited 15 s after Ctrl-C: {}", text(&out));
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out));
+    assert!(text(&out).contains("interrupted during the handshake"), "{}", text(&out));
+    assert!(!dst.exists(), "the destination was created before the source was open");
+}
+
+/// Sends SIGINT (Ctrl-C) to a running child.
+fn interrupt(k: &Kill) {
+    let pid = k.0.as_ref().unwrap().id().to_string();
+    assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+}

@@ -59,6 +59,10 @@ Cache modes (--cache):
   drop     evict every page the job touched, including ones cached before
   direct   O_DIRECT for both sides
 
+Ctrl-C stops the copy at the next request and cleans up (exit 130); an NBD server that has
+not answered 2 s later has its connections shut down. A second Ctrl-C exits at once, without
+the clean-up.
+
 Exit status: 0 success, 1 failure (DST may be incomplete: the message says so), 2 usage
 error, 130 interrupted, 141 DST is - and its reader closed it early (quiet, as for cat).
 Environment: LIGHTFOOT_NO_DONTCACHE=1 is --no-dontcache. LIGHTFOOT_TCP_KEEPALIVE=IDLE,INTERVAL,COUNT
@@ -152,6 +156,23 @@ fn parse_request_size(s: &str) -> Result<usize, String> {
 /// second one exits at once.
 static CANCEL: AtomicBool = AtomicBool::new(false);
 
+/// How long requests already sent to an NBD server get to complete after the first Ctrl-C.
+/// A server that answers at all answers a request within milliseconds; one that has not
+/// answered by then (stopped, wedged, or busy with a FLUSH the user no longer wants) has its
+/// connections shut down, so the copy ends and cleans up without a second Ctrl-C.
+const INTERRUPT_GRACE: Duration = Duration::from_secs(2);
+
+/// Reports an endpoint that could not be opened; the exit status (130 when Ctrl-C ended a
+/// handshake, 1 otherwise).
+fn open_failed(e: &lightfoot::Error) -> i32 {
+    super::report(e);
+    if e.kind() == ErrorKind::Interrupted {
+        super::EXIT_INTERRUPTED
+    } else {
+        1
+    }
+}
+
 #[derive(serde::Serialize)]
 struct Side {
     name: String,
@@ -241,6 +262,10 @@ pub fn run(args: CopyArgs) -> i32 {
         if CANCEL.swap(true, Ordering::SeqCst) {
             std::process::exit(super::EXIT_INTERRUPTED);
         }
+        std::thread::spawn(|| {
+            std::thread::sleep(INTERRUPT_GRACE);
+            lightfoot::backend::nbd::interrupt_all();
+        });
     });
     // Many requests in flight: neutral reads of local files use O_DIRECT, as the server's do.
     // With 16 workers reading 256 KiB each, DONTCACHE's readahead ran past the spill guard and
@@ -251,10 +276,7 @@ pub fn run(args: CopyArgs) -> i32 {
     let dst_before = cached_now(&dst_ep);
     let src = match open_source(&src_ep, args.cache, &tuning, connections(&src_ep)) {
         Ok(s) => s,
-        Err(e) => {
-            super::report(&e);
-            return 1;
-        }
+        Err(e) => return open_failed(&e),
     };
     let size = src.backend.size();
     let dest_opts = DestOptions {
@@ -265,10 +287,7 @@ pub fn run(args: CopyArgs) -> i32 {
     };
     let dst = match open_destination(&dst_ep, &src, size, args.cache, &tuning, dest_opts) {
         Ok(d) => d,
-        Err(e) => {
-            super::report(&e);
-            return 1;
-        }
+        Err(e) => return open_failed(&e),
     };
     let opts = CopyOptions {
         workers: workers as usize,

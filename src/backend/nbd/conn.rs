@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 
 use super::handshake::ExportInfo;
+use super::interrupt::Registered;
 use crate::backend::Extent;
 use crate::error::{Error, ErrorKind, Result};
 use crate::proto::*;
@@ -150,11 +151,18 @@ pub struct Connection {
     slots: Vec<Condvar>,
     cookies: AtomicU64,
     closer: Closer,
+    /// Ctrl-C can end the connection from outside ([`super::interrupt_all`]).
+    _registered: Registered,
 }
 
 impl Connection {
     /// Takes a negotiated stream into the transmission phase.
-    pub fn new(stream: Box<dyn Stream>, info: ExportInfo, who: &str) -> Result<Connection> {
+    pub(super) fn new(
+        stream: Box<dyn Stream>,
+        info: ExportInfo,
+        who: &str,
+        registered: Registered,
+    ) -> Result<Connection> {
         let closer = stream.closer().map_err(|e| Error::io("connect", e).path(who))?;
         let (r, w) = stream.split().map_err(|e| Error::io("connect", e).path(who))?;
         Ok(Connection {
@@ -166,6 +174,7 @@ impl Connection {
             slots: (0..SLOTS).map(|_| Condvar::new()).collect(),
             cookies: AtomicU64::new(1),
             closer,
+            _registered: registered,
         })
     }
 
@@ -232,10 +241,13 @@ impl Connection {
         mut target: Target,
     ) -> Result<()> {
         let lost = |why: &str| {
-            Error::new(ErrorKind::Io, op)
-                .path(&self.who)
-                .at(offset, len)
-                .detail(format!("connection lost: {why}"))
+            // Ctrl-C ended the connection ([`super::interrupt_all`]): the server had not answered.
+            let (kind, detail) = if super::interrupted() {
+                (ErrorKind::Interrupted, "interrupted while waiting for the server".to_string())
+            } else {
+                (ErrorKind::Io, format!("connection lost: {why}"))
+            };
+            Error::new(kind, op).path(&self.who).at(offset, len).detail(detail)
         };
         let cookie = self.cookies.fetch_add(1, Ordering::Relaxed);
         {
@@ -534,7 +546,8 @@ mod tests {
             structured: true,
             allocation: Some(CONTEXT),
         };
-        (Arc::new(Connection::new(Box::new(ours), info, "test").unwrap()), theirs)
+        let registered = super::super::interrupt::register(ours.closer().unwrap());
+        (Arc::new(Connection::new(Box::new(ours), info, "test", registered).unwrap()), theirs)
     }
 
     /// The next request the client sent (header only).

@@ -11,12 +11,15 @@
 //!   `CAN_MULTI_CONN`), requests split to the server's maximum size, extents from
 //!   `base:allocation`, zeroing with `WRITE_ZEROES` (`FAST_ZERO` when asked), never `TRIM`
 //!   for zeroes.
+//! - [`interrupt_all`]: ends every connection of the process (Ctrl-C, when a server stops
+//!   answering).
 
 mod align;
 pub mod captive;
 pub mod conn;
 mod extents;
 pub mod handshake;
+mod interrupt;
 pub mod uri;
 
 use std::net::TcpStream;
@@ -32,6 +35,7 @@ use crate::tls::{ClientTls, Verify};
 pub use captive::Captive;
 pub use conn::Connection;
 pub use handshake::ExportInfo;
+pub use interrupt::{interrupt_all, interrupted};
 pub use uri::{Address, TlsParams, Uri};
 
 /// Zero, trim and cache requests carry a 32-bit length: larger ranges go in pieces of this.
@@ -94,8 +98,9 @@ impl NbdBackend {
     /// Negotiates `export` over a stream that is already connected (one connection); `name`
     /// names it in messages.
     pub fn from_stream(mut stream: Box<dyn Stream>, export: &str, name: &str) -> Result<NbdBackend> {
-        let info = handshake::negotiate(&mut *stream, export, name)?;
-        let conn = Connection::new(stream, info, name)?;
+        let registered = register(&*stream, name)?;
+        let info = handshake::negotiate(&mut *stream, export, name).map_err(|e| if_interrupted(e, name))?;
+        let conn = Connection::new(stream, info, name, registered)?;
         Ok(Self::assemble(name.to_string(), info, vec![conn], None))
     }
 
@@ -273,7 +278,7 @@ fn client_tls(uri: &Uri, params: &TlsParams) -> Result<ClientTls> {
 }
 
 fn connect(how: &How, who: &str) -> Result<Connection> {
-    let mut stream: Box<dyn Stream> = match how.address {
+    let stream: Box<dyn Stream> = match how.address {
         Address::Tcp { host, port } => {
             let s =
                 TcpStream::connect((host.as_str(), *port)).map_err(|e| Error::io("connect", e).path(who))?;
@@ -285,6 +290,15 @@ fn connect(how: &How, who: &str) -> Result<Connection> {
         }
         Address::Unix(path) => Box::new(connect_unix(path).map_err(|e| Error::io("connect", e).path(who))?),
     };
+    // From here on Ctrl-C can end it (a TLS stream runs over this socket: shutting the socket
+    // down ends it too).
+    let registered = register(&*stream, who)?;
+    let (stream, info) = negotiate(stream, how, who).map_err(|e| if_interrupted(e, who))?;
+    Connection::new(stream, info, who, registered)
+}
+
+/// The handshake of a connected socket, with STARTTLS when `how` asks for TLS.
+fn negotiate(mut stream: Box<dyn Stream>, how: &How, who: &str) -> Result<(Box<dyn Stream>, ExportInfo)> {
     let no_zeroes = handshake::greet(&mut *stream, who)?;
     if let Some(tls) = how.tls {
         handshake::starttls(&mut *stream, who)?;
@@ -293,7 +307,21 @@ fn connect(how: &How, who: &str) -> Result<Connection> {
         })?);
     }
     let info = handshake::options(&mut *stream, how.export, who, no_zeroes)?;
-    Connection::new(stream, info, who)
+    Ok((stream, info))
+}
+
+fn register(stream: &dyn Stream, who: &str) -> Result<interrupt::Registered> {
+    let closer = stream.closer().map_err(|e| Error::io("connect", e).path(who))?;
+    Ok(interrupt::register(closer))
+}
+
+/// A handshake that failed because [`interrupt_all`] shut its socket down says so.
+fn if_interrupted(e: Error, who: &str) -> Error {
+    if interrupted() {
+        Error::new(ErrorKind::Interrupted, "connect").path(who).detail("interrupted during the handshake")
+    } else {
+        e
+    }
 }
 
 fn connect_unix(path: &std::path::Path) -> std::io::Result<UnixStream> {
