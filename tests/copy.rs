@@ -384,18 +384,12 @@ fn a_fifo_destination_is_opened_once() {
     std::thread::sleep(std::time::Duration::from_millis(300));
     let mut lf =
         Command::new(bin()).args(["copy", s(&src), s(&fifo)]).stderr(Stdio::piped()).spawn().unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let status = loop {
-        if let Some(st) = lf.try_wait().unwrap() {
-            break st;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = lf.kill();
-            let _ = reader.kill();
-            panic!("the copy into a FIFO hung");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
+    if !within(20, || lf.try_wait().unwrap().is_some()) {
+        let _ = lf.kill();
+        let _ = reader.kill();
+        panic!("the copy into a FIFO hung");
+    }
+    let status = lf.wait().unwrap();
     assert!(status.success());
     assert!(reader.wait().unwrap().success());
     assert!(same_contents(&src, &out_file));

@@ -6,7 +6,7 @@ mod common;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -22,11 +22,7 @@ impl Peer {
     /// Starts `cmd` (which must listen on `sock`) and waits for the socket.
     fn start(mut cmd: Command, sock: &Path, export: &str) -> Peer {
         let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("start server");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !sock.exists() {
-            assert!(Instant::now() < deadline, "no socket from {cmd:?}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        assert!(within(10, || sock.exists()), "no socket from {cmd:?}");
         Peer { child, uri: format!("nbd+unix:///{export}?socket={}", sock.display()) }
     }
 
@@ -259,14 +255,15 @@ fn a_captive_server_that_dies_is_named_with_how_it_ended() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let server = loop {
-        if let Some(&p) = children(copy.id()).first() {
-            break p;
-        }
-        assert!(Instant::now() < deadline, "no captive server started");
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let mut server = None;
+    assert!(
+        within(10, || {
+            server = children(copy.id()).first().copied();
+            server.is_some()
+        }),
+        "no captive server started"
+    );
+    let server = server.unwrap();
     // Reads take 2 s each: the copy is under way and far from done.
     std::thread::sleep(Duration::from_millis(800));
     assert_eq!(unsafe { libc::kill(server, libc::SIGKILL) }, 0);
@@ -466,18 +463,6 @@ impl Drop for Kill {
             let _ = c.wait();
         }
     }
-}
-
-/// Waits up to `secs` for `f` to hold.
-fn within(secs: u64, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while Instant::now() < deadline {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    f()
 }
 
 /// A peer that goes silent without closing the connection (its host died, the network went)

@@ -128,11 +128,10 @@ fn crash_during_writes(
             s.spawn(move || c.run(&*b, cut, stop));
         }
         std::thread::sleep(pause);
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while clients.iter().any(|c| c.state.lock().unwrap().flushes == 0) {
-            assert!(std::time::Instant::now() < deadline, "a client never flushed");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        assert!(
+            within(20, || clients.iter().all(|c| c.state.lock().unwrap().flushes > 0)),
+            "a client never flushed"
+        );
         cut.store(true, Ordering::SeqCst);
         crash();
         std::thread::sleep(Duration::from_millis(50));

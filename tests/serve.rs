@@ -367,11 +367,12 @@ fn unix_sockets_appear_ready_and_are_never_stolen() {
     assert!(sock.exists());
     // (Served::start returns at once here: the stale file exists already.)
     let s = Served::start(&img, &[]);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while let Err(e) = std::os::unix::net::UnixStream::connect(&s.sock) {
-        assert!(std::time::Instant::now() < deadline, "the stale socket was not replaced: {e}");
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    let mut last = None;
+    let replaced = within(10, || {
+        last = std::os::unix::net::UnixStream::connect(&s.sock).err();
+        last.is_none()
+    });
+    assert!(replaced, "the stale socket was not replaced: {last:?}");
     let (status, err) = s.stop();
     assert!(status.success(), "{err}");
     let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
@@ -639,11 +640,7 @@ fn stats_on_sigusr1_and_at_exit() {
     sample(&img, 4 * MIB, MIB);
     let pid_file = dir.path().join("pid");
     let s = Served::start(&img, &["--stats", "--json", "--pid-file", pid_file.to_str().unwrap()]);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !pid_file.exists() {
-        assert!(Instant::now() < deadline, "no pid file");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    assert!(within(5, || pid_file.exists()), "no pid file");
     let pid: u32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
     assert_eq!(pid, s.child.id());
     ok(tool("nbdcopy", "libnbd-bin").args([&s.uri(), "null:"]).output().unwrap());
@@ -688,11 +685,7 @@ fn exit_with_parent_and_socket_activation() {
         .status()
         .unwrap();
     assert!(st.success());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while pid_file.exists() || sock.exists() {
-        assert!(Instant::now() < deadline, "server outlived its parent");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert!(within(10, || !pid_file.exists() && !sock.exists()), "server outlived its parent");
     // Socket activation: a listening socket on fd 3, LISTEN_PID and LISTEN_FDS set.
     let activate = format!(
         r#"

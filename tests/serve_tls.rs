@@ -363,16 +363,15 @@ fn lightfoot_copy_from_qemu_nbd_over_tls() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+    let listening = within(10, || {
         if let Ok(Some(st)) = qemu.try_wait() {
             let mut e = String::new();
             let _ = qemu.stderr.take().unwrap().read_to_string(&mut e);
             panic!("qemu-nbd exited ({st}): {e}");
         }
-        assert!(Instant::now() < deadline, "qemu-nbd did not listen on {port}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    assert!(listening, "qemu-nbd did not listen on {port}");
     let uri = format!("nbds://127.0.0.1:{port}/?tls-certificates={}", certs.client.display());
     let out_img = dir.path().join("out.img");
     let out = lightfoot(&["copy", &uri, s(&out_img)]);

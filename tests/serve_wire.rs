@@ -27,11 +27,7 @@ impl Server {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !sock.exists() {
-            assert!(Instant::now() < deadline, "no socket");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        assert!(within(10, || sock.exists()), "no socket");
         Server { child, sock }
     }
 }

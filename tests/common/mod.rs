@@ -10,6 +10,22 @@ use lightfoot::io::inspect::{open_for_inspection, residency};
 
 pub const MIB: u64 = 1 << 20;
 
+/// Polls `f` until it holds or `secs` have passed; whether it held. Looks every 5 ms at
+/// first, backing off to every 100 ms: a condition that comes quickly is seen at once, and
+/// one that is costly to check (a spawned `ss`) is not checked hundreds of times.
+pub fn within(secs: u64, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    let mut pause = std::time::Duration::from_millis(5);
+    while std::time::Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(std::time::Duration::from_millis(100));
+    }
+    f()
+}
+
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_lightfoot")
 }
@@ -175,11 +191,7 @@ impl Served {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !sock.exists() {
-            assert!(std::time::Instant::now() < deadline, "server did not create {}", sock.display());
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
+        assert!(within(10, || sock.exists()), "server did not create {}", sock.display());
         Served { child, sock }
     }
 
