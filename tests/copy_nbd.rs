@@ -539,16 +539,8 @@ fn ctrl_c_ends_a_copy_whose_server_stopped_answering() {
     let dir = scratch();
     let server = Peer::nbdkit(dir.path(), "stuck", &["--filter=delay", "pattern", "64M", "rdelay=100"]);
     let dst = dir.path().join("dst.img");
-    let mut cmd = Command::new(bin());
-    cmd.args(["copy", &server.uri, s(&dst)]);
-    let mut copy = Kill::spawn(cmd);
-    // Its requests are sent and waiting.
-    std::thread::sleep(Duration::from_millis(800));
-    interrupt(&copy);
-    let ended = within(15, || !copy.running());
-    let out = copy.finish();
-    assert!(ended, "the copy still waited 15 s after Ctrl-C: {}", text(&out));
-    assert_eq!(out.status.code(), Some(130), "{}", text(&out));
+    // 800 ms: its requests are sent and waiting.
+    let out = interrupted_copy(&server.uri, &dst, 800);
     for w in [&server.uri, "at offset", "interrupted while waiting for the server", "is incomplete"] {
         assert!(text(&out).contains(w), "message lacks '{w}': {}", text(&out));
     }
@@ -561,23 +553,24 @@ fn ctrl_c_ends_a_handshake_that_never_comes() {
     let sock = dir.path().join("mute.sock");
     // Connections wait in the listen queue; nothing is ever sent on them.
     let _mute = std::os::unix::net::UnixListener::bind(&sock).unwrap();
-    let uri = format!("nbd+unix:///?socket={}", sock.display());
     let dst = dir.path().join("dst.img");
-    let mut cmd = Command::new(bin());
-    cmd.args(["copy", &uri, s(&dst)]);
-    let mut copy = Kill::spawn(cmd);
-    std::thread::sleep(Duration::from_millis(500));
-    interrupt(&copy);
-    let ended = within(15, || !copy.running());
-    let out = copy.finish();
-    assert!(ended, "the copy still waited 15 s after Ctrl-C: {}", text(&out));
-    assert_eq!(out.status.code(), Some(130), "{}", text(&out));
+    let out = interrupted_copy(&format!("nbd+unix:///?socket={}", sock.display()), &dst, 500);
     assert!(text(&out).contains("interrupted during the handshake"), "{}", text(&out));
     assert!(!dst.exists(), "the destination was created before the source was open");
 }
 
-/// Sends SIGINT (Ctrl-C) to a running child.
-fn interrupt(k: &Kill) {
-    let pid = k.0.as_ref().unwrap().id().to_string();
+/// `lightfoot copy FROM DST`, sent SIGINT (Ctrl-C) after `ms`: it must end within 15 s, with
+/// exit status 130. Its output.
+fn interrupted_copy(from: &str, dst: &Path, ms: u64) -> std::process::Output {
+    let mut cmd = Command::new(bin());
+    cmd.args(["copy", from, s(dst)]);
+    let mut copy = Kill::spawn(cmd);
+    std::thread::sleep(Duration::from_millis(ms));
+    let pid = copy.0.as_ref().unwrap().id().to_string();
     assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    let ended = within(15, || !copy.running());
+    let out = copy.finish();
+    assert!(ended, "the copy still waited 15 s after Ctrl-C: {}", text(&out));
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out));
+    out
 }
