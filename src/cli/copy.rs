@@ -295,6 +295,10 @@ pub fn run(args: CopyArgs) -> i32 {
         destination_is_zero: dst.zeroed,
         sparse: !args.no_sparse,
         flush: !args.no_flush,
+        // Many requests in flight over NBD: keep neighbours apart, so the block layer does not
+        // merge them into multi-MiB requests (copy::interleaved). Not with fewer workers,
+        // where local neutral reads use readahead (see `tuning` above).
+        interleave: over_nbd && workers >= 8,
     };
     let progress = Arc::new(Progress::default());
     let bar =

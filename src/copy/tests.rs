@@ -32,7 +32,14 @@ fn contents(b: &dyn Backend) -> Vec<u8> {
 }
 
 fn opts(workers: usize) -> CopyOptions {
-    CopyOptions { workers, request_size: 1 << 20, destination_is_zero: true, sparse: true, flush: true }
+    CopyOptions {
+        workers,
+        request_size: 1 << 20,
+        destination_is_zero: true,
+        sparse: true,
+        flush: true,
+        interleave: false,
+    }
 }
 
 fn run(src: &dyn Backend, dst: &dyn Backend, o: &CopyOptions) -> Result<Stats, Failure> {
@@ -50,6 +57,34 @@ fn copies_identically_and_sparsely() {
         // Only the non-zero data was written: holes and the zero region were skipped.
         assert!(dst.allocated() < src.allocated(), "{} vs {}", dst.allocated(), src.allocated());
         assert!(stats.written <= (4 << 20) + 5000 + (128 << 10), "wrote {}", stats.written);
+    }
+}
+
+/// Interleaved, every chunk is still copied once: 21 chunks of 1 MiB are not a whole number
+/// of groups (2 × workers), so the last group names chunks past the end.
+#[test]
+fn copies_identically_when_interleaved() {
+    for workers in [1, 3, 8] {
+        let src = source();
+        let dst = MemoryBackend::new(SIZE);
+        let stats = run(&*src, &dst, &CopyOptions { interleave: true, ..opts(workers) }).unwrap();
+        assert_eq!(stats.bytes, SIZE, "workers {workers}");
+        assert_eq!(contents(&*src), contents(&dst), "workers {workers}");
+    }
+}
+
+/// Each group is handed out evens first, then odds: every chunk once, and the first half of
+/// a group (as many as the workers, all in flight together) a chunk apart from each other.
+#[test]
+fn interleaved_order() {
+    assert_eq!((0..8).map(|t| interleaved(t, 4)).collect::<Vec<_>>(), [0, 2, 1, 3, 4, 6, 5, 7]);
+    assert_eq!((0..5).map(|t| interleaved(t, 1)).collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
+    for group in [2u64, 4, 32, 128] {
+        let mut seen: Vec<u64> = (0..group * 3).map(|t| interleaved(t, group)).collect();
+        let evens = &seen[..(group / 2) as usize];
+        assert!(evens.windows(2).all(|w| w[1] == w[0] + 2), "group {group}: {evens:?}");
+        seen.sort_unstable();
+        assert_eq!(seen, (0..group * 3).collect::<Vec<_>>(), "group {group}");
     }
 }
 
