@@ -41,11 +41,12 @@ ENDPOINTS:
                 lightfoot copy -- disk.raw [ nbdkit file out.raw ]
 
 NBD: requests stay within the server's advertised block sizes; several are in flight at once
-(--workers). Holes come from the server's base:allocation map. An NBD DST must be at least as
-large as SRC; unless --no-sparse, it is first zeroed with one fast zero (NBD_CMD_WRITE_ZEROES
-with FAST_ZERO) if the server offers it, and then only data is written; otherwise holes are
-zeroed with WRITE_ZEROES. TRIM is never used to make zeroes. DST is flushed (NBD_CMD_FLUSH)
-before success is reported, unless --no-flush.
+(--workers; with 8 or more, never two neighbours at once, which the block layer would merge).
+Holes come from the server's base:allocation map. An NBD DST must be at least as large as SRC;
+unless --no-sparse, it is first zeroed with one fast zero (NBD_CMD_WRITE_ZEROES with FAST_ZERO)
+if the server offers it, and then only data is written; otherwise holes are zeroed with
+WRITE_ZEROES. TRIM is never used to make zeroes. DST is flushed (NBD_CMD_FLUSH) before success
+is reported, unless --no-flush.
 
 A regular-file DST is created, or truncated and then extended to the size of SRC, so holes in
 SRC stay holes. A block-device DST is written in full: holes are zeroed (BLKZEROOUT) unless
