@@ -540,7 +540,7 @@ fn ctrl_c_ends_a_copy_whose_server_stopped_answering() {
     let server = Peer::nbdkit(dir.path(), "stuck", &["--filter=delay", "pattern", "64M", "rdelay=100"]);
     let dst = dir.path().join("dst.img");
     // 800 ms: its requests are sent and waiting.
-    let out = interrupted_copy(&server.uri, &dst, 800);
+    let out = interrupted_copy(&[], &server.uri, &dst, 800);
     for w in [&server.uri, "at offset", "interrupted while waiting for the server", "is incomplete"] {
         assert!(text(&out).contains(w), "message lacks '{w}': {}", text(&out));
     }
@@ -554,16 +554,29 @@ fn ctrl_c_ends_a_handshake_that_never_comes() {
     // Connections wait in the listen queue; nothing is ever sent on them.
     let _mute = std::os::unix::net::UnixListener::bind(&sock).unwrap();
     let dst = dir.path().join("dst.img");
-    let out = interrupted_copy(&format!("nbd+unix:///?socket={}", sock.display()), &dst, 500);
+    let out = interrupted_copy(&[], &format!("nbd+unix:///?socket={}", sock.display()), &dst, 500);
     assert!(text(&out).contains("interrupted during the handshake"), "{}", text(&out));
     assert!(!dst.exists(), "the destination was created before the source was open");
 }
 
-/// `lightfoot copy FROM DST`, sent SIGINT (Ctrl-C) after `ms`: it must end within 15 s, with
-/// exit status 130. Its output.
-fn interrupted_copy(from: &str, dst: &Path, ms: u64) -> std::process::Output {
+/// A Ctrl-C that comes while the source's handshake is slow but finishes (nbdkit opens each
+/// connection after 1.5 s) stops the copy before the destination is created.
+#[test]
+fn ctrl_c_during_a_slow_handshake_leaves_the_destination_alone() {
+    let dir = scratch();
+    let server = Peer::nbdkit(dir.path(), "slow", &["--filter=delay", "pattern", "64M", "delay-open=1500ms"]);
+    let dst = dir.path().join("dst.img");
+    // One connection: its handshake ends within the 2 s grace.
+    let out = interrupted_copy(&["--connections", "1"], &server.uri, &dst, 500);
+    assert!(text(&out).contains("interrupted before the destination was opened"), "{}", text(&out));
+    assert!(!dst.exists(), "the destination was created after Ctrl-C");
+}
+
+/// `lightfoot copy [ARGS] FROM DST`, sent SIGINT (Ctrl-C) after `ms`: it must end within
+/// 15 s, with exit status 130. Its output.
+fn interrupted_copy(args: &[&str], from: &str, dst: &Path, ms: u64) -> std::process::Output {
     let mut cmd = Command::new(bin());
-    cmd.args(["copy", from, s(dst)]);
+    cmd.arg("copy").args(args).args([from, s(dst)]);
     let mut copy = Kill::spawn(cmd);
     std::thread::sleep(Duration::from_millis(ms));
     let pid = copy.0.as_ref().unwrap().id().to_string();

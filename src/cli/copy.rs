@@ -41,7 +41,7 @@ ENDPOINTS:
                 lightfoot copy -- disk.raw [ nbdkit file out.raw ]
 
 NBD: requests stay within the server's advertised block sizes; several are in flight at once
-(--workers; with 8 or more, never two neighbours at once, which the block layer would merge).
+(--workers; with 8 or more, seldom two neighbours at once, which the block layer would merge).
 Holes come from the server's base:allocation map. An NBD DST must be at least as large as SRC;
 unless --no-sparse, it is first zeroed with one fast zero (NBD_CMD_WRITE_ZEROES with FAST_ZERO)
 if the server offers it, and then only data is written; otherwise holes are zeroed with
@@ -60,9 +60,10 @@ Cache modes (--cache):
   drop     evict every page the job touched, including ones cached before
   direct   O_DIRECT for both sides
 
-Ctrl-C stops the copy at the next request and cleans up (exit 130); an NBD server that has
-not answered 2 s later has its connections shut down. A second Ctrl-C exits at once, without
-the clean-up.
+Ctrl-C stops the copy at the next request and cleans up (exit 130); 2 s later every NBD
+connection is shut down, so a server that stopped answering cannot hold the copy (a TCP
+connect to an address that does not answer is not cut short). A second Ctrl-C exits at once,
+without the clean-up.
 
 Exit status: 0 success, 1 failure (DST may be incomplete: the message says so), 2 usage
 error, 130 interrupted, 141 DST is - and its reader closed it early (quiet, as for cat).
@@ -279,6 +280,12 @@ pub fn run(args: CopyArgs) -> i32 {
         Ok(s) => s,
         Err(e) => return open_failed(&e),
     };
+    // Ctrl-C while SRC was being opened (a slow handshake that finished within the grace):
+    // stop before DST is created, truncated or zeroed.
+    if CANCEL.load(Ordering::SeqCst) {
+        super::report(&"copy: interrupted before the destination was opened");
+        return super::EXIT_INTERRUPTED;
+    }
     let size = src.backend.size();
     let dest_opts = DestOptions {
         preallocate: args.preallocate,

@@ -6,7 +6,7 @@
 //! are skipped when the destination is known to read as zeroes already, and zeroed on it
 //! otherwise. A sequential endpoint (a pipe) gets one worker, so requests stay in order; a
 //! source of unknown size is read until it ends. With [`CopyOptions::interleave`] the requests
-//! in flight at once are kept from being neighbours ([`interleaved`]).
+//! in flight at once are mostly kept from being neighbours ([`interleaved`]).
 //!
 //! The engine knows nothing of files or cache policies: those live in the backends. It is
 //! cancelled through a flag (Ctrl-C), and always calls `finish` on both backends so their
@@ -41,7 +41,8 @@ pub struct CopyOptions {
     pub sparse: bool,
     /// Make the destination durable before reporting success.
     pub flush: bool,
-    /// Hand out the chunks so that no two requests in flight are neighbours ([`interleaved`]);
+    /// Hand out the chunks so that requests in flight together are seldom neighbours
+    /// ([`interleaved`]);
     /// `false`: in order. For many workers over NBD, where local reads are O_DIRECT: with
     /// readahead, a chunk skipped for a moment would be read ahead and left cached.
     pub interleave: bool,
@@ -211,12 +212,15 @@ fn copy_sized(
 
 /// The chunk handed out `t`-th when each group of `group` chunks (an even number) is handed
 /// out evens first, then odds: 0, 2, 4 … 1, 3, 5 … With `group` twice the workers, the
-/// requests in flight at once are a chunk apart. Handed out in order, 16 workers' requests
+/// evens in flight together are a chunk apart; an odd can meet a neighbouring even still in
+/// flight, and the last chunk of a group the first of the next, so neighbours are rarer, not
+/// gone (handing the odds out a group late would keep them apart: not measured yet). Handed
+/// out in order, 16 workers' requests
 /// are neighbours, and the block layer merges them into 1-3 MiB requests: the NBD server's
 /// reads (qemu-nbd, 256 KiB each, merged to 0.8-1 MiB) and the file's writes (merged to
 /// 1.2-2.8 MiB, only while the disk also reads). A pull of 4 GiB of random data was then
 /// 1.17-1.29x nbdcopy's time on this VM, whose requests stay at 260-630 KiB; taken this way
-/// nothing merges, and the pull was faster than in order in 15 rounds of 18 (0.91-0.94x
+/// requests averaged 260-270 KiB at the device, and the pull was faster than in order in 15 rounds of 18 (0.91-0.94x
 /// nbdcopy in the last two sets); other transfers level (docs/benchmarks.md, 2026-11-25).
 /// Chunks are still taken from one counter, so a slow request delays nobody. `group` < 2:
 /// in order.
