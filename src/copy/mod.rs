@@ -42,9 +42,9 @@ pub struct CopyOptions {
     /// Make the destination durable before reporting success.
     pub flush: bool,
     /// Hand out the chunks so that requests in flight together are seldom neighbours
-    /// ([`interleaved`]);
-    /// `false`: in order. For many workers over NBD, where local reads are O_DIRECT: with
-    /// readahead, a chunk skipped for a moment would be read ahead and left cached.
+    /// ([`interleaved`]); `false`: in order. For many workers over NBD, where local reads are
+    /// O_DIRECT: with readahead, a chunk skipped for a moment would be read ahead and left
+    /// cached.
     pub interleave: bool,
 }
 
@@ -215,13 +215,13 @@ fn copy_sized(
 /// evens in flight together are a chunk apart; an odd can meet a neighbouring even still in
 /// flight, and the last chunk of a group the first of the next, so neighbours are rarer, not
 /// gone (handing the odds out a group late would keep them apart: not measured yet). Handed
-/// out in order, 16 workers' requests
-/// are neighbours, and the block layer merges them into 1-3 MiB requests: the NBD server's
-/// reads (qemu-nbd, 256 KiB each, merged to 0.8-1 MiB) and the file's writes (merged to
-/// 1.2-2.8 MiB, only while the disk also reads). A pull of 4 GiB of random data was then
-/// 1.17-1.29x nbdcopy's time on this VM, whose requests stay at 260-630 KiB; taken this way
-/// requests averaged 260-270 KiB at the device, and the pull was faster than in order in 15 rounds of 18 (0.91-0.94x
-/// nbdcopy in the last two sets); other transfers level (docs/benchmarks.md, 2026-11-25).
+/// out in order, 16 workers' requests are neighbours, and the block layer merges them into
+/// 1-3 MiB requests: the NBD server's reads (qemu-nbd, 256 KiB each, merged to 0.8-1 MiB)
+/// and the file's writes (merged to 1.2-2.8 MiB, only while the disk also reads). A pull of
+/// 4 GiB of random data was then 1.17-1.29x nbdcopy's time on this VM, whose requests stay
+/// at 260-630 KiB; taken this way requests averaged 260-270 KiB at the device, and the pull
+/// was faster than in order in 15 rounds of 18 (0.91-0.94x nbdcopy in the last two sets);
+/// other transfers level (docs/benchmarks.md, 2026-11-25).
 /// Chunks are still taken from one counter, so a slow request delays nobody. `group` < 2:
 /// in order.
 pub fn interleaved(t: u64, group: u64) -> u64 {

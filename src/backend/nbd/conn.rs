@@ -34,7 +34,7 @@ use super::interrupt::Registered;
 use crate::backend::Extent;
 use crate::error::{Error, ErrorKind, Result};
 use crate::proto::*;
-use crate::stream::{write_all_vectored, Closer, Stream};
+use crate::stream::{write_all_vectored, Stream};
 
 /// A reply header read by whoever held the turn.
 #[derive(Debug, Clone, Copy)]
@@ -150,20 +150,20 @@ pub struct Connection {
     /// Waiting threads sleep on the slot of their cookie (`cookie % SLOTS`).
     slots: Vec<Condvar>,
     cookies: AtomicU64,
-    closer: Closer,
-    /// Ctrl-C can end the connection from outside ([`super::interrupt_all`]).
-    _registered: Registered,
+    /// Ends the connection: ours ([`Self::kill`]), or Ctrl-C's from outside
+    /// ([`super::interrupt_all`]).
+    registered: Registered,
 }
 
 impl Connection {
-    /// Takes a negotiated stream into the transmission phase.
+    /// Takes a negotiated stream into the transmission phase; `registered` is its socket's
+    /// place among those Ctrl-C ends.
     pub(super) fn new(
         stream: Box<dyn Stream>,
         info: ExportInfo,
         who: &str,
         registered: Registered,
     ) -> Result<Connection> {
-        let closer = stream.closer().map_err(|e| Error::io("connect", e).path(who))?;
         let (r, w) = stream.split().map_err(|e| Error::io("connect", e).path(who))?;
         Ok(Connection {
             who: who.to_string(),
@@ -173,8 +173,7 @@ impl Connection {
             state: Mutex::new(State::default()),
             slots: (0..SLOTS).map(|_| Condvar::new()).collect(),
             cookies: AtomicU64::new(1),
-            closer,
-            _registered: registered,
+            registered,
         })
     }
 
@@ -221,7 +220,7 @@ impl Connection {
         st.reading = false;
         st.handoff = None;
         drop(st);
-        (self.closer)();
+        self.registered.close();
         self.slots.iter().for_each(Condvar::notify_all);
     }
 

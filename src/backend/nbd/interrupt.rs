@@ -12,24 +12,35 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::stream::Closer;
 
 struct Registry {
     next: u64,
-    open: BTreeMap<u64, Closer>,
+    open: BTreeMap<u64, Arc<Closer>>,
 }
 
 static OPEN: Mutex<Registry> = Mutex::new(Registry { next: 0, open: BTreeMap::new() });
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
-/// A socket's place in the registry; dropping it takes the socket out.
-pub(super) struct Registered(u64);
+/// A socket's place in the registry; dropping it takes the socket out. It also ends the
+/// socket for its owner ([`Registered::close`]), so a connection keeps no closer of its own.
+pub(super) struct Registered {
+    id: u64,
+    closer: Arc<Closer>,
+}
+
+impl Registered {
+    /// Shuts the socket down (as [`interrupt_all`] would, for this one alone).
+    pub(super) fn close(&self) {
+        (self.closer)();
+    }
+}
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        OPEN.lock().unwrap().open.remove(&self.0);
+        OPEN.lock().unwrap().open.remove(&self.id);
     }
 }
 
@@ -41,8 +52,9 @@ pub(super) fn register(closer: Closer) -> Registered {
     }
     let id = reg.next;
     reg.next += 1;
-    reg.open.insert(id, closer);
-    Registered(id)
+    let closer = Arc::new(closer);
+    reg.open.insert(id, closer.clone());
+    Registered { id, closer }
 }
 
 /// Shuts down every NBD socket of the process, now and from now on (for Ctrl-C: nothing
