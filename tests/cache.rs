@@ -173,6 +173,43 @@ fn small_neutral_writes_leave_no_pages_after_a_flush_and_keep_the_cached_ones() 
     assert_eq!(got, [0x77; 4096]);
 }
 
+/// The coalesce filter's write-backs that join several small writes (`Backend::write_merged`)
+/// leave the cache as large writes do (RWF_DONTCACHE drops each page once it is written back),
+/// not at the next flush as the small writes they are made of: their pages are gone before
+/// any flush. Plain small writes of the same size are still cached then.
+#[test]
+fn merged_writes_leave_no_pages_before_a_flush() {
+    use lightfoot::backend::Backend;
+    use lightfoot::io::{CacheMode, OpenOptions, Tuning, WriteMech};
+    let dir = scratch();
+    let f = dir.path().join("sparse");
+    std::fs::File::create(&f).unwrap().set_len(64 * MIB).unwrap();
+    let opts = OpenOptions { write: true, create: false, truncate: false };
+    let b = lightfoot::backend::FileBackend::open(&f, opts, CacheMode::Neutral, &Tuning::default()).unwrap();
+    if b.policy().mechanism().write != WriteMech::DontCache {
+        eprintln!("skipped: no RWF_DONTCACHE here ({:?})", b.policy().mechanism().write);
+        return;
+    }
+    // 20 KiB each (below the 64 KiB of a large write), into holes, 1 MiB apart.
+    for i in 0..16u64 {
+        b.write_merged(&[0x3c; 20 << 10], i * MIB + 1024, false).unwrap();
+        b.write(&[0xc3; 20 << 10], 32 * MIB + i * MIB + 1024, false).unwrap();
+    }
+    // Waits for the writeback of both halves, evicting nothing.
+    std::fs::File::open(&f).unwrap().sync_data().unwrap();
+    assert!(within(10, || cached(&f, 0, Some(32 * MIB)) == 0), "merged writes left pages before a flush");
+    assert!(cached(&f, 32 * MIB, Some(32 * MIB)) > 0, "plain small writes were not cached until the flush");
+    b.flush().unwrap();
+    assert_eq!(cached(&f, 0, None), 0, "pages left after the flush");
+    b.finish().unwrap();
+    let got = std::fs::read(&f).unwrap();
+    for i in 0..16usize {
+        let (m, p) = (i * MIB as usize + 1024, 32 * MIB as usize + i * MIB as usize + 1024);
+        assert!(got[m..m + (20 << 10)].iter().all(|&x| x == 0x3c), "merged write {i} lost");
+        assert!(got[p..p + (20 << 10)].iter().all(|&x| x == 0xc3), "plain write {i} lost");
+    }
+}
+
 /// A neutral FileBackend on a fully written 8 MiB file, nothing cached but 4-5 MiB and the
 /// page at [`LONE`] (cached before the job), with the file's contents as the test's model.
 const LONE: u64 = 5 * MIB + 30 * 4096;

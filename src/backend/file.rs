@@ -171,6 +171,11 @@ impl Backend for FileBackend {
         self.file.write_at(buf, offset, fua)
     }
 
+    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        debug_assert!(!self.read_only);
+        self.file.write_merged_at(buf, offset, fua)
+    }
+
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         debug_assert!(!self.read_only);
         if len == 0 {

@@ -129,6 +129,15 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Writes `buf` at `offset` as [`Backend::write`] does, for a caller that has already
+    /// merged several small writes into this one (`--coalesce` writing back a block with the
+    /// gaps between its writes filled). A file in neutral mode keeps such a write out of the
+    /// page cache as it does a large one, rather than caching it until the next flush as it
+    /// does small writes (see `io::file::SMALL_WRITE`). The default is [`Backend::write`].
+    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.write(buf, offset, fua)
+    }
+
     /// A hint: `[offset, offset+len)` is about to be written, and its first or last page only
     /// in part. A file may start reading those pages now, all at once, rather than one at a
     /// time inside each write (the kernel reads a page it must partly overwrite). Only if the

@@ -565,6 +565,20 @@ impl PolicyFile {
     /// through the cache, or straight to the disk where that saves reading a page
     /// ([`Self::direct_pays`]).
     pub fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.write_sized(buf, offset, fua, false)
+    }
+
+    /// [`Self::write_at`] for a write that merges several small ones (`--coalesce` writing
+    /// back a block): in neutral mode it is not cached until the next flush as a small write
+    /// is, but written with RWF_DONTCACHE whatever its size. Writes that merged neighbours
+    /// are few and carry many writes' bytes, so what [`SMALL_WRITE`] saves small writes
+    /// (starting writeback in each one) costs little here, and the data is on its way to the
+    /// disk before the FLUSH that usually follows, with nothing left to evict after it.
+    pub fn write_merged_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.write_sized(buf, offset, fua, true)
+    }
+
+    fn write_sized(&self, buf: &[u8], offset: u64, fua: bool, merged: bool) -> Result<()> {
         if buf.is_empty() {
             // Nothing to write (an NBD client may send a zero-length WRITE). Under O_DIRECT
             // an unaligned one would otherwise read and rewrite its whole block.
@@ -578,8 +592,8 @@ impl PolicyFile {
         loop {
             let mech = self.write_mech();
             // Small writes go through the cache even when DONTCACHE is the mechanism, and are
-            // evicted by write-behind (see [`SMALL_WRITE`]).
-            let small = mech == WriteMech::DontCache && buf.len() < SMALL_WRITE;
+            // evicted by write-behind (see [`SMALL_WRITE`]); merged ones do not.
+            let small = mech == WriteMech::DontCache && buf.len() < SMALL_WRITE && !merged;
             let buffered = mech == WriteMech::WriteBehind || small;
             // Every write through the cache that covers part of a page holds the page's lock
             // in neutral mode, where small writes may go direct (see [`Shared::page_locks`]).

@@ -387,7 +387,7 @@ impl Coalesce {
         if !sh.wait_for_room(len) {
             // Straight down (a write-back error is latched, so room may never come); a FUA
             // write must still report that error, as every FUA after it does.
-            self.pass(offset, len, || sh.write_below(buf, offset, fua))?;
+            self.pass(offset, len, || sh.write_below(buf, offset, fua, false))?;
             if fua {
                 sh.check_latch("write")?;
             }
@@ -478,7 +478,7 @@ impl Coalesce {
         if self.holds(offset, buf.len() as u64) {
             return self.write_small(buf, offset, fua);
         }
-        self.pass(offset, buf.len() as u64, || sh.write_below(buf, offset, fua))?;
+        self.pass(offset, buf.len() as u64, || sh.write_below(buf, offset, fua, false))?;
         if fua {
             sh.check_latch("write")?;
         }

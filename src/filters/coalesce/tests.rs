@@ -408,3 +408,85 @@ fn gaps_known_to_read_as_zeroes_are_filled_without_reading() {
         assert_eq!(page(0, i), [&[9u8; 1024][..], &[0u8; 1024], &[7u8; 1024], &[0u8; 1024]].concat());
     }
 }
+
+/// Counts the writes that reach it by the way they came (`write` or `write_merged`).
+struct Recorder {
+    inner: Arc<MemoryBackend>,
+    plain: AtomicU64,
+    merged: AtomicU64,
+}
+
+impl Backend for Recorder {
+    fn name(&self) -> &str {
+        "recorder"
+    }
+    fn size(&self) -> Option<u64> {
+        self.inner.size()
+    }
+    fn caps(&self) -> Caps {
+        self.inner.caps()
+    }
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.inner.read(buf, offset)
+    }
+    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        self.inner.read_at_hand(buf, offset)
+    }
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.plain.fetch_add(1, SeqCst);
+        self.inner.write(buf, offset, fua)
+    }
+    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.merged.fetch_add(1, SeqCst);
+        self.inner.write(buf, offset, fua)
+    }
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        self.inner.zero(offset, len, flags)
+    }
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.inner.trim(offset, len, fua)
+    }
+    fn flush(&self) -> Result<()> {
+        self.inner.flush()
+    }
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.cache(offset, len)
+    }
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.inner.extents(offset, len)
+    }
+    fn cache_info(&self) -> Option<CacheInfo> {
+        self.inner.cache_info()
+    }
+    fn finish(&self) -> Result<()> {
+        self.inner.finish()
+    }
+}
+
+/// A write-back that joins writes over holes between them says so to the layer below
+/// (`write_merged`: a file keeps it out of the cache as a large write); one joined over data
+/// read from below, and one range written as it is (a lone write, or touching ones), go down
+/// as plain writes.
+#[test]
+fn write_backs_that_join_writes_say_so() {
+    for holes in [false, true] {
+        let mem = if holes { Arc::new(MemoryBackend::new(4 * MIB)) } else { full(4 * MIB) };
+        let rec =
+            Arc::new(Recorder { inner: mem.clone(), plain: AtomicU64::new(0), merged: AtomicU64::new(0) });
+        let c = Coalesce::new(rec.clone(), cfg());
+        // Block 0: 1 KiB every 4 KiB (joined, gaps read or known to be zeroes). Block 2: two
+        // touching writes (one range). Block 4: a lone write.
+        for i in 0..8 {
+            c.write(&[1; 1024], i * 4 * K, false).unwrap();
+        }
+        c.write(&[2; 512], 2 * 64 * K + 100, false).unwrap();
+        c.write(&[3; 512], 2 * 64 * K + 612, false).unwrap();
+        c.write(&[4; 1024], 4 * 64 * K + 4 * K, false).unwrap();
+        c.flush().unwrap();
+        let got = (rec.merged.load(SeqCst), rec.plain.load(SeqCst));
+        let want = if holes { (1, 2) } else { (0, 3) };
+        assert_eq!(got, want, "holes {holes}: (merged, plain) write-backs");
+        assert_eq!(read(&*mem, 28 * K, 1024), [1; 1024]);
+        assert_eq!(read(&*mem, 2 * 64 * K + 100, 1024), [[2; 512], [3; 512]].concat());
+    }
+}
