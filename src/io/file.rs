@@ -819,7 +819,7 @@ impl PolicyFile {
         if self.finished.swap(true, Ordering::Relaxed) {
             return Ok(());
         }
-        let drained = self.write_behind.drain(self.fd());
+        let drained = self.write_behind.drain_at_end(self.fd());
         self.evict.finish(self.fd());
         if self.mode == CacheMode::Drop {
             let lo = self.touched_lo.load(Ordering::Relaxed);

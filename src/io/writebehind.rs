@@ -224,7 +224,8 @@ impl WriteBehind {
         self.verify.store(false, Ordering::Relaxed);
     }
 
-    /// Waits for and evicts every window (end of job, flush, error, Ctrl-C).
+    /// Waits for and evicts every window (flush, error). A window whose pages outlived the
+    /// eviction is queued again (see [`Self::wait_and_evict`]).
     pub fn drain(&self, fd: BorrowedFd) -> io::Result<Outcome> {
         let all: Vec<Entry> = {
             let mut inner = self.inner.lock().unwrap();
@@ -243,9 +244,34 @@ impl WriteBehind {
         self.wait_and_evict(fd, all)
     }
 
+    /// [`Self::drain`] at the end of a job (also on error and Ctrl-C): drains again, a few
+    /// milliseconds apart, while windows are queued again because pages outlived their
+    /// eviction. Returns the first pass's outcome.
+    pub fn drain_at_end(&self, fd: BorrowedFd) -> io::Result<Outcome> {
+        let first = self.drain(fd);
+        for pause_ms in [1, 4, 16] {
+            if self.inner.lock().unwrap().dirty.windows.is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(pause_ms));
+            let _ = self.drain(fd);
+        }
+        first
+    }
+
+    /// Waits for each window's writeback and evicts the job's pages in it. DONTNEED leaves a
+    /// page it cannot drop at that moment (locked, mapped or otherwise referenced), and such a
+    /// window used to be forgotten: with `--coalesce`, whose FLUSHes evict windows the
+    /// background write-back is writing into, 1-82 clean pages of a 4 GiB file (whole 64 KiB
+    /// blocks, near the ends of windows) were still cached after the server exited in 16 of 26
+    /// 6 s runs of 4 fio clients (2026-11-25; which reference held them was not traced). So
+    /// each evicted range is looked at again (cachestat) and a window with pages left is
+    /// queued again, for the next drain; none were left in 14 runs since. Without cachestat
+    /// nothing is looked at.
     fn wait_and_evict(&self, fd: BorrowedFd, windows: Vec<Entry>) -> io::Result<Outcome> {
         let mut outcome = Outcome::default();
         let mut first_err = None;
+        let mut stuck = Vec::new();
         for Entry { window: w, buffered, .. } in windows {
             // Every window is evicted even after an error, so the cache is cleaned up anyway.
             let res = sys::sync_file_range(
@@ -280,6 +306,16 @@ impl WriteBehind {
                     outcome.pages_left = true;
                 }
                 let _ = sys::fadvise(fd, off, len, Advice::DontNeed);
+                if stuck.last() != Some(&w) && sys::cachestat(fd, off, len).is_ok_and(|s| s.cached > 0) {
+                    stuck.push(w);
+                }
+            }
+        }
+        if !stuck.is_empty() {
+            // Queued as buffered: pages found there later say nothing about DONTCACHE.
+            let mut inner = self.inner.lock().unwrap();
+            for window in stuck {
+                inner.dirty.add(Entry { window, bytes: 0, buffered: true });
             }
         }
         match first_err {
@@ -299,7 +335,7 @@ fn windows(offset: u64, len: u64) -> std::ops::Range<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::AsFd;
+    use std::os::fd::{AsFd, AsRawFd};
 
     fn queued(wb: &WriteBehind) -> (Vec<u64>, Vec<u64>) {
         let inner = wb.inner.lock().unwrap();
@@ -360,6 +396,45 @@ mod tests {
         let (dirty, writeback) = queued(&wb);
         assert_eq!((dirty.len(), writeback.len()), (64, 0));
         wb.drain(f.as_fd()).unwrap();
+        assert_eq!(queued(&wb), (vec![], vec![]));
+    }
+    /// A window whose pages outlive the eviction is queued again and evicted by a later
+    /// drain. A page mapped into memory stands in for one a write or a DONTCACHE completion
+    /// holds for a moment: DONTNEED leaves mapped pages alone.
+    #[test]
+    fn a_window_with_pages_left_after_eviction_is_evicted_later() {
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(2 * WINDOW).unwrap();
+        if sys::cachestat(f.as_fd(), 0, 0).is_err() {
+            eprintln!("skipped: no cachestat here");
+            return;
+        }
+        let wb = WriteBehind::new(false, Default::default());
+        let at = WINDOW + 8192;
+        std::os::unix::fs::FileExt::write_all_at(&f, &[3u8; 4096], at).unwrap();
+        wb.after_write(f.as_fd(), at, 4096, true).unwrap();
+        // SAFETY: a fresh shared read-only mapping of one page of a file this test owns,
+        // unmapped below before the file is dropped; the memory is read through a volatile
+        // read of its first byte only.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                at as libc::off_t,
+            )
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        assert_eq!(unsafe { std::ptr::read_volatile(map as *const u8) }, 3);
+        wb.drain(f.as_fd()).unwrap();
+        assert_eq!(sys::cached_pages(f.as_fd(), at, 4096).unwrap(), 1, "the mapped page was evicted");
+        assert_eq!(queued(&wb), (vec![1], vec![]), "the window was not queued again");
+        // SAFETY: the mapping made above, not used after this.
+        assert_eq!(unsafe { libc::munmap(map, 4096) }, 0);
+        wb.drain_at_end(f.as_fd()).unwrap();
+        assert_eq!(sys::cached_pages(f.as_fd(), 0, 2 * WINDOW).unwrap(), 0, "pages left at the end");
         assert_eq!(queued(&wb), (vec![], vec![]));
     }
 }
