@@ -197,8 +197,17 @@ fn merged_writes_leave_no_pages_before_a_flush() {
     }
     // Waits for the writeback of both halves, evicting nothing.
     std::fs::File::open(&f).unwrap().sync_data().unwrap();
-    assert!(within(10, || cached(&f, 0, Some(32 * MIB)) == 0), "merged writes left pages before a flush");
-    assert!(cached(&f, 32 * MIB, Some(32 * MIB)) > 0, "plain small writes were not cached until the flush");
+    // The kernel skips a page's drop now and then (its lock busy when the writeback ends):
+    // a page or two may stay until the flush. Plain small writes keep all 96 of theirs.
+    assert!(
+        within(10, || cached(&f, 0, Some(32 * MIB)) <= 2 * 4096),
+        "merged writes left pages before a flush"
+    );
+    assert_eq!(
+        cached(&f, 32 * MIB, Some(32 * MIB)),
+        96 * 4096,
+        "plain small writes were not cached until the flush"
+    );
     b.flush().unwrap();
     assert_eq!(cached(&f, 0, None), 0, "pages left after the flush");
     b.finish().unwrap();

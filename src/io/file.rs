@@ -632,7 +632,12 @@ impl PolicyFile {
                 Ok(()) => {}
             }
             if matches!(mech, WriteMech::DontCache | WriteMech::WriteBehind) {
-                match self.write_behind.after_write(self.fd(), offset, len, buffered) {
+                // A merged write below SMALL_WRITE is not counted for the DONTCACHE check
+                // (`buffered`): such writes were not checked before they were merged, and
+                // the many more windows they touch would only add chances for a page whose
+                // drop the kernel skipped to switch the file to write-behind. Evicted alike.
+                let unchecked = buffered || (merged && buf.len() < SMALL_WRITE);
+                match self.write_behind.after_write(self.fd(), offset, len, unchecked) {
                     Ok(o) if o.pages_left && self.write_mech() == WriteMech::DontCache => {
                         self.switch_to_write_behind("DONTCACHE writes left pages cached after writeback");
                     }

@@ -134,6 +134,14 @@ impl Queue {
         self.bytes += e.bytes;
     }
 
+    /// Puts `window` first in line (or marks it buffered where it is queued already).
+    fn requeue(&mut self, window: u64) {
+        match self.windows.iter_mut().find(|x| x.window == window) {
+            Some(x) => x.buffered = true,
+            None => self.windows.push_front(Entry { window, bytes: 0, buffered: true }),
+        }
+    }
+
     fn pop(&mut self) -> Option<Entry> {
         let e = self.windows.pop_front()?;
         self.bytes -= e.bytes;
@@ -312,10 +320,12 @@ impl WriteBehind {
             }
         }
         if !stuck.is_empty() {
-            // Queued as buffered: pages found there later say nothing about DONTCACHE.
+            // Queued as buffered (pages found there later say nothing about DONTCACHE), and
+            // first in line: they are older than anything queued, and the newest window, which
+            // a stream may still be filling, must stay last.
             let mut inner = self.inner.lock().unwrap();
             for window in stuck {
-                inner.dirty.add(Entry { window, bytes: 0, buffered: true });
+                inner.dirty.requeue(window);
             }
         }
         match first_err {
@@ -398,24 +408,26 @@ mod tests {
         wb.drain(f.as_fd()).unwrap();
         assert_eq!(queued(&wb), (vec![], vec![]));
     }
-    /// A window whose pages outlive the eviction is queued again and evicted by a later
-    /// drain. A page mapped into memory stands in for one a write or a DONTCACHE completion
-    /// holds for a moment: DONTNEED leaves mapped pages alone.
-    #[test]
-    fn a_window_with_pages_left_after_eviction_is_evicted_later() {
+    /// A temporary file on a filesystem where DONTNEED drops clean written pages (not tmpfs,
+    /// which keeps them): `None` where it does not, or without cachestat.
+    fn evictable_tempfile() -> Option<std::fs::File> {
         let f = tempfile::tempfile().unwrap();
         f.set_len(2 * WINDOW).unwrap();
-        if sys::cachestat(f.as_fd(), 0, 0).is_err() {
-            eprintln!("skipped: no cachestat here");
-            return;
+        std::os::unix::fs::FileExt::write_all_at(&f, &[1u8; 4096], 0).unwrap();
+        f.sync_data().unwrap();
+        sys::fadvise(f.as_fd(), 0, 4096, Advice::DontNeed).unwrap();
+        if !matches!(sys::cached_pages(f.as_fd(), 0, 4096), Ok(0)) {
+            eprintln!("skipped: written pages cannot be evicted here (or no cachestat)");
+            return None;
         }
-        let wb = WriteBehind::new(false, Default::default());
-        let at = WINDOW + 8192;
-        std::os::unix::fs::FileExt::write_all_at(&f, &[3u8; 4096], at).unwrap();
-        wb.after_write(f.as_fd(), at, 4096, true).unwrap();
-        // SAFETY: a fresh shared read-only mapping of one page of a file this test owns,
-        // unmapped below before the file is dropped; the memory is read through a volatile
-        // read of its first byte only.
+        Some(f)
+    }
+
+    /// Maps the page at `at` (DONTNEED leaves mapped pages alone: it stands in for a page a
+    /// write or a DONTCACHE completion holds for a moment); returns its address.
+    fn map_page(f: &std::fs::File, at: u64) -> usize {
+        // SAFETY: a fresh shared read-only mapping of one page of a file the test owns, read
+        // only through the volatile read of its first byte here; unmapped by `unmap_page`.
         let map = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -428,12 +440,62 @@ mod tests {
         };
         assert_ne!(map, libc::MAP_FAILED);
         assert_eq!(unsafe { std::ptr::read_volatile(map as *const u8) }, 3);
+        map as usize
+    }
+
+    fn unmap_page(map: usize) {
+        // SAFETY: a mapping made by `map_page`, not used after this.
+        assert_eq!(unsafe { libc::munmap(map as *mut libc::c_void, 4096) }, 0);
+    }
+
+    /// A window whose pages outlive the eviction is queued again, first in line, and evicted
+    /// by a later drain.
+    #[test]
+    fn a_window_with_pages_left_after_eviction_is_evicted_later() {
+        let Some(f) = evictable_tempfile() else { return };
+        let wb = WriteBehind::new(false, Default::default());
+        let at = WINDOW + 8192;
+        std::os::unix::fs::FileExt::write_all_at(&f, &[3u8; 4096], at).unwrap();
+        wb.after_write(f.as_fd(), at, 4096, true).unwrap();
+        let map = map_page(&f, at);
         wb.drain(f.as_fd()).unwrap();
         assert_eq!(sys::cached_pages(f.as_fd(), at, 4096).unwrap(), 1, "the mapped page was evicted");
         assert_eq!(queued(&wb), (vec![1], vec![]), "the window was not queued again");
-        // SAFETY: the mapping made above, not used after this.
-        assert_eq!(unsafe { libc::munmap(map, 4096) }, 0);
-        wb.drain_at_end(f.as_fd()).unwrap();
+        // A later write into window 0 queues behind it: the re-queued window is the older.
+        std::os::unix::fs::FileExt::write_all_at(&f, &[4u8; 4096], 4096).unwrap();
+        wb.after_write(f.as_fd(), 4096, 4096, true).unwrap();
+        assert_eq!(queued(&wb), (vec![1, 0], vec![]));
+        unmap_page(map);
+        wb.drain(f.as_fd()).unwrap();
+        assert_eq!(sys::cached_pages(f.as_fd(), 0, 2 * WINDOW).unwrap(), 0, "pages left after the drain");
+        assert_eq!(queued(&wb), (vec![], vec![]));
+    }
+
+    /// At the end of a job, a page held during the first drain is evicted by a retry once it
+    /// is let go: here another thread unmaps it as soon as the first drain has queued its
+    /// window again.
+    #[test]
+    fn the_last_drain_retries_pages_held_for_a_moment() {
+        let Some(f) = evictable_tempfile() else { return };
+        let wb = WriteBehind::new(false, Default::default());
+        let at = WINDOW + 8192;
+        std::os::unix::fs::FileExt::write_all_at(&f, &[3u8; 4096], at).unwrap();
+        wb.after_write(f.as_fd(), at, 4096, true).unwrap();
+        let map = map_page(&f, at);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // Queued again: an entry of no bytes (the first one had the write's). Given up
+                // after 10 s, so that a drain that never queues again fails, not hangs.
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while !wb.inner.lock().unwrap().dirty.windows.iter().any(|e| e.bytes == 0)
+                    && std::time::Instant::now() < deadline
+                {
+                    std::thread::yield_now();
+                }
+                unmap_page(map);
+            });
+            wb.drain_at_end(f.as_fd()).unwrap();
+        });
         assert_eq!(sys::cached_pages(f.as_fd(), 0, 2 * WINDOW).unwrap(), 0, "pages left at the end");
         assert_eq!(queued(&wb), (vec![], vec![]));
     }
