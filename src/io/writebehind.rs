@@ -443,6 +443,18 @@ mod tests {
         map as usize
     }
 
+    /// A write of one page into window 1 through a fresh tracker, and that page mapped:
+    /// (file, tracker, its offset, the mapping).
+    fn held_page() -> Option<(std::fs::File, WriteBehind, u64, usize)> {
+        let f = evictable_tempfile()?;
+        let wb = WriteBehind::new(false, Default::default());
+        let at = WINDOW + 8192;
+        std::os::unix::fs::FileExt::write_all_at(&f, &[3u8; 4096], at).unwrap();
+        wb.after_write(f.as_fd(), at, 4096, true).unwrap();
+        let map = map_page(&f, at);
+        Some((f, wb, at, map))
+    }
+
     fn unmap_page(map: usize) {
         // SAFETY: a mapping made by `map_page`, not used after this.
         assert_eq!(unsafe { libc::munmap(map as *mut libc::c_void, 4096) }, 0);
@@ -452,12 +464,7 @@ mod tests {
     /// by a later drain.
     #[test]
     fn a_window_with_pages_left_after_eviction_is_evicted_later() {
-        let Some(f) = evictable_tempfile() else { return };
-        let wb = WriteBehind::new(false, Default::default());
-        let at = WINDOW + 8192;
-        std::os::unix::fs::FileExt::write_all_at(&f, &[3u8; 4096], at).unwrap();
-        wb.after_write(f.as_fd(), at, 4096, true).unwrap();
-        let map = map_page(&f, at);
+        let Some((f, wb, at, map)) = held_page() else { return };
         wb.drain(f.as_fd()).unwrap();
         assert_eq!(sys::cached_pages(f.as_fd(), at, 4096).unwrap(), 1, "the mapped page was evicted");
         assert_eq!(queued(&wb), (vec![1], vec![]), "the window was not queued again");
@@ -476,12 +483,7 @@ mod tests {
     /// window again.
     #[test]
     fn the_last_drain_retries_pages_held_for_a_moment() {
-        let Some(f) = evictable_tempfile() else { return };
-        let wb = WriteBehind::new(false, Default::default());
-        let at = WINDOW + 8192;
-        std::os::unix::fs::FileExt::write_all_at(&f, &[3u8; 4096], at).unwrap();
-        wb.after_write(f.as_fd(), at, 4096, true).unwrap();
-        let map = map_page(&f, at);
+        let Some((f, wb, _, map)) = held_page() else { return };
         std::thread::scope(|s| {
             s.spawn(|| {
                 // Queued again: an entry of no bytes (the first one had the write's). Given up
