@@ -594,7 +594,6 @@ impl PolicyFile {
             // Small writes go through the cache even when DONTCACHE is the mechanism, and are
             // evicted by write-behind (see [`SMALL_WRITE`]); merged ones do not.
             let small = mech == WriteMech::DontCache && buf.len() < SMALL_WRITE && !merged;
-            let buffered = mech == WriteMech::WriteBehind || small;
             // Every write through the cache that covers part of a page holds the page's lock
             // in neutral mode, where small writes may go direct (see [`Shared::page_locks`]).
             let pages = if self.mode == CacheMode::Neutral && mech != WriteMech::Direct {
@@ -632,11 +631,11 @@ impl PolicyFile {
                 Ok(()) => {}
             }
             if matches!(mech, WriteMech::DontCache | WriteMech::WriteBehind) {
-                // A merged write below SMALL_WRITE is not counted for the DONTCACHE check
-                // (`buffered`): such writes were not checked before they were merged, and
-                // the many more windows they touch would only add chances for a page whose
-                // drop the kernel skipped to switch the file to write-behind. Evicted alike.
-                let unchecked = buffered || (merged && buf.len() < SMALL_WRITE);
+                // No write below SMALL_WRITE is counted for the DONTCACHE check, merged or
+                // not: merged ones were not checked before they were merged, and the many more
+                // windows they touch would only add chances for a page whose drop the kernel
+                // skipped to switch the file to write-behind. Evicted alike.
+                let unchecked = mech == WriteMech::WriteBehind || buf.len() < SMALL_WRITE;
                 match self.write_behind.after_write(self.fd(), offset, len, unchecked) {
                     Ok(o) if o.pages_left && self.write_mech() == WriteMech::DontCache => {
                         self.switch_to_write_behind("DONTCACHE writes left pages cached after writeback");

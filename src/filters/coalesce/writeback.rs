@@ -81,7 +81,8 @@ impl Shared {
 
     /// Writes `buf` at `offset` below: every write the filter sends down goes through here, so
     /// that the range leaves the map of known zeroes first (also if the write fails: part of it
-    /// may have landed). `merged`: `buf` joins several client writes ([`crate::backend::Backend::write_merged`]).
+    /// may have landed). `merged`: `buf` joins several client writes
+    /// ([`crate::backend::Backend::write_merged`]).
     pub(super) fn write_below(&self, buf: &[u8], offset: u64, fua: bool, merged: bool) -> Result<()> {
         self.zeroes.lock().unwrap().forget(offset, buf.len() as u64);
         if merged {
