@@ -254,7 +254,8 @@ fn writers_sharing_blocks_never_see_stale_bytes() {
     const SLOT: u64 = 1024;
     const SPAN: u64 = 2 << 20;
     for (i, cfg) in configs().into_iter().enumerate() {
-        // Data below everywhere, so every gap is filled.
+        // Data below everywhere: each writer's gaps lie inside the 4 KiB units it writes, so
+        // every gap is filled, read from below.
         let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
         mem.write(&vec![0x5a; SIZE as usize], 0, false).unwrap();
         let c = Arc::new(Coalesce::new(mem.clone(), cfg));

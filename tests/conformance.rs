@@ -105,7 +105,7 @@ fn block_device() {
             run(&fb, Expect::Store, 50).unwrap_or_else(|e| panic!("{dev} --cache={mode}: {e}"));
             fb.finish().unwrap();
         }
-        // Coalescing over the device: no holes, so every gap is filled.
+        // Coalescing over the device: gaps inside written 4 KiB units are read from it.
         use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
         let opts = OpenOptions { write: true, create: false, truncate: false };
         let fb = FileBackend::open(Path::new(&dev), opts, CacheMode::Neutral, &Tuning::default()).unwrap();

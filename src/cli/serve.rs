@@ -99,8 +99,9 @@ pub struct ServeArgs {
     prefetch_max_request: u64,
 
     /// Hold small writes (up to 64 KiB) in memory, from every connection, and write them back
-    /// merged: neighbouring writes in one block become one request, the gaps between them
-    /// read from FILE first where FILE holds data (never over a hole). Reads and block status
+    /// merged: neighbouring writes in one block become one request where the gaps between
+    /// them lie inside 4 KiB units they write (e.g. 1 KiB every 4 KiB), the gaps read from
+    /// FILE first; other writes go down as they are. Reads and block status
     /// see the held data. Written back on FLUSH (before it replies), FUA, --coalesce-size,
     /// --coalesce-age, as soon as a writer has moved past a block, and at clean shutdown; a
     /// write-back error fails every later FLUSH and FUA.

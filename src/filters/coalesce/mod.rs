@@ -19,9 +19,9 @@
 //! not know about them, and nbdcopy or qemu-img would skip them).
 //!
 //! Write-back of a block, under its lock. Runs separated by gaps are joined into one request
-//! only when the layer below holds data in the gap, or the gap's holes lie in allocation units
-//! (4 KiB) that dirty bytes allocate anyway: the gap is read from below under the lock and
-//! written back unchanged. So no byte is ever written that a client did not write unless it
+//! only when every allocation unit (4 KiB) of the gap holds dirty bytes, like 1 KiB written
+//! every 4 KiB (see [`dirty::plan`]): the gap is read from below under the lock (or known to
+//! read as zeroes) and written back unchanged. So no byte is ever written that a client did not write unless it
 //! was just read from the same place (the FreeBSD 2013 NFS change widened dirty ranges
 //! without that read and could write stale bytes over another writer's data), and no gap over
 //! a hole in a unit nobody wrote is filled (that would allocate space for zeroes nobody wrote,
@@ -74,8 +74,8 @@ pub struct CoalesceConfig {
     /// covers 4 blocks. Larger blocks merge more (KERNEL-NOTES: small DONTCACHE writes are
     /// slow, ≥ 1 MiB is best) but read more to fill gaps and cut fewer ranges at a flush.
     pub block: u64,
-    /// The filesystem's allocation unit: a gap over a hole is filled only inside units that
-    /// hold dirty bytes (see [`dirty::plan`]). 4 KiB, the block of ext4 and XFS as made by
+    /// The filesystem's allocation unit: a gap is filled only inside units that hold dirty
+    /// bytes (see [`dirty::plan`]). 4 KiB, the block of ext4 and XFS as made by
     /// default; a larger real unit only means fewer gaps filled.
     pub unit: u32,
     /// Writes larger than this go straight down.

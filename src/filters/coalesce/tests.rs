@@ -102,6 +102,29 @@ fn gaps_over_holes_are_not_filled() {
 }
 
 #[test]
+fn gaps_over_data_are_filled_only_inside_written_units() {
+    // Data below everywhere. 1 KiB every 8 KiB and 4 KiB every 8 KiB leave a unit nobody
+    // wrote between ranges: reading it only to write it back unchanged costs a synchronous
+    // read per block, so each range is written as it is. 1 KiB every 4 KiB (gaps inside
+    // written units) is one filled request per block (strided_writes_become_one_...).
+    for (stride, len) in [(8 * K, K), (8 * K, 4 * K)] {
+        let mem = full(MIB);
+        let mut want = read(&*mem, 0, MIB);
+        let c = Coalesce::new(mem.clone(), cfg());
+        for i in 0..MIB / stride {
+            let data = vec![(i % 250) as u8 + 1; len as usize];
+            c.write(&data, i * stride, false).unwrap();
+            want[(i * stride) as usize..(i * stride + len) as usize].copy_from_slice(&data);
+        }
+        c.flush().unwrap();
+        let s = c.stats();
+        assert_eq!((s.backend_writes, s.fill_reads), (MIB / stride, 0), "stride {stride} len {len}: {s:?}");
+        assert_eq!(s.bytes_written, MIB / stride * len, "{s:?}");
+        assert_eq!(read(&*mem, 0, MIB), want);
+    }
+}
+
+#[test]
 fn strided_writes_into_holes_merge_within_touched_units() {
     // 1 KiB every 4 KiB: every 4 KiB unit is allocated anyway, so each block is one
     // request; 1 KiB every 8 KiB: the units between were never written, so not filled.

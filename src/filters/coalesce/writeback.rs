@@ -105,15 +105,8 @@ impl Shared {
             return Ok(());
         }
         let limit = self.size.saturating_sub(base).min(self.cfg.block) as u32;
-        // Planned first as if the whole span were a hole: when that joins every range (each
-        // gap lies in units that hold dirty bytes, like 1 KiB written every 4 KiB), what is
-        // really below cannot change the plan, and the lookup is not made (SEEK_DATA and
-        // SEEK_HOLE took a quarter of a strided write-back's system-call time, perf trace).
-        let span = ranges[0].start..ranges[ranges.len() - 1].end;
-        let mut runs = dirty::plan(&ranges, std::slice::from_ref(&span), self.cfg.unit, limit);
-        if runs.len() > 1 {
-            runs = dirty::plan(&ranges, &self.holes(base, span), self.cfg.unit, limit);
-        }
+        // Whether a gap is a hole or data does not change the plan: no extent lookup.
+        let runs = dirty::plan(&ranges, self.cfg.unit, limit);
         for run in runs {
             let (s, e) = (run.range.start, run.range.end);
             let r = if run.fill { self.write_filled(block, base, s..e, fua) } else { Err(None) };
@@ -178,39 +171,6 @@ impl Shared {
         }
         block.overlay(&mut buf, range.start);
         self.write_below(&buf, at, fua, merged).map_err(Some)
-    }
-
-    /// The holes below within `span` of the block at `base`, relative to the block. Where the
-    /// layer below cannot say, it is all a hole: never fill what might be one.
-    pub(super) fn holes(&self, base: u64, span: Range<u32>) -> Vec<Range<u32>> {
-        let all = vec![span.clone()];
-        if !self.inner.caps().can_extents {
-            // It reports everything as data (block devices, nbd without block status).
-            return vec![];
-        }
-        let exts = match self.inner.extents(base + u64::from(span.start), span.len() as u64) {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::debug!("coalesce: extents failed, not filling gaps: {e}");
-                return all;
-            }
-        };
-        let mut out = Vec::new();
-        let mut at = span.start;
-        for e in exts {
-            let n = (e.len.min(u64::from(span.end - at))) as u32;
-            if e.hole {
-                out.push(at..at + n);
-            }
-            at += n;
-            if at >= span.end {
-                break;
-            }
-        }
-        if at < span.end {
-            out.push(at..span.end);
-        }
-        out
     }
 
     /// Writes back block `b`, if it is still dirty, and forgets it once written.
