@@ -33,12 +33,12 @@
 #     TARGET     sparse (default: a fresh sparse file before each run) or data (a fully
 #                written file, made once and overwritten run after run)
 #     CONFIGS    servers by key (default: "lightfoot coalesce nbdkit-none qemu-none nbdkit";
-#                also: null, memory)
+#                also: null, memory, and coalesce-SIZE for --coalesce with --coalesce-block
+#                SIZE, e.g. "lightfoot coalesce-32K coalesce coalesce-256K" to compare blocks)
 #     WORKLOADS  workloads by key (default: "strided rand64m randall rand4k")
 #     DIR        work directory (default: the first argument, else /work/tmp/bench-coalesce)
 #     LIGHTFOOT  the binary (default ../target/release/lightfoot beside this script)
-#     COALESCE_ARGS  more options for lightfoot --coalesce, e.g. "--coalesce-block 256K" (the
-#                block size is to be chosen by this measurement)
+#     COALESCE_ARGS  more options for lightfoot --coalesce (every coalesce config)
 #     DROP       1 (default): drop caches before each run; 0: don't (smoke tests on a machine
 #                where someone else is measuring)
 #     QUIET      steal limit in percent (default 10) for the quiet-rounds column
@@ -107,6 +107,7 @@ config_name() {
 	case $1 in
 	lightfoot) echo "lightfoot" ;;
 	coalesce) echo "lightfoot --coalesce" ;;
+	coalesce-[0-9]*[KM]) echo "lightfoot --coalesce --coalesce-block ${1#coalesce-}" ;;
 	nbdkit-none) echo "nbdkit file cache=none" ;;
 	qemu-none) echo "qemu-nbd --cache=none" ;;
 	nbdkit) echo "nbdkit file (page cache)" ;;
@@ -122,6 +123,8 @@ server_cmd() {
 	lightfoot) SCMD=("${lf[@]}" "$FILE") ;;
 	# shellcheck disable=SC2086 # COALESCE_ARGS: words
 	coalesce) SCMD=("${lf[@]}" --coalesce --stats --json $COALESCE_ARGS "$FILE") ;;
+	# shellcheck disable=SC2086 # COALESCE_ARGS: words
+	coalesce-*) SCMD=("${lf[@]}" --coalesce --stats --json $COALESCE_ARGS --coalesce-block "${1#coalesce-}" "$FILE") ;;
 	nbdkit-none) SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$FILE" cache=none) ;;
 	qemu-none) SCMD=(qemu-nbd -f raw -e "$JOBS" -t -k "$SOCK" --pid-file="$PIDF" --cache=none "$FILE") ;;
 	nbdkit) SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$FILE") ;;
@@ -339,7 +342,8 @@ for w in dict.fromkeys(r["workload"] for r in rows):
         st = [steal(r) for r in rs if steal(r) is not None]
         st = f"{statistics.median(st):.0f} (max {max(st):.0f})" if st else "-"
         failed = len(rs) - len(ok)
-        print(f"| {names.get(c, c)} | {fmt(iops, '.0f')} | {ratio} | {fmt(paired, '.2f')} | {spread} | {calm} "
+        name = names.get(c) or f"lightfoot --coalesce --coalesce-block {c.split('-', 1)[1]}"
+        print(f"| {name} | {fmt(iops, '.0f')} | {ratio} | {fmt(paired, '.2f')} | {spread} | {calm} "
               f"| {fmt(per_write(counted, 'backend_writes'), '.3f')} "
               f"| {fmt(per_write(mine, 'lightfoot_backend_writes'), '.3f')} | {st} | {failed} |")
 EOF
