@@ -437,6 +437,19 @@ struct Recorder {
     inner: Arc<MemoryBackend>,
     plain: AtomicU64,
     merged: AtomicU64,
+    /// `will_write` hints, in order.
+    hinted: Mutex<Vec<(u64, u64)>>,
+}
+
+impl Recorder {
+    fn over(inner: Arc<MemoryBackend>) -> Arc<Recorder> {
+        Arc::new(Recorder {
+            inner,
+            plain: AtomicU64::new(0),
+            merged: AtomicU64::new(0),
+            hinted: Mutex::default(),
+        })
+    }
 }
 
 impl Backend for Recorder {
@@ -462,6 +475,9 @@ impl Backend for Recorder {
     fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.merged.fetch_add(1, SeqCst);
         self.inner.write(buf, offset, fua)
+    }
+    fn will_write(&self, offset: u64, len: u64) {
+        self.hinted.lock().unwrap().push((offset, len));
     }
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         self.inner.zero(offset, len, flags)
@@ -494,8 +510,7 @@ impl Backend for Recorder {
 fn write_backs_that_join_writes_say_so() {
     for holes in [false, true] {
         let mem = if holes { Arc::new(MemoryBackend::new(4 * MIB)) } else { full(4 * MIB) };
-        let rec =
-            Arc::new(Recorder { inner: mem.clone(), plain: AtomicU64::new(0), merged: AtomicU64::new(0) });
+        let rec = Recorder::over(mem.clone());
         let c = Coalesce::new(rec.clone(), cfg());
         // Block 0: 1 KiB every 4 KiB (joined, gaps read or known to be zeroes). Block 2: two
         // touching writes (one range). Block 4: a lone write.
@@ -512,4 +527,26 @@ fn write_backs_that_join_writes_say_so() {
         assert_eq!(read(&*mem, 28 * K, 1024), [1; 1024]);
         assert_eq!(read(&*mem, 2 * 64 * K + 100, 1024), [[2; 512], [3; 512]].concat());
     }
+}
+
+/// Before a FLUSH's write-backs, the layer below is told of every range that will be written
+/// as it is (it reads the pages such a write covers in part, all at once), also in blocks
+/// with several ranges; ranges joined into one filled request are not (their gaps are read in
+/// one piece).
+#[test]
+fn exact_ranges_are_hinted_before_the_write_backs() {
+    let rec = Recorder::over(full(4 * MIB));
+    let c = Coalesce::new(rec.clone(), cfg());
+    // Block 0: 1 KiB every 4 KiB (joined). Block 1: two ranges 32 KiB apart (not joined).
+    // Block 3: a lone write.
+    for i in 0..8 {
+        c.write(&[1; 1024], i * 4 * K, false).unwrap();
+    }
+    c.write(&[2; 1024], 64 * K + 1000, false).unwrap();
+    c.write(&[3; 1024], 64 * K + 33000, false).unwrap();
+    c.write(&[4; 100], 3 * 64 * K + 5, false).unwrap();
+    c.flush().unwrap();
+    let mut hinted = rec.hinted.lock().unwrap().clone();
+    hinted.sort_unstable();
+    assert_eq!(hinted, [(64 * K + 1000, 1024), (64 * K + 33000, 1024), (3 * 64 * K + 5, 100)]);
 }

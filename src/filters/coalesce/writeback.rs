@@ -204,14 +204,14 @@ impl Shared {
             let map = s.read().unwrap();
             for (b, blk) in map.iter() {
                 keys.push(*b);
-                // Pages a lone range will overwrite in part are read now, all at once, rather
-                // than one by one inside each write (under the inode's lock). Blocks with
-                // several ranges are not hinted: their gaps are filled by one read of the
-                // block's span, and a hint per range (strided writes: 16 a block) cost more
-                // system calls than it saved.
-                let mut ranges = blk.ranges();
-                if let (Some(r), None) = (ranges.next(), ranges.next()) {
-                    self.inner.will_write(b * bs + u64::from(r.start), r.len() as u64);
+                // Pages the exact ranges will overwrite in part are read now, all at once,
+                // rather than one by one inside each write (under the inode's lock). Ranges
+                // joined into a filled run are not hinted: their gaps are filled by one read of
+                // the run (a hint per range of a strided block, 16 a block, cost more system
+                // calls than it saved).
+                let ranges: Vec<Range<u32>> = blk.ranges().collect();
+                for run in dirty::plan(&ranges, self.cfg.unit, bs as u32).iter().filter(|r| !r.fill) {
+                    self.inner.will_write(b * bs + u64::from(run.range.start), run.range.len() as u64);
                 }
             }
         }
