@@ -68,11 +68,15 @@ pub struct CoalesceConfig {
     pub size: u64,
     /// Oldest dirty data kept before it is written back (`--coalesce-age`).
     pub age: Duration,
-    /// Block size: the most one write-back request spans (`--coalesce-block`). 64 KiB is a
-    /// guess, not yet a measurement (bench/coalesce.sh is to choose it): a strided 1-in-4 KiB
-    /// writer then merges 16 writes per request, and a flush every 64 writes of such a writer
-    /// covers 4 blocks. Larger blocks merge more (KERNEL-NOTES: small DONTCACHE writes are
-    /// slow, ≥ 1 MiB is best) but read more to fill gaps and cut fewer ranges at a flush.
+    /// Block size: the most one write-back request spans (`--coalesce-block`). 64 KiB, by
+    /// measurement (bench/coalesce.sh, 32 KiB to 256 KiB alternating, 2026-11-25,
+    /// docs/benchmarks.md): with gaps filled only inside written units and every exact range
+    /// hinted, no size in that span differed beyond the noise on any of the four workloads
+    /// (strided 1.72-1.84x the plain server, random within 64 MiB 2.43-2.56x, random 1 and
+    /// 4 KiB 1.16-1.48x). 64 KiB merges a strided 1-in-4 KiB writer's 16 writes into one
+    /// request (11.9x fewer backend writes; 7x at 32 KiB), and holds less per block than
+    /// larger sizes for no measured gain. Before those two changes larger blocks cost random
+    /// writes within 64 MiB up to 25 % (256 KiB), in gap reads and unhinted partial pages.
     pub block: u64,
     /// The filesystem's allocation unit: a gap is filled only inside units that hold dirty
     /// bytes (see [`dirty::plan`]). 4 KiB, the block of ext4 and XFS as made by
