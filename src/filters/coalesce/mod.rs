@@ -21,11 +21,11 @@
 //! Write-back of a block, under its lock. Runs separated by gaps are joined into one request
 //! only when every allocation unit (4 KiB) of the gap holds dirty bytes, like 1 KiB written
 //! every 4 KiB (see [`dirty::plan`]): the gap is read from below under the lock (or known to
-//! read as zeroes) and written back unchanged. So no byte is ever written that a client did not write unless it
-//! was just read from the same place (the FreeBSD 2013 NFS change widened dirty ranges
-//! without that read and could write stale bytes over another writer's data), and no gap over
-//! a hole in a unit nobody wrote is filled (that would allocate space for zeroes nobody wrote,
-//! and can fail with ENOSPC). Dirty bytes are dropped only once written; a failed write-back
+//! read as zeroes) and written back unchanged. So no byte is ever written that a client did
+//! not write unless it was just read from the same place (the FreeBSD 2013 NFS change widened
+//! dirty ranges without that read and could write stale bytes over another writer's data),
+//! and no gap over a hole in a unit nobody wrote is filled (that would allocate space for
+//! zeroes nobody wrote, and can fail with ENOSPC). Dirty bytes are dropped only once written; a failed write-back
 //! keeps them (reads still see them) and latches the error: every later FLUSH and FUA fails.
 //!
 //! Locks: blocks hash onto 256 stripes, each a `RwLock` over its blocks' dirty data. Reads and

@@ -95,25 +95,28 @@ impl Shared {
         Ok(())
     }
 
+    /// How block `b` is to be written back ([`dirty::plan`]): by its write-back, and by
+    /// [`Self::write_back_all`] for its hints beforehand. Whether a gap is a hole or data does
+    /// not change the plan: no extent lookup.
+    fn plan(&self, b: u64, block: &Block) -> Vec<dirty::Run> {
+        let ranges: Vec<Range<u32>> = block.ranges().collect();
+        let limit = self.size.saturating_sub(b * self.cfg.block).min(self.cfg.block) as u32;
+        dirty::plan(&ranges, self.cfg.unit, limit)
+    }
+
     /// Writes back the dirty data of block `b` (its stripe write-locked by the caller).
     /// Bytes are dropped from `block` as they reach the layer below; on error the rest stays
     /// dirty and the error is latched.
     pub(super) fn write_back(&self, b: u64, block: &mut Block, fua: bool) -> Result<()> {
         let base = b * self.cfg.block;
-        let ranges: Vec<Range<u32>> = block.ranges().collect();
-        if ranges.is_empty() {
-            return Ok(());
-        }
-        let limit = self.size.saturating_sub(base).min(self.cfg.block) as u32;
-        // Whether a gap is a hole or data does not change the plan: no extent lookup.
-        let runs = dirty::plan(&ranges, self.cfg.unit, limit);
-        for run in runs {
+        for run in self.plan(b, block) {
             let (s, e) = (run.range.start, run.range.end);
             let r = if run.fill { self.write_filled(block, base, s..e, fua) } else { Err(None) };
             let r = match r {
                 Ok(()) => Ok(()),
                 Err(Some(e)) => Err(e),
-                // Not filled (a hole, or the gap read failed): the exact ranges.
+                // Not filled (a gap over a unit nobody wrote, or the gap read failed): the exact
+                // ranges.
                 Err(None) => {
                     let mut r = Ok(());
                     for (rs, d) in block.runs().iter().filter(|(rs, _)| *rs >= s && *rs < e) {
@@ -209,8 +212,7 @@ impl Shared {
                 // joined into a filled run are not hinted: their gaps are filled by one read of
                 // the run (a hint per range of a strided block, 16 a block, cost more system
                 // calls than it saved).
-                let ranges: Vec<Range<u32>> = blk.ranges().collect();
-                for run in dirty::plan(&ranges, self.cfg.unit, bs as u32).iter().filter(|r| !r.fill) {
+                for run in self.plan(*b, blk).iter().filter(|r| !r.fill) {
                     self.inner.will_write(b * bs + u64::from(run.range.start), run.range.len() as u64);
                 }
             }
