@@ -303,6 +303,43 @@ fn concurrent_flushes_each_flush_below() {
     }
 }
 
+/// A FLUSH that finds a block's stripe held by a write-back in progress (the background
+/// thread's) writes back the other blocks first and waits for that one last; it still returns
+/// only once both are down.
+#[test]
+fn a_flush_writes_back_other_blocks_while_a_stripe_is_busy() {
+    let mem = full(MIB);
+    let (a, b) = (0u64, 5u64);
+    assert_ne!(Shared::stripe_of(a), Shared::stripe_of(b));
+    let slow = Rule::new(Op::Write, Fault::Slow(Duration::from_secs(2))).at(a * 64 * K, 64 * K);
+    let c = Arc::new(Coalesce::new(Arc::new(FaultInjector::new(mem.clone(), vec![slow])), cfg()));
+    c.write(&[0xeeu8; 100], a * 64 * K, false).unwrap();
+    c.write(&[2u8; 100], b * 64 * K, false).unwrap();
+    let bg = {
+        let c = c.clone();
+        std::thread::spawn(move || c.shared.write_back_one(a).unwrap())
+    };
+    let t = Instant::now();
+    while c.shared.stripes[Shared::stripe_of(a)].try_read().is_ok() {
+        assert!(t.elapsed() < Duration::from_secs(10), "the write-back never took its stripe");
+        std::thread::yield_now();
+    }
+    let fl = {
+        let c = c.clone();
+        std::thread::spawn(move || c.flush().unwrap())
+    };
+    // Block b lands while block a's write is still sleeping.
+    while read(&*mem, b * 64 * K, 100) != [2u8; 100] {
+        assert!(t.elapsed() < Duration::from_millis(1500), "block b waited for block a's stripe");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_ne!(read(&*mem, a * 64 * K, 100), [0xeeu8; 100]);
+    assert!(!fl.is_finished(), "the FLUSH returned before block a was down");
+    fl.join().unwrap();
+    assert_eq!(read(&*mem, a * 64 * K, 100), [0xeeu8; 100]);
+    bg.join().unwrap();
+    assert_eq!(c.stats().held, 0);
+}
 #[test]
 fn reads_at_hand_see_held_bytes_and_never_wait() {
     let mem = full(MIB);
