@@ -430,17 +430,29 @@ fn unprivileged_user_on_a_root_owned_source() {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o644)).unwrap();
     for env in [None, Some("LIGHTFOOT_NO_DONTCACHE=1")] {
-        evict(&src);
-        warm(&src, 8 * MIB, 4 * MIB);
-        let mut cmd = Command::new("setpriv");
-        cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "env"]);
-        if let Some(e) = env {
-            cmd.arg(e);
+        // Up to three tries, for a try whose control shows the host's reclaim at work: one
+        // clean-clone `make test` lost 256 KiB of the working set here, once in about ten.
+        for attempt in 1..=3 {
+            evict(&src);
+            warm(&src, 8 * MIB, 4 * MIB);
+            let control = Control::warm(dir.path(), "control", 4 * MIB);
+            let mut cmd = Command::new("setpriv");
+            cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "env"]);
+            if let Some(e) = env {
+                cmd.arg(e);
+            }
+            let out = cmd.args([bin(), "copy", "-v", s(&src), s(&dst)]).output().unwrap();
+            assert!(out.status.success(), "{env:?}: {}", text(&out));
+            assert!(text(&out).contains("cachestat denied"), "{env:?}: {}", text(&out));
+            let kept = cached(&src, 8 * MIB, Some(4 * MIB));
+            if 4 * MIB - kept > 4 * MIB / 256 && !control.intact() && attempt < 3 {
+                eprintln!("{env:?}: the control lost pages too (host reclaim): again");
+                std::fs::remove_file(&dst).unwrap();
+                continue;
+            }
+            assert_kept(kept, 4 * MIB, &format!("{env:?}"));
+            break;
         }
-        let out = cmd.args([bin(), "copy", "-v", s(&src), s(&dst)]).output().unwrap();
-        assert!(out.status.success(), "{env:?}: {}", text(&out));
-        assert!(text(&out).contains("cachestat denied"), "{env:?}: {}", text(&out));
-        assert_kept(cached(&src, 8 * MIB, Some(4 * MIB)), 4 * MIB, &format!("{env:?}"));
         let outside = cached(&src, 0, Some(6 * MIB)) + cached(&src, 14 * MIB, None);
         assert!(outside <= 32 * MIB / 100, "{env:?}: left {outside} cached");
         assert!(same_contents(&src, &dst));

@@ -112,6 +112,31 @@ pub fn assert_kept(kept: u64, want: u64, what: &str) {
     assert!(want - kept <= want / 256, "{what}: working set lost {} bytes of {want}", want - kept);
 }
 
+/// A control for a working set: a file warmed next to it that the job under test never
+/// touches. The background reclaim of these VMs (see [`assert_kept`]) takes pages from both
+/// alike; the job's own evictions only from the working set. A working set that lost pages
+/// while its control lost some too says nothing about the job: run it again.
+pub struct Control {
+    path: PathBuf,
+    len: u64,
+}
+
+impl Control {
+    /// Writes a `len`-byte file named `name` in `dir` and warms it as [`warm`] does.
+    pub fn warm(dir: &Path, name: &str, len: u64) -> Control {
+        let path = dir.join(name);
+        random_file(&path, len);
+        evict(&path);
+        warm(&path, 0, len);
+        Control { path, len }
+    }
+
+    /// Whether the control kept all but the few pages [`assert_kept`] allows.
+    pub fn intact(&self) -> bool {
+        self.len - cached(&self.path, 0, None) <= self.len / 256
+    }
+}
+
 pub fn warm(path: &Path, off: u64, len: u64) {
     use std::os::fd::AsFd;
     use std::os::unix::fs::FileExt;
