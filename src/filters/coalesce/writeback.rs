@@ -195,10 +195,11 @@ impl Shared {
 
     /// Writes back everything dirty: in block order (the file sees ascending offsets), in
     /// batches of neighbouring blocks shared between the caller and up to `threads - 1`
-    /// helpers. A stripe another thread holds (a block being written back, most often by the
-    /// background thread) is listed after the others are written back, not waited for first:
-    /// listing every stripe in turn waited about 100 µs a FLUSH for such a write, idle, in front
-    /// of its own (strided 1 KiB writes, 0.55 busy stripes a FLUSH).
+    /// helpers. A stripe another thread holds (a block being written back by the background
+    /// thread or another FLUSH, the stripe locked across the write) is listed after the others
+    /// are written back, not waited for first: listing every stripe in turn waited about 100 µs
+    /// a FLUSH for such a write, idle, in front of its own (strided 1 KiB writes, 0.55 busy
+    /// stripes a FLUSH).
     pub(super) fn write_back_all(&self) -> Result<()> {
         if self.held.load(SeqCst) == 0 {
             return Ok(());
