@@ -476,6 +476,48 @@ fn handshake_limits() {
     still_serving(&s.sock);
 }
 
+/// Option data beyond what the server takes is skipped and answered `NBD_REP_ERR_TOO_BIG`,
+/// whatever the option; negotiation goes on. Beyond what it skips, and for `EXPORT_NAME`
+/// (no error reply exists), the connection is closed.
+#[test]
+fn oversized_option_data_is_skipped() {
+    use lightfoot::server::negotiate::{MAX_OPTION_DISCARD, MAX_OPTION_LEN};
+    let (_d, s) = setup();
+    let mut c = connect(&s.sock);
+    for option in [4242, OPT_GO, OPT_LIST] {
+        send_option(&mut c, option, &vec![7u8; MAX_OPTION_LEN as usize + 1]);
+        let (ty, msg) = option_reply(&mut c);
+        assert_eq!(ty, REP_ERR_TOO_BIG, "option {option}: {}", String::from_utf8_lossy(&msg));
+    }
+    // At the limit the data is taken: a GO whose export name fills it is refused as a name.
+    let mut go_long = (MAX_OPTION_LEN - 6).to_be_bytes().to_vec();
+    go_long.resize(MAX_OPTION_LEN as usize - 2, b'n');
+    go_long.extend_from_slice(&0u16.to_be_bytes());
+    send_option(&mut c, OPT_GO, &go_long);
+    assert_eq!(option_reply(&mut c).0, REP_ERR_INVALID);
+    assert_eq!(go(&mut c), MIB);
+
+    let header = |option: u32, len: u32| {
+        let mut b = IHAVEOPT.to_be_bytes().to_vec();
+        b.extend_from_slice(&option.to_be_bytes());
+        b.extend_from_slice(&len.to_be_bytes());
+        b
+    };
+    // More than the server skips: closed without reading it.
+    let mut c = connect(&s.sock);
+    c.write_all(&header(4242, MAX_OPTION_DISCARD + 1)).unwrap();
+    assert!(closed(&mut c));
+    let mut c = connect(&s.sock);
+    c.write_all(&header(OPT_EXPORT_NAME, MAX_OPTION_LEN + 1)).unwrap();
+    assert!(closed(&mut c));
+    // Data cut short by a client that vanishes.
+    let mut c = connect(&s.sock);
+    c.write_all(&header(4242, MAX_OPTION_LEN + 4096)).unwrap();
+    c.write_all(&[0u8; 1000]).unwrap();
+    drop(c);
+    still_serving(&s.sock);
+}
+
 /// Meta-context data: export name, then queries.
 fn meta(export: &str, queries: &[&str]) -> Vec<u8> {
     let mut d = (export.len() as u32).to_be_bytes().to_vec();

@@ -7,7 +7,7 @@
 //! FORCEDTLS), every option before TLS but STARTTLS and ABORT gets `NBD_REP_ERR_TLS_REQD`,
 //! and `NBD_OPT_EXPORT_NAME`, which cannot be refused, ends the connection.
 
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 
 use std::sync::Arc;
 
@@ -17,9 +17,15 @@ use crate::proto::handshake::*;
 use crate::proto::*;
 use crate::stream::Stream;
 
-/// Option data larger than this ends the connection (no option we know needs more than a
-/// few KiB; the spec lets servers set such a limit).
+/// The most option data the server takes in: no option we know needs more than a few KiB.
+/// Larger data, up to [`MAX_OPTION_DISCARD`], is read and thrown away, and the option is
+/// answered `NBD_REP_ERR_TOO_BIG` (the length in every option exists so that a server can
+/// skip what it will not take); negotiation goes on.
 pub const MAX_OPTION_LEN: u32 = 64 << 10;
+
+/// Option data larger than this ends the connection without being read: reading it would
+/// only keep a connection slot busy (the handshake timeout bounds the time either way).
+pub const MAX_OPTION_DISCARD: u32 = 16 << 20;
 
 /// Options in one handshake beyond this end the connection. Real clients send a handful
 /// (qemu and libnbd: fewer than ten; `nbdinfo --list` a few per export); without a bound a
@@ -97,7 +103,17 @@ pub fn negotiate(server: &Server, mut s: Box<dyn Stream>) -> io::Result<Outcome>
             return Err(invalid(format!("more than {MAX_OPTIONS} options in one handshake")));
         }
         if len > MAX_OPTION_LEN {
-            return Err(invalid(format!("option {option} with {len} bytes of data")));
+            // EXPORT_NAME has no error reply: hang up, as for a name too long.
+            if len > MAX_OPTION_DISCARD || option == OPT_EXPORT_NAME {
+                return Err(invalid(format!("option {option} with {len} bytes of data")));
+            }
+            let skipped = io::copy(&mut Read::by_ref(&mut s).take(u64::from(len)), &mut io::sink())?;
+            if skipped < u64::from(len) {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "option data cut short"));
+            }
+            let msg = format!("{len} bytes of option data: this server takes at most {MAX_OPTION_LEN}");
+            reply(&mut s, option, REP_ERR_TOO_BIG, msg.as_bytes())?;
+            continue;
         }
         let mut data = vec![0u8; len as usize];
         s.read_exact(&mut data)?;

@@ -23,7 +23,9 @@ use super::Input;
 use crate::backend::{Backend, MemoryBackend};
 use crate::proto::handshake::*;
 use crate::proto::*;
-use crate::server::negotiate::{negotiate, Outcome, BASE_ALLOCATION_ID, MAX_OPTIONS, MAX_OPTION_LEN};
+use crate::server::negotiate::{
+    negotiate, Outcome, BASE_ALLOCATION_ID, MAX_OPTIONS, MAX_OPTION_DISCARD, MAX_OPTION_LEN,
+};
 use crate::server::{Export, Server};
 use crate::stream::{Closer, Stream};
 
@@ -163,12 +165,17 @@ fn walk(inp: &mut Input, out: &mut Input) -> End {
             return End::Hangup;
         }
         let (option, len) = (be32(&h[8..12]), be32(&h[12..16]));
-        if len > MAX_OPTION_LEN {
+        if len > MAX_OPTION_DISCARD || (len > MAX_OPTION_LEN && option == OPT_EXPORT_NAME) {
             return End::Hangup;
         }
         let data = inp.bytes(len as usize);
         if data.len() < len as usize {
             return End::Hangup;
+        }
+        if len > MAX_OPTION_LEN {
+            // Skipped, whatever the option.
+            assert_eq!(types(&replies(out, option)), [REP_ERR_TOO_BIG], "option data over the limit");
+            continue;
         }
         check_parsers(data);
         match option {
