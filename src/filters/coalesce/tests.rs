@@ -340,6 +340,7 @@ fn a_flush_writes_back_other_blocks_while_a_stripe_is_busy() {
     bg.join().unwrap();
     assert_eq!(c.stats().held, 0);
 }
+
 #[test]
 fn reads_at_hand_see_held_bytes_and_never_wait() {
     let mem = full(MIB);
