@@ -272,12 +272,16 @@ EOF
 }
 
 # sweep N WHAT PREFIX: N rounds of every workload against every server; rounds named
-# PREFIX1.. (a "c" prefix makes them counting runs, see run_one).
+# PREFIX1.. (a "c" prefix makes them counting runs, see run_one). Each round starts one server
+# further down the list (round 2 with the second, ...), so that no server always runs first
+# or right after the same one: in probe runs of one server alone, the first of three
+# back-to-back runs was the slowest four times in a row once, and the fastest in another hour.
 sweep() {
-	local n=$1 what=$2 prefix=$3 r w c
+	local n=$1 what=$2 prefix=$3 r w c i nc=${#CONFIG_KEYS[@]}
 	for ((r = 1; r <= n; r++)); do
 		for w in "${WORKLOAD_KEYS[@]}"; do
-			for c in "${CONFIG_KEYS[@]}"; do
+			for ((i = 0; i < nc; i++)); do
+				c=${CONFIG_KEYS[$(((i + r - 1) % nc))]}
 				say "$what $r/$n: $w, $(config_name "$c")"
 				run_one "$prefix$r" "$w" "$c"
 			done
