@@ -109,7 +109,13 @@ pub fn cached(path: &Path, off: u64, len: Option<u64>) -> u64 {
 #[track_caller]
 pub fn assert_kept(kept: u64, want: u64, what: &str) {
     assert!(kept <= want, "{what}: more cached than the working set ({kept} > {want})");
-    assert!(want - kept <= want / 256, "{what}: working set lost {} bytes of {want}", want - kept);
+    assert!(lost_few(kept, want), "{what}: working set lost {} bytes of {want}", want - kept);
+}
+
+/// Whether `kept` of a `want`-byte working set is all but the few pages [`assert_kept`]
+/// allows the host's reclaim to take.
+pub fn lost_few(kept: u64, want: u64) -> bool {
+    want.saturating_sub(kept) <= want / 256
 }
 
 /// A control for a working set: a file warmed next to it that the job under test never
@@ -133,7 +139,7 @@ impl Control {
 
     /// Whether the control kept all but the few pages [`assert_kept`] allows.
     pub fn intact(&self) -> bool {
-        self.len - cached(&self.path, 0, None) <= self.len / 256
+        lost_few(cached(&self.path, 0, None), self.len)
     }
 }
 
