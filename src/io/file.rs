@@ -969,24 +969,19 @@ mod probe_tests {
         std::fs::write(&path, vec![1u8; 1 << 20]).unwrap();
         let shared: Arc<Shared> = Arc::default();
         let opts = OpenOptions { write: true, create: false, truncate: false };
-        let open = || {
+        // Read system calls of one open, with `shared` or (None) a `Shared` of its own.
+        let reads_of_open = |shared: Option<&Arc<Shared>>| {
             let before = reads();
+            let shared = shared.cloned().unwrap_or_default();
             let f =
-                PolicyFile::open_shared(&path, opts, CacheMode::Neutral, &Tuning::default(), shared.clone())
-                    .unwrap();
+                PolicyFile::open_shared(&path, opts, CacheMode::Neutral, &Tuning::default(), shared).unwrap();
             let n = reads() - before;
             drop(f);
             n
         };
+        let open = || reads_of_open(Some(&shared));
         // Opens of files with their own `Shared` each probe.
-        let alone = || {
-            let before = reads();
-            let f = PolicyFile::open(&path, opts, CacheMode::Neutral, &Tuning::default()).unwrap();
-            let n = reads() - before;
-            drop(f);
-            n
-        };
-        let (first, second, third, own) = (open(), open(), open(), alone());
+        let (first, second, third, own) = (open(), open(), open(), reads_of_open(None));
         assert!(shared.dontcache_probe.get().is_some());
         assert_eq!((first - second, second, own), (1, third, first), "read system calls per open");
     }
