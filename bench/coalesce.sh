@@ -291,13 +291,12 @@ sweep() {
 sweep "$COUNT" "counting run (traced, not timed)" c
 sweep "$RUNS" round ""
 
-python3 - "$CSV" "$CONFIGS" "$QUIET" <<'EOF' | tee "$DIR/table.md"
+# The table names the servers as config_name does: key, a tab and the name, a line each.
+NAMES=$(for k in "${CONFIG_KEYS[@]}"; do printf '%s\t%s\n' "$k" "$(config_name "$k")"; done)
+python3 - "$CSV" "$CONFIGS" "$QUIET" "$NAMES" <<'EOF' | tee "$DIR/table.md"
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
-names = {"lightfoot": "lightfoot", "coalesce": "lightfoot --coalesce",
-         "nbdkit-none": "nbdkit file cache=none", "qemu-none": "qemu-nbd --cache=none",
-         "nbdkit": "nbdkit file (page cache)", "memory": "nbdkit memory (no storage)",
-         "null": "nbdkit null (discards: the client's bound)"}
+names = dict(line.split("\t", 1) for line in sys.argv[4].splitlines())
 quiet = float(sys.argv[3])
 def steal(r):
     v = r.get("steal_pct")
@@ -346,8 +345,7 @@ for w in dict.fromkeys(r["workload"] for r in rows):
         st = [steal(r) for r in rs if steal(r) is not None]
         st = f"{statistics.median(st):.0f} (max {max(st):.0f})" if st else "-"
         failed = len(rs) - len(ok)
-        name = names.get(c) or f"lightfoot --coalesce --coalesce-block {c.split('-', 1)[1]}"
-        print(f"| {name} | {fmt(iops, '.0f')} | {ratio} | {fmt(paired, '.2f')} | {spread} | {calm} "
+        print(f"| {names[c]} | {fmt(iops, '.0f')} | {ratio} | {fmt(paired, '.2f')} | {spread} | {calm} "
               f"| {fmt(per_write(counted, 'backend_writes'), '.3f')} "
               f"| {fmt(per_write(mine, 'lightfoot_backend_writes'), '.3f')} | {st} | {failed} |")
 EOF
