@@ -572,6 +572,48 @@ fn ctrl_c_during_a_slow_handshake_leaves_the_destination_alone() {
     assert!(!dst.exists(), "the destination was created after Ctrl-C");
 }
 
+/// The same while the connect itself waits: a TCP server whose listen queue is full (backlog
+/// 0 and one connection nobody accepts), so the kernel drops the SYNs and would retry them for
+/// about two minutes. Before, a blocking `connect` did not hear Ctrl-C and only a second one
+/// ended the copy.
+#[test]
+fn ctrl_c_ends_a_tcp_connect_that_waits() {
+    use std::os::fd::AsRawFd;
+    let dir = scratch();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
+    let addr = listener.local_addr().unwrap();
+    let _queued = std::net::TcpStream::connect(addr).unwrap();
+    let full = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300));
+    assert_eq!(
+        full.map_err(|e| e.kind()).err(),
+        Some(std::io::ErrorKind::TimedOut),
+        "the listen queue is not full"
+    );
+    let dst = dir.path().join("dst.img");
+    let out = interrupted_copy(&[], &format!("nbd://{addr}"), &dst, 500);
+    assert!(text(&out).contains("interrupted while connecting"), "{}", text(&out));
+    assert!(!dst.exists(), "the destination was created before the source was open");
+}
+
+/// And a Unix socket whose listen queue is full (backlog 0, one connection nobody accepts),
+/// where a blocking connect waits for room for ever.
+#[test]
+fn ctrl_c_ends_a_unix_connect_that_waits() {
+    use std::os::fd::AsRawFd;
+    let dir = scratch();
+    let sock = dir.path().join("full.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
+    let _queued = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    let full = lightfoot::io::sys::unix_connect_nonblocking(&sock);
+    assert_eq!(full.map_err(|e| e.raw_os_error()), Err(Some(libc::EAGAIN)), "the listen queue is not full");
+    let dst = dir.path().join("dst.img");
+    let out = interrupted_copy(&[], &format!("nbd+unix:///?socket={}", sock.display()), &dst, 500);
+    assert!(text(&out).contains("interrupted while connecting"), "{}", text(&out));
+    assert!(!dst.exists(), "the destination was created before the source was open");
+}
+
 /// `lightfoot copy [ARGS] FROM DST`, sent SIGINT (Ctrl-C) after `ms`: it must end within
 /// 15 s, with exit status 130. Its output.
 fn interrupted_copy(args: &[&str], from: &str, dst: &Path, ms: u64) -> std::process::Output {

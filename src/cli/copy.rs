@@ -61,9 +61,9 @@ Cache modes (--cache):
   direct   O_DIRECT for both sides
 
 Ctrl-C stops the copy at the next request and cleans up (exit 130); 2 s later every NBD
-connection is shut down, so a server that stopped answering cannot hold the copy (a TCP
-connect to an address that does not answer is not cut short). A second Ctrl-C exits at once,
-without the clean-up.
+connection is shut down, also one still connecting, so a server that stopped answering or a
+host that drops connects cannot hold the copy. A second Ctrl-C exits at once, without the
+clean-up.
 
 Exit status: 0 success, 1 failure (DST may be incomplete: the message says so), 2 usage
 error, 130 interrupted, 141 DST is - and its reader closed it early (quiet, as for cat).

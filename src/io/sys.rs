@@ -528,6 +528,164 @@ pub fn unix_connect_nonblocking(path: &std::path::Path) -> io::Result<()> {
     }
 }
 
+/// How often a connection that is still being made asks whether to give up.
+const CONNECT_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// A blocking TCP connection to `addr`, made the way `TcpStream::connect` makes it (the
+/// kernel's own timeout: about two minutes of SYN retries to a host that drops them), except
+/// that it asks `cancel` every 100 ms while it waits and gives up with
+/// `io::ErrorKind::Interrupted` when `cancel` says so. A plain blocking `connect` cannot be
+/// interrupted by a flag: Ctrl-C went unheard while a firewalled or overloaded host held the
+/// connect.
+pub fn tcp_connect(
+    addr: &std::net::SocketAddr,
+    cancel: &dyn Fn() -> bool,
+) -> io::Result<std::net::TcpStream> {
+    // SAFETY: sockaddr_storage is plain data; all zeroes is a valid value.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        std::net::SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is large and aligned enough for any sockaddr.
+            unsafe { std::ptr::write((&raw mut ss).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        std::net::SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: as above.
+            unsafe { std::ptr::write((&raw mut ss).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    let fd = connect_cancellable(ss.ss_family.into(), &ss, len as libc::socklen_t, cancel)?;
+    Ok(std::net::TcpStream::from(fd))
+}
+
+/// A blocking connection to the Unix socket at `path` (a name starting with a NUL byte is
+/// in the abstract namespace), as `UnixStream::connect` makes it, except that it gives up
+/// when `cancel` says so (see [`tcp_connect`]): a blocking connect to a server whose listen
+/// queue is full waits for room in it, for ever.
+pub fn unix_connect(
+    path: &std::path::Path,
+    cancel: &dyn Fn() -> bool,
+) -> io::Result<std::os::unix::net::UnixStream> {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: sockaddr_storage is plain data; all zeroes is a valid value.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    // SAFETY: as in `unix_connect_nonblocking`; sockaddr_storage holds a sockaddr_un.
+    let un: &mut libc::sockaddr_un = unsafe { &mut *(&raw mut ss).cast() };
+    let bytes = path.as_os_str().as_bytes();
+    let abstract_name = bytes.first() == Some(&0);
+    let name = if abstract_name { &bytes[1..] } else { bytes };
+    // A path needs its terminating NUL; an abstract name is counted by the length.
+    if bytes.len() + usize::from(!abstract_name) > un.sun_path.len() || name.contains(&0) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "socket path too long or with a NUL byte"));
+    }
+    un.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in un.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    let len = std::mem::offset_of!(libc::sockaddr_un, sun_path) + bytes.len() + usize::from(!abstract_name);
+    let fd = connect_cancellable(libc::AF_UNIX, &ss, len as libc::socklen_t, cancel)?;
+    Ok(std::os::unix::net::UnixStream::from(fd))
+}
+
+/// The connect of [`tcp_connect`] and [`unix_connect`]: a non-blocking socket whose connect
+/// is waited for in [`CONNECT_POLL`] slices, made blocking again once connected.
+fn connect_cancellable(
+    family: libc::c_int,
+    addr: &libc::sockaddr_storage,
+    len: libc::socklen_t,
+    cancel: &dyn Fn() -> bool,
+) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let interrupted = || io::Error::new(io::ErrorKind::Interrupted, "interrupted while connecting");
+    // SAFETY: plain system call; the fd is owned (and closed) below.
+    let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    loop {
+        // SAFETY: `addr` holds a valid sockaddr of `len` bytes for the duration of the call.
+        if unsafe { libc::connect(fd.as_raw_fd(), (addr as *const libc::sockaddr_storage).cast(), len) } == 0
+        {
+            break;
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            // TCP: the handshake is under way (also after a signal: POSIX has it go on
+            // asynchronously); wait until the socket is writable, then read how it ended.
+            Some(libc::EINPROGRESS | libc::EINTR) if family != libc::AF_UNIX => {
+                loop {
+                    if cancel() {
+                        return Err(interrupted());
+                    }
+                    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+                    // SAFETY: one valid pollfd for the duration of the call.
+                    let n = unsafe { libc::poll(&mut p, 1, CONNECT_POLL.as_millis() as libc::c_int) };
+                    if n > 0 {
+                        break;
+                    }
+                    if n < 0 {
+                        let e = io::Error::last_os_error();
+                        if e.kind() != io::ErrorKind::Interrupted {
+                            return Err(e);
+                        }
+                    }
+                }
+                let mut err: libc::c_int = 0;
+                let mut elen = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+                // SAFETY: `err` and `elen` outlive the call and describe an int.
+                let r = unsafe {
+                    libc::getsockopt(
+                        fd.as_raw_fd(),
+                        libc::SOL_SOCKET,
+                        libc::SO_ERROR,
+                        (&raw mut err).cast(),
+                        &mut elen,
+                    )
+                };
+                if r < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                if err != 0 {
+                    return Err(io::Error::from_raw_os_error(err));
+                }
+                break;
+            }
+            // Unix: the server's listen queue is full. A blocking connect would wait for
+            // room; try again shortly (a Unix socket cannot be polled for that).
+            Some(libc::EAGAIN) if family == libc::AF_UNIX => {
+                if cancel() {
+                    return Err(interrupted());
+                }
+                std::thread::sleep(CONNECT_POLL / 10);
+            }
+            Some(libc::EINTR) => continue,
+            _ => return Err(e),
+        }
+    }
+    // SAFETY: plain fcntl calls on an owned descriptor.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
 /// Seconds a TCP connection may be silent before keepalive probes start ([`tcp_keepalive`]).
 pub const KEEPALIVE_IDLE: u32 = 30;
 /// Seconds between unanswered probes.
@@ -778,6 +936,49 @@ mod tests {
             assert_eq!(sockopt(s.as_fd(), libc::IPPROTO_TCP, libc::TCP_KEEPINTVL), interval as i32);
             assert_eq!(sockopt(s.as_fd(), libc::IPPROTO_TCP, libc::TCP_KEEPCNT), count as i32);
         }
+    }
+
+    /// The connects answer as the blocking ones do: a blocking socket, connected (v4 and v6
+    /// over loopback, a Unix path and an abstract name), or the same error.
+    #[test]
+    fn cancellable_connects_connect_and_fail_like_blocking_ones() {
+        use std::io::{Read, Write};
+        use std::os::linux::net::SocketAddrExt;
+        use std::os::unix::net::{SocketAddr, UnixListener};
+        let never = || false;
+        for host in ["127.0.0.1:0", "[::1]:0"] {
+            let Ok(l) = std::net::TcpListener::bind(host) else { continue }; // no IPv6 here
+            let mut c = tcp_connect(&l.local_addr().unwrap(), &never).unwrap();
+            let (mut a, _) = l.accept().unwrap();
+            c.write_all(b"x").unwrap();
+            let mut got = [0u8; 1];
+            a.read_exact(&mut got).unwrap();
+            // Blocking again: a read with nothing sent times out instead of failing at once.
+            c.set_read_timeout(Some(std::time::Duration::from_millis(50))).unwrap();
+            let e = c.read(&mut got).unwrap_err();
+            assert!(matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut), "{e}");
+        }
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let e = tcp_connect(&closed, &never).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let l = UnixListener::bind(&path).unwrap();
+        let mut c = unix_connect(&path, &never).unwrap();
+        c.write_all(b"y").unwrap();
+        let mut got = [0u8; 1];
+        l.accept().unwrap().0.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"y");
+        let name = format!("lightfoot-test-{}", std::process::id());
+        let l = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap();
+        let abstract_path = std::path::PathBuf::from(format!("\0{name}"));
+        unix_connect(&abstract_path, &never).unwrap();
+        l.accept().unwrap();
+        let e = unix_connect(&dir.path().join("none.sock"), &never).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
+        let long = dir.path().join("x".repeat(200));
+        assert_eq!(unix_connect(&long, &never).unwrap_err().kind(), io::ErrorKind::InvalidInput);
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //! to need a second Ctrl-C, which exits without the cache clean-up. So every socket is
 //! registered from the moment it connects until its connection is dropped, and
 //! [`interrupt_all`] shuts them all down: blocked reads and writes return, the requests fail
-//! as interrupted, and the copy ends the ordinary way, cleaning up. A process-wide registry
+//! as interrupted, and the copy ends the ordinary way, cleaning up. A connect that is still
+//! waiting (a host dropping SYNs, a Unix socket with a full listen queue) has no socket to
+//! shut down yet: it asks [`interrupted`] every 100 ms instead. A process-wide registry
 //! rather than a method of the backend: the handshake runs before any backend exists, and
 //! the caller (the CLI's signal handler) holds no backend.
 

@@ -23,12 +23,12 @@ mod interrupt;
 pub mod uri;
 
 use std::net::TcpStream;
-use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use super::{write_zeroes, Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
 use crate::error::{Error, ErrorKind, Result};
+use crate::io::sys;
 use crate::proto::*;
 use crate::stream::Stream;
 use crate::tls::{ClientTls, Verify};
@@ -278,17 +278,26 @@ fn client_tls(uri: &Uri, params: &TlsParams) -> Result<ClientTls> {
 }
 
 fn connect(how: &How, who: &str) -> Result<Connection> {
+    // Ctrl-C ([`interrupt_all`]) also ends a connect that waits: a host dropping its SYNs
+    // would hold it for the kernel's two minutes of retries, a Unix socket with a full
+    // listen queue for ever.
+    let failed = |e: std::io::Error| {
+        if e.kind() == std::io::ErrorKind::Interrupted && interrupted() {
+            Error::new(ErrorKind::Interrupted, "connect").path(who).detail("interrupted while connecting")
+        } else {
+            Error::io("connect", e).path(who)
+        }
+    };
     let stream: Box<dyn Stream> = match how.address {
         Address::Tcp { host, port } => {
-            let s =
-                TcpStream::connect((host.as_str(), *port)).map_err(|e| Error::io("connect", e).path(who))?;
+            let s = connect_tcp(host, *port).map_err(failed)?;
             s.set_nodelay(true).map_err(|e| Error::io("connect", e).path(who))?;
             // A server that vanishes while we wait for its replies is found out.
-            crate::io::sys::tcp_keepalive(std::os::fd::AsFd::as_fd(&s))
+            sys::tcp_keepalive(std::os::fd::AsFd::as_fd(&s))
                 .map_err(|e| Error::io("connect", e).path(who))?;
             Box::new(s)
         }
-        Address::Unix(path) => Box::new(connect_unix(path).map_err(|e| Error::io("connect", e).path(who))?),
+        Address::Unix(path) => Box::new(sys::unix_connect(path, &interrupted).map_err(failed)?),
     };
     // From here on Ctrl-C can end it (a TLS stream runs over this socket: shutting the socket
     // down ends it too).
@@ -324,13 +333,21 @@ fn if_interrupted(e: Error, who: &str) -> Error {
     }
 }
 
-fn connect_unix(path: &std::path::Path) -> std::io::Result<UnixStream> {
-    use std::os::linux::net::SocketAddrExt;
-    use std::os::unix::ffi::OsStrExt;
-    match path.as_os_str().as_bytes().strip_prefix(b"\0") {
-        Some(name) => UnixStream::connect_addr(&std::os::unix::net::SocketAddr::from_abstract_name(name)?),
-        None => UnixStream::connect(path),
+/// Connects to `host:port`, each of its addresses in turn (as `TcpStream::connect` does):
+/// the first that answers, else the last error.
+fn connect_tcp(host: &str, port: u16) -> std::io::Result<TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut last = None;
+    for addr in (host, port).to_socket_addrs()? {
+        match sys::tcp_connect(&addr, &interrupted) {
+            Ok(s) => return Ok(s),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return Err(e),
+            Err(e) => last = Some(e),
+        }
     }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "the host name has no address")
+    }))
 }
 
 impl NbdBackend {
