@@ -110,6 +110,10 @@ fn no_sparse_and_preallocate_allocate_everything() {
         assert!(allocated(&dst) >= 16 * MIB, "{flag}: only {} allocated", allocated(&dst));
         assert!(same_contents(&src, &dst));
     }
+    // Where it cannot be done, it says so rather than being dropped silently.
+    let out = copy(&["--preallocate", s(&src), "null:"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("not a regular file: nothing to preallocate"), "{}", text(&out));
 }
 
 #[test]

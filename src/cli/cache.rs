@@ -25,16 +25,17 @@ written back), under writeback, evicted (pages of the range the cache dropped an
 a trace of) and recently evicted (of those, dropped recently enough that reading them again
 would count as thrashing).
 
-Reading residency needs cachestat(2) (Linux 6.5) and, since 2025, write access to the file
+Figures come from cachestat(2) (Linux 6.5), which since 2025 needs write access to the file
 (or ownership, or root). For other files the figures are not visible: lightfoot says so rather
-than guess (mincore would report every page cached). Exit status: 0 if every file was shown,
-1 otherwise. See docs/cache.md.";
+than guess (mincore would report every page of them cached). On kernels without cachestat,
+mincore is used for files the user may write: cached bytes only, the other columns show ?.
+Exit status: 0 if every file was shown, 1 otherwise, 2 usage error. See docs/cache.md.";
 
 const EVICT_HELP: &str = "\
 Only clean pages can be dropped; with --sync, dirty pages are written back first. Pages
 mapped by a running program, and whole large folios straddling the edges of --range, stay.
-Eviction needs only read access. Exit status: 0 if every file was evicted, 1 otherwise.
-See docs/cache.md.";
+Eviction needs only read access. Exit status: 0 if every file was evicted, 1 otherwise, 2
+usage error. See docs/cache.md.";
 
 #[derive(Args)]
 pub struct StatArgs {
@@ -42,7 +43,7 @@ pub struct StatArgs {
     #[arg(required = true, value_name = "FILE")]
     files: Vec<PathBuf>,
 
-    /// Only this byte range: OFFSET:LENGTH, OFFSET: (to the end) or :LENGTH, with K, M, G
+    /// Only this byte range: OFFSET:LENGTH, OFFSET: (to the end) or :LENGTH, with K, M, G or T
     /// suffixes.
     #[arg(long, value_name = "OFF:LEN", value_parser = parse_range)]
     range: Option<(u64, Option<u64>)>,
@@ -58,7 +59,8 @@ pub struct EvictArgs {
     #[arg(required = true, value_name = "FILE")]
     files: Vec<PathBuf>,
 
-    /// Only this byte range: OFFSET:LENGTH, OFFSET: or :LENGTH.
+    /// Only this byte range: OFFSET:LENGTH, OFFSET: (to the end) or :LENGTH, with K, M, G or T
+    /// suffixes.
     #[arg(long, value_name = "OFF:LEN", value_parser = parse_range)]
     range: Option<(u64, Option<u64>)>,
 
@@ -66,7 +68,8 @@ pub struct EvictArgs {
     #[arg(long)]
     sync: bool,
 
-    /// Print JSON: cached bytes before and after, per file.
+    /// Print JSON (one array, an object per file: file, cached_before, cached_after in bytes,
+    /// and error for a file that failed) instead of a line per file.
     #[arg(long)]
     json: bool,
 }

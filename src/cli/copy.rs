@@ -68,10 +68,12 @@ clean-up.
 Exit status: 0 success, 1 failure (DST may be incomplete: the message says so), 2 usage
 error, 130 interrupted, 141 DST is - and its reader closed it early (quiet, as for cat).
 Environment: LIGHTFOOT_NO_DONTCACHE=1 is --no-dontcache. LIGHTFOOT_TCP_KEEPALIVE=IDLE,INTERVAL,COUNT
-sets the TCP keepalive of NBD connections (default 30,10,6: a server gone silent without
-closing fails the copy after about 90 s, or after TCP's retransmission limit, ~15 min, if it
-went while lightfoot was sending it data; one that is alive but slow is waited for).
-See docs/copy.md and docs/cache-policy.md.";
+sets the TCP keepalive of NBD connections (seconds of silence before probes, 1-32767;
+seconds between probes, 1-32767; unanswered probes, 1-127; default 30,10,6, and a malformed
+value is ignored with a warning: a server gone silent without closing fails the copy after
+about 90 s, or after TCP's retransmission limit, ~15 min, if it went while lightfoot was
+sending it data; one that is alive but slow is waited for). RUST_LOG (e.g. lightfoot=debug)
+overrides -v. See docs/copy.md and docs/cache-policy.md.";
 
 /// Copy a file, block device, stream or NBD export, leaving the page cache as it was.
 #[derive(Args)]
@@ -86,23 +88,23 @@ pub struct CopyArgs {
     #[arg(value_name = "ENDPOINT", num_args = 2.., required = true)]
     endpoints: Vec<String>,
 
-    /// Page-cache policy for both sides.
+    /// Page-cache policy for both sides: neutral, keep, drop or direct (see below).
     #[arg(long, value_name = "MODE", default_value = "neutral", value_parser = parse_enum::<CacheMode>)]
     cache: CacheMode,
 
-    /// Parallel workers, each with one request in flight [default: 2; 16 when SRC or DST is
-    /// NBD, to hide the network round trips].
+    /// Parallel workers, each with one request in flight (1 to 64) [default: 2; 16 when SRC or
+    /// DST is NBD, to hide the network round trips].
     #[arg(short = 'j', long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
     workers: Option<u16>,
 
-    /// Bytes per request (K, M, G suffixes; at least 64K, at most 256M) [default: 4M; 256K
+    /// Bytes per request (K, M or G suffix; at least 64K, at most 256M) [default: 4M; 256K
     /// when SRC or DST is NBD]. Lowered to the largest request an endpoint takes (32M for
     /// files, the advertised maximum for NBD).
     #[arg(long, value_name = "SIZE", value_parser = parse_request_size)]
     request_size: Option<usize>,
 
     /// Connections to an NBD server that advertises multi-conn (CAN_MULTI_CONN); a server
-    /// that does not gets one [default: 4 for URIs, 1 for captive servers].
+    /// that does not gets one (1 to 16) [default: 4 for URIs, 1 for captive servers].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=16))]
     connections: Option<u16>,
 
@@ -111,7 +113,8 @@ pub struct CopyArgs {
     #[arg(long)]
     no_sparse: bool,
 
-    /// Allocate the whole DST file before copying (regular files).
+    /// Allocate the whole DST file before copying (regular files, when SRC's size is known in
+    /// advance; otherwise a warning says it was not done).
     #[arg(long)]
     preallocate: bool,
 
@@ -287,6 +290,18 @@ pub fn run(args: CopyArgs) -> i32 {
         return super::EXIT_INTERRUPTED;
     }
     let size = src.backend.size();
+    if args.preallocate {
+        // Only a regular file (new, or one that is truncated) is allocated in advance.
+        let regular =
+            matches!(&dst_ep, Endpoint::Path(p) if std::fs::metadata(p).map_or(true, |m| m.is_file()));
+        if !regular {
+            tracing::warn!("--preallocate: {dst_ep} is not a regular file: nothing to preallocate");
+        } else if size.is_none() {
+            tracing::warn!(
+                "--preallocate: the size of {src_ep} is not known in advance: {dst_ep} is not preallocated"
+            );
+        }
+    }
     let dest_opts = DestOptions {
         preallocate: args.preallocate,
         destination_is_zero: args.destination_is_zero,

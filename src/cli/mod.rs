@@ -1,5 +1,6 @@
-//! Command line: `lightfoot copy`, `lightfoot cache stat|evict`. The only place that prints
-//! and chooses exit codes: 0 success, 1 failure, 2 usage error, 130 interrupted.
+//! Command line: `lightfoot copy`, `lightfoot serve`, `lightfoot cache stat|evict`. The only
+//! place that prints and chooses exit codes: 0 success, 1 failure, 2 usage error, 130
+//! interrupted, 141 broken pipe (copy to `-`).
 
 use clap::{Parser, Subcommand};
 
@@ -17,7 +18,10 @@ mod serve;
 cache. By default every command is cache-neutral (pages cached before the job stay cached, pages \
 the job brought in are gone when it ends) and durable (success means the data reached stable \
 storage).",
-    propagate_version = true
+    propagate_version = true,
+    after_long_help = "Exit status: 0 success, 1 failure, 2 usage error, 130 interrupted (copy); \
+`lightfoot COMMAND --help` tells more. Documentation: docs/ (README.md, docs/copy.md, \
+docs/serve.md, docs/cache.md, docs/cache-policy.md)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -28,7 +32,10 @@ struct Cli {
 enum Command {
     Copy(copy::CopyArgs),
     Serve(serve::ServeArgs),
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_long_help = "Exit status: 0 if every file was done, 1 otherwise, 2 usage error. See docs/cache.md."
+    )]
     Cache(cache::CacheCommand),
 }
 

@@ -24,27 +24,36 @@ advertises CAN_MULTI_CONN.
 URIs: nbd://127.0.0.1:10809/NAME over TCP, nbd+unix:///NAME?socket=PATH over a Unix socket.
 The empty export name always reaches the export too.
 
-TLS (STARTTLS, X.509): --tls=require --tls-certificates DIR, where DIR holds ca-cert.pem,
-server-cert.pem and server-key.pem (the layout qemu-nbd and nbdkit read). Clients then use
+TLS (STARTTLS, X.509): --tls=require --tls-certificates DIR, where DIR holds server-cert.pem
+and server-key.pem, and ca-cert.pem for --tls-verify-peer (the layout qemu-nbd and nbdkit
+read). Clients then use
 nbds:// or nbds+unix:// URIs, e.g.
   nbdinfo 'nbds://localhost:10809/?tls-certificates=/etc/pki/client'
-  qemu-img info --object tls-creds-x509,id=tls0,endpoint=client,dir=/etc/pki/client \
+  qemu-img info --object tls-creds-x509,id=tls0,endpoint=client,dir=/etc/pki/client \\
       --image-opts driver=nbd,host=localhost,port=10809,tls-creds=tls0
 TLS-PSK is not supported (rustls has no external PSK). See docs/tls.md.
 
 --run 'CMD' runs CMD through sh with $uri (nbds:// with --tls=require), $unixsocket (for
---unix) and $port (for TCP) set,
-stops serving when it exits and exits with its status. Example:
+--unix) and $port (for TCP) set, stops serving when it exits and exits with its status. CMD
+reaches the server's own listener: without --unix that is TCP, which every local user can
+reach too. Example:
   lightfoot serve --unix /tmp/s disk.img --run 'nbdcopy \"$uri\" backup.img'
 
 TCP connections use keepalive: a client that vanishes without closing (its host died, the
 network went) is dropped after about 90 s of silence (probes after 30 s, every 10 s, 6
 unanswered), or after TCP's retransmission limit (~15 min) if replies to it were still
-unacknowledged; LIGHTFOOT_TCP_KEEPALIVE=IDLE,INTERVAL,COUNT changes the probes. An idle
+unacknowledged; LIGHTFOOT_TCP_KEEPALIVE=IDLE,INTERVAL,COUNT (seconds, seconds, probes)
+changes the probes. An idle
 client that is alive is never dropped.
 
-Exit status: 0 after a clean shutdown (Ctrl-C, SIGTERM), 1 on failure, 2 usage error; with
---run, the status of CMD. See docs/serve.md and docs/cache-policy.md.";
+Environment: LIGHTFOOT_NO_DONTCACHE=1 is --no-dontcache; RUST_LOG (e.g. lightfoot=debug)
+overrides -v.
+
+Exit status: 0 after a clean shutdown (Ctrl-C, SIGTERM; also when --exit-with-parent finds
+the parent already gone), 1 on failure (FILE cannot be opened, the address cannot be bound,
+TLS certificates cannot be loaded, --run cannot start CMD, the pid file cannot be written, or
+write-back of held writes fails at exit), 2 usage error; with --run, the status of CMD. See
+docs/serve.md and docs/cache-policy.md.";
 
 /// Serve a file or block device over NBD, leaving the page cache as it was.
 #[derive(Args)]
@@ -90,27 +99,28 @@ pub struct ServeArgs {
     #[arg(long)]
     prefetch: bool,
 
-    /// With --prefetch: the buffer's bound (K, M, G suffixes).
-    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_size)]
+    /// With --prefetch: the buffer's bound (K, M, G or T suffix; not 0).
+    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_nonzero_size)]
     prefetch_size: u64,
 
-    /// With --prefetch: reads larger than this pass straight through (K, M suffixes).
-    #[arg(long, value_name = "SIZE", default_value = "128K", value_parser = parse_size)]
+    /// With --prefetch: reads larger than this pass straight through (K, M, G or T suffix; not
+    /// 0).
+    #[arg(long, value_name = "SIZE", default_value = "128K", value_parser = parse_nonzero_size)]
     prefetch_max_request: u64,
 
-    /// Hold small writes (up to 64 KiB) in memory, from every connection, and write them back
-    /// merged: neighbouring writes in one block become one request where the gaps between
-    /// them lie inside 4 KiB units they write (e.g. 1 KiB every 4 KiB), the gaps read from
-    /// FILE first; other writes go down as they are. Reads and block status
-    /// see the held data. Written back on FLUSH (before it replies), FUA, --coalesce-size,
-    /// --coalesce-age, as soon as a writer has moved past a block, and at clean shutdown; a
-    /// write-back error fails every later FLUSH and FUA.
-    /// A kill -9 loses what was not flushed, as a power loss would.
+    /// Hold small writes (up to --coalesce-block) in memory, from every connection, and write
+    /// them back merged: neighbouring writes in one block become one request where the gaps
+    /// between them lie inside 4 KiB units they write (e.g. 1 KiB every 4 KiB), the gaps read
+    /// from FILE first; other writes go down as they are. Reads and block status see the held
+    /// data. Written back on FLUSH (before it replies), FUA, --coalesce-size, --coalesce-age,
+    /// as soon as a writer has moved past a block, and at clean shutdown; a write-back error
+    /// fails every later FLUSH and FUA. A kill -9 loses what was not flushed, as a power loss
+    /// would. Does nothing with --read-only.
     #[arg(long)]
     coalesce: bool,
 
-    /// With --coalesce: most bytes held; writers wait above it (K, M, G suffixes).
-    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_size)]
+    /// With --coalesce: most bytes held; writers wait above it (K, M, G or T suffix; not 0).
+    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_nonzero_size)]
     coalesce_size: u64,
 
     /// With --coalesce: held writes older than this are written back (e.g. 500ms, 1s, 0 for
@@ -119,7 +129,7 @@ pub struct ServeArgs {
     coalesce_age: std::time::Duration,
 
     /// With --coalesce: the block, the most one write-back request spans; writes up to this
-    /// size are held (a multiple of 4K, at most 16M; K, M suffixes).
+    /// size are held (a multiple of 4K, at most 16M; K or M suffix).
     #[arg(long, value_name = "SIZE", default_value = "64K", value_parser = parse_coalesce_block)]
     coalesce_block: u64,
 
@@ -141,11 +151,11 @@ pub struct ServeArgs {
     #[arg(long)]
     tls_verify_peer: bool,
 
-    /// Worker threads per connection (requests carried out in parallel).
+    /// Worker threads per connection (requests carried out in parallel; 1 to 256).
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
     threads: u16,
 
-    /// Connections served at once; more are closed at once.
+    /// Connections served at once (at least 1); more are closed on arrival.
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     max_connections: u32,
 
@@ -385,6 +395,15 @@ pub fn run(a: ServeArgs) -> i32 {
     }
     let code = *status.lock().unwrap();
     code
+}
+
+/// A size that must not be 0 (`--prefetch-size`, `--prefetch-max-request`, `--coalesce-size`):
+/// 0 would leave the filter on but doing nothing.
+fn parse_nonzero_size(s: &str) -> Result<u64, String> {
+    match parse_size(s)? {
+        0 => Err(format!("'{s}': must be more than 0")),
+        n => Ok(n),
+    }
 }
 
 fn parse_coalesce_block(s: &str) -> Result<u64, String> {
