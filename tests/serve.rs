@@ -336,12 +336,17 @@ fn bad_input_gets_a_clear_error() {
     let out = lightfoot(&["serve", "--listen", "256.1.1.1:1", img.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("listen on 256.1.1.1:1"), "{}", text(&out));
-    // Sizes of 0 that would leave a filter on but idle are usage errors.
-    for (flag, size) in [("--prefetch-size", "0"), ("--prefetch-max-request", "0K"), ("--coalesce-size", "0")]
-    {
+    // Sizes of 0 that would leave a filter on but idle, and an age bound past a day, are
+    // usage errors.
+    for (flag, size, why) in [
+        ("--prefetch-size", "0", "must be more than 0"),
+        ("--prefetch-max-request", "0K", "must be more than 0"),
+        ("--coalesce-size", "0", "must be more than 0"),
+        ("--coalesce-age", "25h", "at most 24h"),
+    ] {
         let out = lightfoot(&["serve", flag, size, img.to_str().unwrap()]);
         assert_eq!(out.status.code(), Some(2), "{flag} {size}: {}", text(&out));
-        assert!(text(&out).contains("must be more than 0"), "{}", text(&out));
+        assert!(text(&out).contains(why), "{}", text(&out));
     }
 }
 

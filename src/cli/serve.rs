@@ -124,8 +124,8 @@ pub struct ServeArgs {
     coalesce_size: u64,
 
     /// With --coalesce: held writes older than this are written back (e.g. 500ms, 1s, 0 for
-    /// as soon as possible).
-    #[arg(long, value_name = "TIME", default_value = "1s", value_parser = super::human::parse_duration)]
+    /// as soon as possible; at most 24h).
+    #[arg(long, value_name = "TIME", default_value = "1s", value_parser = parse_coalesce_age)]
     coalesce_age: std::time::Duration,
 
     /// With --coalesce: the block, the most one write-back request spans; writes up to this
@@ -403,6 +403,13 @@ fn parse_nonzero_size(s: &str) -> Result<u64, String> {
     match parse_size(s)? {
         0 => Err(format!("'{s}': must be more than 0")),
         n => Ok(n),
+    }
+}
+
+fn parse_coalesce_age(s: &str) -> Result<std::time::Duration, String> {
+    match super::human::parse_duration(s)? {
+        d if d > std::time::Duration::from_secs(24 * 3600) => Err(format!("'{s}': at most 24h")),
+        d => Ok(d),
     }
 }
 

@@ -182,7 +182,10 @@ pub struct Coalesce {
 }
 
 impl Coalesce {
-    pub fn new(inner: Arc<dyn Backend>, cfg: CoalesceConfig) -> Coalesce {
+    pub fn new(inner: Arc<dyn Backend>, mut cfg: CoalesceConfig) -> Coalesce {
+        // Deadlines are `Instant`s: an age they cannot hold would panic the background
+        // thread. A year is as good as never here.
+        cfg.age = cfg.age.min(Duration::from_secs(365 * 24 * 3600));
         debug_assert!(cfg.block > 0 && cfg.block <= u32::MAX as u64);
         debug_assert!(
             cfg.unit > 0 && cfg.block.is_multiple_of(u64::from(cfg.unit)),
@@ -380,6 +383,12 @@ impl Coalesce {
             sh.release(len);
             return None;
         };
+        if self.finished.load(SeqCst) {
+            // `finish` began after `holds` (see `write_small`): not held.
+            drop(locks);
+            sh.release(len);
+            return None;
+        }
         sh.counters.client_writes.fetch_add(1, SeqCst);
         self.absorb(&mut locks, buf, offset);
         Some(Ok(()))
@@ -398,6 +407,16 @@ impl Coalesce {
             return Ok(());
         }
         let mut locks = sh.write_locks(offset, len);
+        if self.finished.load(SeqCst) {
+            // `finish` began after `holds` said yes (this writer waited for room or for its
+            // stripes meanwhile), and its write-back may have passed these stripes already:
+            // nothing would write the bytes back. Looked at under the locks, so a `finish`
+            // that begins after this look lists the block once the locks are free.
+            drop(locks);
+            sh.release(len);
+            self.pass(offset, len, || sh.write_below(buf, offset, fua, false))?;
+            return if fua { sh.check_latch("write") } else { Ok(()) };
+        }
         self.absorb(&mut locks, buf, offset);
         if fua {
             // Durable before the reply: write back the blocks it touched, with FUA.
@@ -476,7 +495,9 @@ impl Coalesce {
         let sh = &self.shared;
         sh.counters.client_writes.fetch_add(1, SeqCst);
         if buf.is_empty() {
-            return Ok(());
+            // Nothing to write, but a FUA write still reports a latched error, as every FUA
+            // does (a zero-length ZERO or TRIM with FUA does too, through `pass`).
+            return if fua { sh.check_latch("write") } else { Ok(()) };
         }
         // After `finish` nothing would write held bytes back: write through.
         if self.holds(offset, buf.len() as u64) {

@@ -203,6 +203,8 @@ fn a_failed_write_back_fails_every_later_flush_and_fua() {
     assert!(c.flush().is_err(), "a later flush succeeded after a lost write-back");
     assert_eq!(read(&*mem, 64 * K + 10, 1024), [1u8; 1024]);
     assert!(c.write(&[3u8; 10], 0, true).is_err(), "a FUA write succeeded after the error");
+    assert!(c.write(&[], 0, true).is_err(), "an empty FUA write succeeded after the error");
+    c.write(&[], 0, false).unwrap();
     assert!(c.finish().is_err());
     assert_eq!(c.stats().errors, 1);
 }

@@ -416,6 +416,10 @@ impl Shared {
     /// the plain server's parallel fdatasyncs, and dropping it took the filter from 0.98x to
     /// 1.17x the plain server there (bench/coalesce.sh, 2026-11-23).
     pub(super) fn flush_below(&self) -> Result<()> {
+        if !self.inner.caps().can_flush {
+            // Nothing below to flush (as `finish` does): only errors latched so far.
+            return self.check_latch("flush");
+        }
         self.counters.backend_flushes.fetch_add(1, SeqCst);
         if let Err(e) = self.inner.flush() {
             self.set_latch(&e);
