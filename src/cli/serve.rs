@@ -110,12 +110,12 @@ pub struct ServeArgs {
 
     /// Hold small writes (up to --coalesce-block) in memory, from every connection, and write
     /// them back merged: neighbouring writes in one block become one request where the gaps
-    /// between them lie inside 4 KiB units they write (e.g. 1 KiB every 4 KiB), the gaps read
-    /// from FILE first; other writes go down as they are. Reads and block status see the held
-    /// data. Written back on FLUSH (before it replies), FUA, --coalesce-size, --coalesce-age,
-    /// as soon as a writer has moved past a block, and at clean shutdown; a write-back error
-    /// fails every later FLUSH and FUA. A kill -9 loses what was not flushed, as a power loss
-    /// would. Does nothing with --read-only.
+    /// between them lie inside filesystem blocks they write (4 KiB at most; e.g. 1 KiB every
+    /// 4 KiB), the gaps read from FILE first; other writes go down as they are. Reads and
+    /// block status see the held data. Written back on FLUSH (before it replies), FUA,
+    /// --coalesce-size, --coalesce-age, as soon as a writer has moved past a block, and at
+    /// clean shutdown; a write-back error fails every later FLUSH and FUA. A kill -9 loses
+    /// what was not flushed, as a power loss would. Does nothing with --read-only.
     #[arg(long)]
     coalesce: bool,
 
@@ -230,13 +230,16 @@ pub fn run(a: ServeArgs) -> i32 {
     }) {
         None => None,
         Some(Ok(wb)) => {
+            let fs_block = lightfoot::io::sys::fs_block_size(wb.policy().fd()).ok();
             let cfg = CoalesceConfig {
                 size: a.coalesce_size,
                 age: a.coalesce_age,
                 block: a.coalesce_block,
                 max_request: a.coalesce_block,
+                unit: lightfoot::filters::coalesce::unit_for(fs_block),
                 ..CoalesceConfig::default()
             };
+            tracing::info!("--coalesce: gaps filled within {}-byte units", cfg.unit);
             Some(Arc::new(Coalesce::new(Arc::new(wb), cfg)))
         }
         Some(Err(e)) => {

@@ -188,6 +188,18 @@ pub fn fdatasync(fd: BorrowedFd) -> io::Result<()> {
     })
 }
 
+/// The filesystem's block size (`fstatfs` `f_bsize`): its unit of allocation for the
+/// filesystems lightfoot serves from (ext4, XFS, btrfs), whose holes come in whole blocks.
+pub fn fs_block_size(fd: BorrowedFd) -> io::Result<u64> {
+    // SAFETY: statfs is plain data; all zeroes is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: plain system call; `st` outlives it.
+    if unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.f_bsize as u64)
+}
+
 /// `fallocate` modes used here.
 pub const FALLOC_KEEP_SIZE: i32 = libc::FALLOC_FL_KEEP_SIZE;
 pub const FALLOC_PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE;

@@ -19,14 +19,15 @@
 //! not know about them, and nbdcopy or qemu-img would skip them).
 //!
 //! Write-back of a block, under its lock. Runs separated by gaps are joined into one request
-//! only when every allocation unit (4 KiB) of the gap holds dirty bytes, like 1 KiB written
-//! every 4 KiB (see [`dirty::plan`]): the gap is read from below under the lock (or known to
-//! read as zeroes) and written back unchanged. So no byte is ever written that a client did
-//! not write unless it was just read from the same place (the FreeBSD 2013 NFS change widened
-//! dirty ranges without that read and could write stale bytes over another writer's data),
-//! and no gap over a hole in a unit nobody wrote is filled (that would allocate space for
-//! zeroes nobody wrote, and can fail with ENOSPC). Dirty bytes are dropped only once written; a failed write-back
-//! keeps them (reads still see them) and latches the error: every later FLUSH and FUA fails.
+//! only when every allocation unit (the filesystem block, at most 4 KiB) of the gap holds
+//! dirty bytes, like 1 KiB written every 4 KiB (see [`dirty::plan`]): the gap is read from
+//! below under the lock (or known to read as zeroes) and written back unchanged. So no byte is
+//! ever written that a client did not write unless it was just read from the same place (the
+//! FreeBSD 2013 NFS change widened dirty ranges without that read and could write stale bytes
+//! over another writer's data), and no gap over a hole in a unit nobody wrote is filled (that
+//! would allocate space for zeroes nobody wrote, and can fail with ENOSPC). Dirty bytes are
+//! dropped only once written; a failed write-back keeps them (reads still see them) and
+//! latches the error: every later FLUSH and FUA fails.
 //!
 //! Locks: blocks hash onto 256 stripes, each a `RwLock` over its blocks' dirty data. Reads and
 //! BLOCK_STATUS hold the read locks of their blocks' stripes across the read below and the
@@ -79,8 +80,10 @@ pub struct CoalesceConfig {
     /// writes within 64 MiB up to 25 % (256 KiB), in gap reads and unhinted partial pages.
     pub block: u64,
     /// The filesystem's allocation unit: a gap is filled only inside units that hold dirty
-    /// bytes (see [`dirty::plan`]). 4 KiB, the block of ext4 and XFS as made by
-    /// default; a larger real unit only means fewer gaps filled.
+    /// bytes (see [`dirty::plan`]). 4 KiB by default, the block of ext4 and XFS as made by
+    /// default; `serve` takes the served file's ([`unit_for`]). A larger real unit only means
+    /// fewer gaps filled; a smaller one taken as 4 KiB would mean gaps filled across blocks
+    /// nobody wrote.
     pub unit: u32,
     /// Writes larger than this go straight down.
     pub max_request: u64,
@@ -100,6 +103,18 @@ impl Default for CoalesceConfig {
             max_request: 64 << 10,
             threads: 8,
         }
+    }
+}
+
+/// The [`CoalesceConfig::unit`] for a file on a filesystem with blocks of `fs_block` bytes
+/// (`None`: not known): the block where it is a power of two up to 4 KiB (ext4 made with
+/// `-b 1024`, XFS with 1 or 2 KiB blocks), else 4 KiB. Never more than 4 KiB: a filesystem
+/// whose `f_bsize` is larger (a network filesystem's transfer size, say) may still allocate in
+/// smaller pieces, and a unit too large would fill gaps over holes.
+pub fn unit_for(fs_block: Option<u64>) -> u32 {
+    match fs_block {
+        Some(b) if b.is_power_of_two() && (512..4096).contains(&b) => b as u32,
+        _ => 4096,
     }
 }
 

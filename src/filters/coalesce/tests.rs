@@ -590,3 +590,13 @@ fn exact_ranges_are_hinted_before_the_write_backs() {
     hinted.sort_unstable();
     assert_eq!(hinted, [(64 * K + 1000, 1024), (64 * K + 33000, 1024), (3 * 64 * K + 5, 100)]);
 }
+
+#[test]
+fn the_unit_is_the_filesystems_block_up_to_4k() {
+    assert_eq!(unit_for(Some(1024)), 1024);
+    assert_eq!(unit_for(Some(2048)), 2048);
+    assert_eq!(unit_for(Some(512)), 512);
+    for other in [Some(4096), Some(65536), Some(1 << 20), Some(3000), Some(256), Some(0), None] {
+        assert_eq!(unit_for(other), 4096, "{other:?}");
+    }
+}
