@@ -119,7 +119,8 @@ pub struct ServeArgs {
     #[arg(long)]
     coalesce: bool,
 
-    /// With --coalesce: most bytes held; writers wait above it (K, M, G or T suffix; not 0).
+    /// With --coalesce: most bytes held, counting 96 bytes of bookkeeping for each run of
+    /// held bytes; writers wait above it (K, M, G or T suffix; not 0).
     #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_nonzero_size)]
     coalesce_size: u64,
 

@@ -2,14 +2,21 @@
 //! back yet, merged when they touch or overlap (a later write wins over an earlier one).
 //!
 //! Only bytes a client wrote are held, never the gaps between them: a block with 1 KiB dirty
-//! costs 1 KiB, so the memory bound counts what clients sent, not blocks. The gaps are read
-//! from below at write-back time, under the block's lock, and only where the layer below
-//! holds data there ([`plan`]).
+//! costs 1 KiB and one run's overhead ([`RUN_COST`]), so the memory bound counts what clients
+//! sent, not blocks, and tiny writes far apart cannot hold many times the bound in
+//! bookkeeping. The gaps are read from below at write-back time, under the block's lock, and
+//! only where the layer below holds data there ([`plan`]).
 
 use std::ops::Range;
 use std::time::Instant;
 
 use crate::backend::Extent;
+
+/// What the memory bound charges for each run beyond its bytes: its entry in the block's
+/// vector (32 bytes), its heap allocation's header and rounding (16-32), and a share of the
+/// block's entry in its stripe's map, which holds at least one run. Without it, 1-byte writes
+/// 2 bytes apart (a run each) held 64 MiB of data in several GiB.
+pub const RUN_COST: u64 = 96;
 
 /// The dirty runs of one block, offsets relative to the block's start.
 #[derive(Debug, Clone)]
@@ -34,6 +41,11 @@ impl Block {
         self.runs.iter().map(|(_, d)| d.len() as u64).sum()
     }
 
+    /// What the memory bound counts for this block: its bytes and [`RUN_COST`] per run.
+    pub fn cost(&self) -> u64 {
+        self.bytes() + self.runs.len() as u64 * RUN_COST
+    }
+
     /// The dirty ranges, in order.
     pub fn ranges(&self) -> impl Iterator<Item = Range<u32>> + '_ {
         self.runs.iter().map(|(s, d)| *s..*s + d.len() as u32)
@@ -49,8 +61,9 @@ impl Block {
         &self.runs
     }
 
-    /// Records `data` written at `at`; returns how many more bytes are held afterwards.
-    pub fn write(&mut self, at: u32, data: &[u8]) -> u64 {
+    /// Records `data` written at `at`; returns how much its [`Self::cost`] grew: at most
+    /// `data.len() + RUN_COST`, and less than 0 when the write joins runs.
+    pub fn write(&mut self, at: u32, data: &[u8]) -> i64 {
         if data.is_empty() {
             return 0;
         }
@@ -59,10 +72,10 @@ impl Block {
         // starting at or before e.
         let first = self.runs.partition_point(|(rs, d)| rs + (d.len() as u32) < s);
         let last = self.runs.partition_point(|(rs, _)| *rs <= e);
-        let before = self.bytes_of(first..last);
+        let before = self.cost_of(first..last);
         if first == last {
             self.runs.insert(first, (s, data.to_vec()));
-            return data.len() as u64;
+            return (data.len() as u64 + RUN_COST) as i64;
         }
         let fs = self.runs[first].0;
         let le = self.runs[last - 1].0 + self.runs[last - 1].1.len() as u32;
@@ -82,23 +95,24 @@ impl Block {
             merged[o..o + data.len()].copy_from_slice(data);
             self.runs.splice(first..last, [(ns, merged)]);
         }
-        u64::from(ne - ns) - before
+        (u64::from(ne - ns) + RUN_COST) as i64 - before as i64
     }
 
-    fn bytes_of(&self, r: Range<usize>) -> u64 {
-        self.runs[r].iter().map(|(_, d)| d.len() as u64).sum()
+    fn cost_of(&self, r: Range<usize>) -> u64 {
+        self.runs[r].iter().map(|(_, d)| d.len() as u64 + RUN_COST).sum()
     }
 
     /// Forgets the dirty bytes of `[at, at+len)` (they were superseded below: a trim, a
-    /// zero, a write that went straight through); returns how many bytes were dropped.
-    pub fn discard(&mut self, at: u32, len: u32) -> u64 {
+    /// zero, a write that went straight through; or written back); returns how much its
+    /// [`Self::cost`] fell: less than 0 when a few bytes out of a run's middle split it in two.
+    pub fn discard(&mut self, at: u32, len: u32) -> i64 {
         let (s, e) = (at, at + len);
         let first = self.runs.partition_point(|(rs, d)| rs + (d.len() as u32) <= s);
         let last = self.runs.partition_point(|(rs, _)| *rs < e);
         if first >= last {
             return 0;
         }
-        let before = self.bytes_of(first..last);
+        let before = self.cost_of(first..last);
         let mut keep = Vec::new();
         for (rs, d) in self.runs.drain(first..last) {
             let re = rs + d.len() as u32;
@@ -109,9 +123,9 @@ impl Block {
                 keep.push((e, d[(e - rs) as usize..].to_vec()));
             }
         }
-        let after: u64 = keep.iter().map(|(_, d)| d.len() as u64).sum();
+        let after: u64 = keep.iter().map(|(_, d)| d.len() as u64 + RUN_COST).sum();
         self.runs.splice(first..first, keep);
-        before - after
+        before as i64 - after as i64
     }
 
     /// Copies the dirty bytes that fall in `[at, at+buf.len())` over `buf`.
@@ -248,15 +262,22 @@ mod tests {
     #[test]
     fn touching_writes_merge_and_gaps_stay() {
         let mut b = Block::new(Instant::now());
-        assert_eq!(b.write(0, &[1; 1024]), 1024);
-        assert_eq!(b.write(4096, &[2; 1024]), 1024);
+        let run = RUN_COST as i64;
+        assert_eq!(b.write(0, &[1; 1024]), 1024 + run);
+        assert_eq!(b.write(4096, &[2; 1024]), 1024 + run);
         assert_eq!(ranges(&b), [0..1024, 4096..5120]);
-        // Touching on both sides: one run.
-        assert_eq!(b.write(1024, &[3; 3072]), 3072);
+        // Touching on both sides: one run, one run's cost less.
+        assert_eq!(b.write(1024, &[3; 3072]), 3072 - run);
         assert_eq!(ranges(&b), [0..5120]);
         // An overwrite holds no more bytes.
         assert_eq!(b.write(100, &[4; 10]), 0);
         assert_eq!(b.bytes(), 5120);
+        assert_eq!(b.cost(), 5120 + RUN_COST);
+        // A byte between two runs one byte apart joins them.
+        let mut j = Block::new(Instant::now());
+        j.write(0, &[1]);
+        j.write(2, &[1]);
+        assert_eq!(j.write(1, &[1]), 1 - run);
         let mut buf = [0u8; 8];
         b.overlay(&mut buf, 98);
         assert_eq!(buf, [1, 1, 4, 4, 4, 4, 4, 4]);
@@ -267,10 +288,14 @@ mod tests {
         let mut b = Block::new(Instant::now());
         b.write(0, &[1; 100]);
         b.write(200, &[2; 100]);
+        let run = RUN_COST as i64;
         assert_eq!(b.discard(50, 200), 100);
         assert_eq!(ranges(&b), [0..50, 250..300]);
-        assert_eq!(b.discard(0, 1000), 100);
+        // Out of the middle: two runs where there was one.
+        assert_eq!(b.discard(10, 20), 20 - run);
+        assert_eq!(b.discard(0, 1000), 80 + 3 * run);
         assert!(b.is_empty());
+        assert_eq!(b.cost(), 0);
     }
 
     #[test]
@@ -293,14 +318,17 @@ mod tests {
                 let at = rng.below(N as u64) as usize;
                 let len = 1 + rng.below((N - at).min(700) as u64) as usize;
                 if rng.below(4) == 0 {
-                    let before = b.bytes();
+                    let before = b.cost() as i64;
                     let dropped = b.discard(at as u32, len as u32);
                     model[at..at + len].fill(None);
-                    assert_eq!(before - dropped, b.bytes());
+                    assert_eq!(before - dropped, b.cost() as i64);
                 } else {
                     let mut data = vec![0u8; len];
                     rng.fill(&mut data);
-                    b.write(at as u32, &data);
+                    let before = b.cost() as i64;
+                    let added = b.write(at as u32, &data);
+                    assert_eq!(before + added, b.cost() as i64);
+                    assert!(added <= (len as u64 + RUN_COST) as i64);
                     for (i, x) in data.iter().enumerate() {
                         model[at + i] = Some(*x);
                     }

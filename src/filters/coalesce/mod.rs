@@ -136,10 +136,12 @@ pub struct CoalesceStats {
     pub backend_flushes: u64,
     /// Write-backs that failed (latched).
     pub errors: u64,
-    /// Dirty bytes held now.
+    /// Dirty bytes held now, with [`dirty::RUN_COST`] for each run of them: what the memory
+    /// bound counts.
     pub held: u64,
-    /// The most bytes held at once (counting room taken by writes on their way in): never
-    /// more than `--coalesce-size`.
+    /// The most `held` has been (counting room taken by writes on their way in): never more
+    /// than `--coalesce-size`, but for a run's cost or two while a trim or zero that split
+    /// runs is held ([`Coalesce::pass`]).
     pub peak_held: u64,
 }
 
@@ -349,24 +351,34 @@ impl Coalesce {
         let sh = &self.shared;
         !self.finished.load(SeqCst)
             && len <= sh.cfg.max_request
-            && len <= sh.cfg.size
             && offset.checked_add(len).is_some_and(|end| end <= sh.size)
+            && self.charge(offset, len) <= sh.cfg.size
     }
 
-    /// Copies `buf` into the dirty map under `locks` (the stripes of its blocks). Its room was
-    /// taken beforehand ([`Shared::reserve`]); what it overwrote rather than added is given
-    /// back.
+    /// The room a write of `len` bytes at `offset` takes within the memory bound before it is
+    /// absorbed: its bytes and a run's cost for each block it touches, the most it can add
+    /// ([`Block::write`]).
+    fn charge(&self, offset: u64, len: u64) -> u64 {
+        let sh = &self.shared;
+        let blocks = if len == 0 { 0 } else { sh.block_of(offset + len - 1) - sh.block_of(offset) + 1 };
+        len + blocks * dirty::RUN_COST
+    }
+
+    /// Copies `buf` into the dirty map under `locks` (the stripes of its blocks). Its room,
+    /// `room` ([`Self::charge`]), was taken beforehand ([`Shared::reserve`]); what it did not
+    /// add (it overwrote held bytes, or joined runs) is given back.
     fn absorb(
         &self,
         locks: &mut stripes::Locked<RwLockWriteGuard<'_, HashMap<u64, Block>>>,
         buf: &[u8],
         offset: u64,
+        room: u64,
     ) {
         let sh = &self.shared;
         let (bs, len) = (sh.cfg.block, buf.len() as u64);
         let now = Instant::now();
         let mut at = offset;
-        let mut added = 0;
+        let mut added: i64 = 0;
         while at < offset + len {
             let b = sh.block_of(at);
             let n = ((b + 1) * bs).min(offset + len) - at;
@@ -380,8 +392,8 @@ impl Coalesce {
             }
             at += n;
         }
-        debug_assert!(added <= len, "a write adds at most its own bytes");
-        sh.release(len - added);
+        debug_assert!(added <= room as i64, "a write adds at most its own bytes and a run per block");
+        sh.give_back(room as i64 - added);
         sh.counters.absorbed.fetch_add(1, SeqCst);
     }
 
@@ -391,28 +403,30 @@ impl Coalesce {
     fn write_at_hand_via(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
         let sh = &self.shared;
         let len = buf.len() as u64;
-        if len == 0 || !self.holds(offset, len) || !sh.reserve(len) {
+        let room = self.charge(offset, len);
+        if len == 0 || !self.holds(offset, len) || !sh.reserve(room) {
             return None;
         }
         let Some(mut locks) = sh.try_write_locks(offset, len) else {
-            sh.release(len);
+            sh.release(room);
             return None;
         };
         if self.finished.load(SeqCst) {
             // `finish` began after `holds` (see `write_small`): not held.
             drop(locks);
-            sh.release(len);
+            sh.release(room);
             return None;
         }
         sh.counters.client_writes.fetch_add(1, SeqCst);
-        self.absorb(&mut locks, buf, offset);
+        self.absorb(&mut locks, buf, offset, room);
         Some(Ok(()))
     }
 
     fn write_small(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         let sh = &self.shared;
         let len = buf.len() as u64;
-        if !sh.wait_for_room(len) {
+        let room = self.charge(offset, len);
+        if !sh.wait_for_room(room) {
             // Straight down (a write-back error is latched, so room may never come); a FUA
             // write must still report that error, as every FUA after it does.
             self.pass(offset, len, || sh.write_below(buf, offset, fua, false))?;
@@ -428,11 +442,11 @@ impl Coalesce {
             // nothing would write the bytes back. Looked at under the locks, so a `finish`
             // that begins after this look lists the block once the locks are free.
             drop(locks);
-            sh.release(len);
+            sh.release(room);
             self.pass(offset, len, || sh.write_below(buf, offset, fua, false))?;
             return if fua { sh.check_latch("write") } else { Ok(()) };
         }
-        self.absorb(&mut locks, buf, offset);
+        self.absorb(&mut locks, buf, offset, room);
         if fua {
             // Durable before the reply: write back the blocks it touched, with FUA.
             for b in sh.block_of(offset)..=sh.block_of(offset + len - 1) {
@@ -470,7 +484,9 @@ impl Coalesce {
             }
         }
         drop(locks);
-        sh.release(dropped);
+        // Less than 0 if it split runs (a few bytes out of their middles): a run's cost more
+        // each, past the bound for as long as they are held, at most two (its two ends).
+        sh.give_back(dropped);
         Ok(())
     }
 

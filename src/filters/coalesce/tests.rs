@@ -73,7 +73,8 @@ fn passed_blocks_are_written_back_early() {
     std::thread::sleep(Duration::from_millis(50));
     let s = c.stats();
     assert_eq!(s.backend_writes, 4, "blocks 0-3, one request each: {s:?}");
-    assert_eq!(s.held, 6 * K, "block 4 and the five scattered writes stay held: {s:?}");
+    // Six runs: 6 KiB and a run's cost each.
+    assert_eq!(s.held, 6 * K + 6 * dirty::RUN_COST, "block 4 and the five scattered writes stay held: {s:?}");
     for i in 0..64 {
         assert_eq!(read(&*mem, i * 4 * K, K), [0x5a; 1024], "write {i} below");
     }
@@ -388,7 +389,7 @@ fn writes_at_hand_are_held_or_left_alone() {
     assert_eq!(read(&c, 0, 4 * MIB), want, "held bytes are read back");
     assert_eq!(read(&*mem, 0, 4 * MIB), before, "nothing written below yet");
     let s = c.stats();
-    assert_eq!((s.client_writes, s.absorbed, s.held), (1, 1, 1024), "{s:?}");
+    assert_eq!((s.client_writes, s.absorbed, s.held), (1, 1, 1024 + dirty::RUN_COST), "{s:?}");
 
     // Larger than max_request: it goes straight down, so not here.
     let big = vec![2u8; (c.shared.cfg.max_request + 1) as usize];
@@ -404,7 +405,7 @@ fn writes_at_hand_are_held_or_left_alone() {
     let s = c.stats();
     assert_eq!(
         (s.client_writes, s.absorbed, s.held),
-        (2, 2, 1024 + 64 * 1024),
+        (2, 2, 1024 + 64 * 1024 + 2 * dirty::RUN_COST),
         "only what was held counts: {s:?}"
     );
     want[2 * MIB as usize..2 * MIB as usize + 64 * 1024].fill(3);
@@ -599,5 +600,33 @@ fn the_unit_is_the_filesystems_block_up_to_4k() {
     assert_eq!(unit_for(Some(512)), 512);
     for other in [Some(4096), Some(65536), Some(1 << 20), Some(3000), Some(256), Some(0), None] {
         assert_eq!(unit_for(other), 4096, "{other:?}");
+    }
+}
+
+/// The bound counts each run's bookkeeping, not only its bytes: 1-byte writes 2 bytes apart
+/// (a run each) fill a 64 KiB bound after about 670 writes, not 64K of them, and writers then
+/// wait for write-back as for any full bound.
+#[test]
+fn tiny_scattered_writes_fill_the_bound_with_their_runs() {
+    let mem = Arc::new(MemoryBackend::new(4 * MIB));
+    let bound = 64 * K;
+    let c = Coalesce::new(mem.clone(), CoalesceConfig { size: bound, ..cfg() });
+    let mut held_before_write_back = 0;
+    for i in 0..4096u64 {
+        c.write(&[0x11], i * 2, false).unwrap();
+        let s = c.stats();
+        assert!(s.held <= bound, "{s:?}");
+        if s.backend_writes == 0 {
+            held_before_write_back = s.absorbed;
+        }
+    }
+    // Each held write costs 1 + RUN_COST: the bound took at most bound / 97 of them.
+    assert!(held_before_write_back <= bound / (1 + dirty::RUN_COST), "{held_before_write_back} held");
+    assert!(c.stats().backend_writes > 0);
+    c.flush().unwrap();
+    assert_eq!(c.stats().held, 0);
+    let got = read(&*mem, 0, 8192);
+    for (i, b) in got.iter().enumerate() {
+        assert_eq!(*b, if i % 2 == 0 { 0x11 } else { 0 }, "byte {i}");
     }
 }

@@ -71,6 +71,17 @@ impl Shared {
         }
     }
 
+    /// [`Self::release`] of `freed` (from [`Block::write`] or [`Block::discard`]); less than
+    /// 0 takes that much more, without waiting (the bytes are held already).
+    pub(super) fn give_back(&self, freed: i64) {
+        if freed >= 0 {
+            self.release(freed as u64);
+        } else {
+            let now = self.held.fetch_add(freed.unsigned_abs(), SeqCst) + freed.unsigned_abs();
+            self.peak.fetch_max(now, SeqCst);
+        }
+    }
+
     pub(super) fn release(&self, bytes: u64) {
         if bytes > 0 {
             self.held.fetch_sub(bytes, SeqCst);
@@ -133,7 +144,7 @@ impl Shared {
                 return Err(err);
             }
             let dropped = block.discard(s, e - s);
-            self.release(dropped);
+            self.give_back(dropped);
         }
         Ok(())
     }
