@@ -9,8 +9,9 @@
 //!   (the coalesce filter's dirty blocks) rather than a missing fdatasync.
 //!
 //! Each client writes and zeroes in a region of its own and flushes now and then. A byte it
-//! wrote (or zeroed) after its last acknowledged flush may hold either value; every other byte
-//! must hold exactly what it held at that flush.
+//! wrote (or zeroed) after its last acknowledged flush may hold either value, unless a FUA
+//! write acknowledged since wrote it last; every other byte must hold exactly what it held at
+//! that flush (or that FUA write).
 
 mod common;
 
@@ -35,6 +36,8 @@ struct Durable {
     /// Bytes written or zeroed since (or in flight): they may hold the old or the new value.
     touched: Vec<bool>,
     flushes: u64,
+    /// FUA writes acknowledged before the cut (their bytes are counted as flushed).
+    fua: u64,
 }
 
 struct Client {
@@ -44,8 +47,12 @@ struct Client {
 
 impl Client {
     fn new(id: u64) -> Client {
-        let state =
-            Durable { flushed: vec![0; REGION as usize], touched: vec![false; REGION as usize], flushes: 0 };
+        let state = Durable {
+            flushed: vec![0; REGION as usize],
+            touched: vec![false; REGION as usize],
+            flushes: 0,
+            fua: 0,
+        };
         Client { id, state: Mutex::new(state) }
     }
 
@@ -69,6 +76,13 @@ impl Client {
                     let fua = rng.below(8) == 0;
                     let r = b.write(&buf[..len], base + at as u64, fua);
                     model[at..at + len].copy_from_slice(&buf[..len]);
+                    if fua && r.is_ok() && !cut.load(Ordering::SeqCst) {
+                        // Durable when answered: these bytes must survive as written.
+                        let mut s = self.state.lock().unwrap();
+                        s.flushed[at..at + len].copy_from_slice(&buf[..len]);
+                        s.touched[at..at + len].fill(false);
+                        s.fua += 1;
+                    }
                     r
                 }
                 7 => {
@@ -96,8 +110,8 @@ impl Client {
         }
     }
 
-    /// Checks what survived of this client's region.
-    fn check(&self, image: &[u8], what: &str) -> u64 {
+    /// Checks what survived of this client's region; the flushes and FUA writes it counted.
+    fn check(&self, image: &[u8], what: &str) -> (u64, u64) {
         let s = self.state.lock().unwrap();
         let at = (self.id * REGION) as usize;
         let got = &image[at..at + REGION as usize];
@@ -108,7 +122,7 @@ impl Client {
                 self.id
             );
         }
-        s.flushes
+        (s.flushes, s.fua)
     }
 }
 
@@ -156,7 +170,7 @@ const STACKS: [&[&str]; 4] = [&[], &["--prefetch"], &["--coalesce"], &["--prefet
 
 #[test]
 fn power_loss_during_writes_with_every_stack() {
-    let (mut crashes, mut flushes_checked) = (0, 0);
+    let (mut crashes, mut flushes_checked, mut fua_checked) = (0, 0, 0);
     for stack in (0..rounds()).flat_map(|_| STACKS) {
         let device = Arc::new(PowerLoss::new(CLIENTS * REGION));
         let opener =
@@ -166,20 +180,26 @@ fn power_loss_during_writes_with_every_stack() {
         let mut survived = Vec::new();
         let clients =
             crash_during_writes(|| nbd(&sock), Duration::from_millis(300), || survived = device.power_loss());
-        let flushes: u64 =
-            clients.iter().map(|c| c.check(&survived, &format!("power loss, {stack:?}"))).sum();
+        let (mut flushes, mut fua) = (0, 0);
+        for c in &clients {
+            let (f, u) = c.check(&survived, &format!("power loss, {stack:?}"));
+            (flushes, fua) = (flushes + f, fua + u);
+        }
         assert!(flushes >= CLIENTS, "{stack:?}: {flushes} flushes");
         crashes += 1;
         flushes_checked += flushes;
+        fua_checked += fua;
         // The server's final flush may fail: the device lost power under the filters.
         let _ = srv.stop();
     }
-    println!("power loss: {crashes} cuts, {flushes_checked} acknowledged flushes checked, 0 bytes lost");
+    println!(
+        "power loss: {crashes} cuts, {flushes_checked} acknowledged flushes and {fua_checked} FUA writes checked, 0 bytes lost"
+    );
 }
 
 #[test]
 fn kill_9_during_writes_in_every_cache_mode_and_stack() {
-    let (mut crashes, mut flushes_checked) = (0, 0);
+    let (mut crashes, mut flushes_checked, mut fua_checked) = (0, 0, 0);
     for mode in (0..rounds()).flat_map(|_| ["neutral", "keep", "drop", "direct"]) {
         for stack in STACKS {
             let dir = scratch();
@@ -198,10 +218,13 @@ fn kill_9_during_writes_in_every_cache_mode_and_stack() {
             );
             let image = std::fs::read(&img).unwrap();
             for c in &clients {
-                flushes_checked += c.check(&image, &format!("kill -9, --cache={mode} {stack:?}"));
+                let (f, u) = c.check(&image, &format!("kill -9, --cache={mode} {stack:?}"));
+                (flushes_checked, fua_checked) = (flushes_checked + f, fua_checked + u);
             }
             crashes += 1;
         }
     }
-    println!("kill -9: {crashes} kills, {flushes_checked} acknowledged flushes checked, 0 bytes lost");
+    println!(
+        "kill -9: {crashes} kills, {flushes_checked} acknowledged flushes and {fua_checked} FUA writes checked, 0 bytes lost"
+    );
 }
