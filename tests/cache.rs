@@ -80,8 +80,7 @@ fn errors_name_the_file_and_the_others_are_still_shown() {
 /// never print a guess.
 #[test]
 fn unprivileged_stat_says_residency_is_not_visible() {
-    if euid() != 0 {
-        eprintln!("SKIPPED unprivileged_stat: needs root to switch to nobody");
+    if !root_or_skip("unprivileged_stat: needs root to switch to nobody") {
         return;
     }
     let dir = scratch();

@@ -1,5 +1,7 @@
 //! Every backend and filter stack against the same conformance suite (`lightfoot::testing`).
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -83,8 +85,7 @@ fn fault_injector_without_rules_is_transparent() {
 /// A loop device over a file: the block-device paths (BLKGETSIZE64, BLKZEROOUT, BLKDISCARD).
 #[test]
 fn block_device() {
-    if unsafe_free_euid() != 0 {
-        eprintln!("SKIPPED block_device: needs root for losetup");
+    if !common::root_or_skip("block_device: needs root for losetup") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -116,13 +117,6 @@ fn block_device() {
     });
     let _ = std::process::Command::new("losetup").args(["-d", &dev]).status();
     result.unwrap();
-}
-
-fn unsafe_free_euid() -> u32 {
-    // /proc/self/status has "Uid: real effective saved fs".
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
-    line.split_whitespace().nth(2).unwrap().parse().unwrap()
 }
 
 /// Serves `backend` in-process from a `lightfoot serve` server over a socket pair and returns

@@ -38,6 +38,16 @@ pub fn text(out: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
+/// True as root; otherwise says on stderr that the test (`what`: its name and why it needs
+/// root) was skipped, so a run without root never reports it as passing silently.
+pub fn root_or_skip(what: &str) -> bool {
+    if euid() == 0 {
+        return true;
+    }
+    eprintln!("SKIPPED {what}");
+    false
+}
+
 pub fn euid() -> u32 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
