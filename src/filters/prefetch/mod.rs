@@ -19,8 +19,12 @@
 //! client's own read never waits for read-ahead.
 //!
 //! Coherence: a write, zero or trim goes to the layer below and then drops the chunks it
-//! overlaps and bumps a generation counter; read-ahead that started before it is discarded
-//! when it completes. So once a write has returned, no read returns the old bytes.
+//! overlaps, bumps a generation counter and logs its range; read-ahead that started before it
+//! and overlaps that range is discarded when it completes (all of it, if the log no longer
+//! reaches back to its start). So once a write has returned, no read returns the old bytes,
+//! and writes elsewhere leave read-ahead alone: with one counter for the whole export, a 4 KiB
+//! write anywhere threw away every fill in flight (their chunks then missed for good: the
+//! streams' windows had moved past them).
 //!
 //! NBD CACHE requests fill the same buffer (up to its bound) instead of the page cache.
 //!
@@ -31,7 +35,7 @@ pub mod detect;
 
 pub use detect::{DetectConfig, Detector, Verdict};
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
@@ -89,14 +93,31 @@ struct State {
     windows: HashMap<ChainId, Window>,
     buffer: Buffer,
     in_flight: HashSet<u64>,
-    /// Bumped by every write, zero and trim: read-ahead started before one is discarded.
+    /// Bumped by every write, zero and trim.
     generation: u64,
+    /// The latest writes' (generation, offset, length), at most [`WRITE_LOG`]: read-ahead that
+    /// started before one of them and overlaps it is discarded.
+    writes: VecDeque<(u64, u64, u64)>,
+}
+
+/// Writes remembered for read-ahead in flight: far more than can complete during one 256 KiB
+/// read; a fill that started before the oldest of them is discarded whatever it overlaps.
+const WRITE_LOG: usize = 1024;
+
+impl State {
+    /// Whether `[start, start+len)` may have changed since generation `since`.
+    fn written_since(&self, since: u64, start: u64, len: u64) -> bool {
+        if self.generation == since {
+            return false;
+        }
+        let reaches_back = self.writes.front().is_some_and(|&(g, _, _)| g <= since + 1);
+        !reaches_back || self.writes.iter().any(|&(g, o, l)| g > since && o < start + len && start < o + l)
+    }
 }
 
 struct Job {
     start: u64,
     len: u64,
-    generation: u64,
     /// The stream it reads ahead for (none for CACHE requests).
     owner: Option<ChainId>,
 }
@@ -126,6 +147,7 @@ impl Prefetch {
             buffer: Buffer::new(cfg.size),
             in_flight: HashSet::new(),
             generation: 0,
+            writes: VecDeque::new(),
         };
         let shared =
             Arc::new(Shared { stopping: Default::default(), inner, cfg, size, state: Mutex::new(state) });
@@ -159,6 +181,11 @@ impl Prefetch {
     fn invalidate(&self, offset: u64, len: u64) {
         let mut st = self.shared.state.lock().unwrap();
         st.generation += 1;
+        let g = st.generation;
+        st.writes.push_back((g, offset, len));
+        if st.writes.len() > WRITE_LOG {
+            st.writes.pop_front();
+        }
         st.buffer.invalidate(offset, len);
     }
 
@@ -210,7 +237,7 @@ impl Shared {
         let mut s = from;
         while s < until && jobs.len() < limit {
             if !st.buffer.contains(s) && st.in_flight.insert(s) {
-                jobs.push(Job { start: s, len: CHUNK.min(self.size - s), generation: st.generation, owner });
+                jobs.push(Job { start: s, len: CHUNK.min(self.size - s), owner });
             }
             s += CHUNK;
         }
@@ -223,14 +250,19 @@ impl Shared {
             self.state.lock().unwrap().in_flight.remove(&job.start);
             return;
         }
-        let spare = self.state.lock().unwrap().buffer.spare();
+        // The generation when the read starts (not when it was queued: a write while it
+        // waited changed nothing it will read).
+        let (spare, since) = {
+            let mut st = self.state.lock().unwrap();
+            (st.buffer.spare(), st.generation)
+        };
         let mut data = buffer::Data::new(spare, job.len as usize);
         let read = crate::backend::read_exact(&*self.inner, &mut data, job.start);
         let mut st = self.state.lock().unwrap();
         st.in_flight.remove(&job.start);
         match read {
-            // Data read before a write that has since completed may be stale: drop it.
-            Ok(()) if job.generation == st.generation => {
+            // Data read while a write over it completed may be stale: drop it.
+            Ok(()) if !st.written_since(since, job.start, job.len) => {
                 st.buffer.insert(job.start, data, job.owner.map(|c| c.0));
                 // Streams whose read-ahead was evicted unread read more slowly than they are
                 // read ahead for: halve their windows.
@@ -616,6 +648,49 @@ mod tests {
             p.read(&mut buf, i << 20).unwrap();
         }
         assert_eq!(p.stats().streams_found, 0);
+    }
+
+    /// A write elsewhere while read-ahead is in flight leaves it alone: chunk 1 (answered
+    /// 300 ms late) is buffered although a write 3 MiB away completed meanwhile. Before, any
+    /// write discarded every fill in flight.
+    #[test]
+    fn writes_elsewhere_keep_read_ahead_in_flight() {
+        let mem = patterned(4 * MIB);
+        let late = Rule::new(Op::Read, Fault::Late(Duration::from_millis(300))).at(CHUNK, CHUNK).times(1);
+        let p = Prefetch::new(Arc::new(FaultInjector::new(mem, vec![late])), PrefetchConfig::default());
+        let mut buf = [0u8; 4096];
+        for i in 0..STREAM {
+            p.read(&mut buf, i * K4).unwrap();
+        }
+        // Chunk 1's read is done by now and its answer 200 ms away (the old code discarded it
+        // whenever the write came before that answer).
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(p.shared.state.lock().unwrap().in_flight.contains(&CHUNK));
+        p.write(&[0xeeu8; 4096], 3 * MIB, false).unwrap();
+        wait_until("the late read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
+        assert!(p.shared.state.lock().unwrap().buffer.contains(CHUNK), "{:?}", p.stats());
+        p.read(&mut buf, CHUNK + 2 * K4).unwrap();
+        assert_eq!(buf, [((CHUNK + 2 * K4) / K4 % 251) as u8; 4096]);
+    }
+
+    /// More writes during a fill than the log remembers: the fill cannot tell whether one of
+    /// the forgotten ones overlapped it, and is discarded.
+    #[test]
+    fn read_ahead_older_than_the_write_log_is_discarded() {
+        let mem = patterned(4 * MIB);
+        let late = Rule::new(Op::Read, Fault::Late(Duration::from_millis(300))).at(CHUNK, CHUNK).times(1);
+        let p = Prefetch::new(Arc::new(FaultInjector::new(mem, vec![late])), PrefetchConfig::default());
+        let mut buf = [0u8; 4096];
+        for i in 0..STREAM {
+            p.read(&mut buf, i * K4).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(p.shared.state.lock().unwrap().in_flight.contains(&CHUNK));
+        for i in 0..WRITE_LOG as u64 + 1 {
+            p.write(&[0xeeu8; 512], 3 * MIB + i % 64 * 512, false).unwrap();
+        }
+        wait_until("the late read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
+        assert!(!p.shared.state.lock().unwrap().buffer.contains(CHUNK), "{:?}", p.stats());
     }
 
     #[test]
