@@ -2,7 +2,9 @@
 //! read through, within a byte limit.
 //!
 //! A chunk remembers which of its 4 KiB pieces a client has read (a piece counts once a read
-//! covers its last byte, so 512-byte readers count too) and goes when all have. To make room,
+//! covers its last byte, so 512-byte readers count too) and goes when all have: read from the
+//! buffer, or read from below by a read the buffer could not serve whole (one that ran into a
+//! chunk still being read ahead), or read by its stream before the chunk arrived. To make room,
 //! chunks nobody has started on go first, least recently filled first; then partly read
 //! chunks, least recently used first, so a stream that went quiet cannot pin the buffer.
 
@@ -139,12 +141,22 @@ impl Buffer {
         true
     }
 
-    /// Copies `[offset, offset+buf.len())` out of the buffer if chunks hold all of it.
+    /// Copies `[offset, offset+buf.len())` out of the buffer if chunks hold all of it. If they
+    /// do not, the read goes to the layer below; the pieces it covers in chunks that are here
+    /// count as read all the same (the client has those bytes).
     pub fn serve(&mut self, buf: &mut [u8], offset: u64) -> bool {
         let end = offset + buf.len() as u64;
         // Check the whole range first: a partial hit still goes to the backend.
         if !self.covers(offset, buf.len() as u64) {
             self.stats.misses += 1;
+            let held: Vec<u64> = self.chunks.range(offset / CHUNK * CHUNK..end).map(|(&s, _)| s).collect();
+            for start in held {
+                let len = self.chunks[&start].data.len() as u64;
+                let (from, to) = (offset.max(start), end.min(start + len));
+                if from < to {
+                    self.mark_read(start, (from - start) as usize, (to - from) as usize);
+                }
+            }
             return false;
         }
         self.tick += 1;
@@ -156,38 +168,45 @@ impl Buffer {
             let n = (c.data.len() - from).min((end - at) as usize);
             let dst = (at - offset) as usize;
             buf[dst..dst + n].copy_from_slice(&c.data[from..from + n]);
-            // Pieces whose last byte this read covered.
-            let mut piece = from as u64 / PIECE;
-            while piece < PIECES as u64 {
-                let piece_last = ((piece + 1) * PIECE).min(c.data.len() as u64) - 1;
-                if piece_last >= (from + n) as u64 {
-                    break;
-                }
-                if piece_last >= from as u64 {
-                    c.read |= 1 << piece;
-                }
-                piece += 1;
-            }
-            c.last_use = self.tick;
-            if c.done() {
-                let c = self.chunks.remove(&start).expect("just used");
-                self.bytes -= c.data.len() as u64;
-                self.recycle(c.data);
-            }
+            self.mark_read(start, from, n);
             at += n as u64;
         }
         self.stats.hits += 1;
         true
     }
 
+    /// Counts the pieces of chunk `start` whose last byte `[from, from+n)` covers as read,
+    /// and drops the chunk once all are.
+    fn mark_read(&mut self, start: u64, from: usize, n: usize) {
+        self.tick += 1;
+        let c = self.chunks.get_mut(&start).expect("a held chunk");
+        c.read |= pieces_ending_in(from as u64, (from + n) as u64, c.data.len() as u64);
+        c.last_use = self.tick;
+        if c.done() {
+            let c = self.chunks.remove(&start).expect("just used");
+            self.bytes -= c.data.len() as u64;
+            self.recycle(c.data);
+        }
+    }
+
     /// Adds a chunk read ahead (`start` is chunk-aligned) for `owner`, evicting others to make
-    /// room.
-    pub fn insert(&mut self, start: u64, data: Data, owner: Option<u64>) {
+    /// room. `read_to`: where its stream has read up to already (it read the bytes before
+    /// that from below while the chunk was on its way): those pieces count as read, and a
+    /// chunk the stream has read all of is not kept (counted as wasted).
+    pub fn insert(&mut self, start: u64, data: Data, owner: Option<u64>, read_to: u64) {
         debug_assert_eq!(start % CHUNK, 0);
         let len = data.len() as u64;
         if let Some(old) = self.chunks.remove(&start) {
             self.bytes -= old.data.len() as u64;
             self.recycle(old.data);
+        }
+        let read = pieces_ending_in(0, read_to.saturating_sub(start).min(len), len);
+        let chunk = Chunk { data, owner, read, last_use: 0 };
+        if chunk.done() {
+            self.stats.prefetched += len;
+            self.stats.wasted += len;
+            self.recycle(chunk.data);
+            return;
         }
         while self.bytes + len > self.limit && !self.chunks.is_empty() {
             self.evict_one();
@@ -195,7 +214,7 @@ impl Buffer {
         self.tick += 1;
         self.bytes += len;
         self.stats.prefetched += len;
-        self.chunks.insert(start, Chunk { data, owner, read: 0, last_use: self.tick });
+        self.chunks.insert(start, Chunk { last_use: self.tick, ..chunk });
     }
 
     fn evict_one(&mut self) {
@@ -234,6 +253,23 @@ impl Buffer {
     }
 }
 
+/// The pieces of a chunk of `len` bytes whose last byte lies in `[from, to)`, as a mask.
+fn pieces_ending_in(from: u64, to: u64, len: u64) -> u64 {
+    let mut mask = 0;
+    let mut piece = from / PIECE;
+    while piece < u64::from(PIECES) {
+        let piece_last = ((piece + 1) * PIECE).min(len) - 1;
+        if piece_last >= to {
+            break;
+        }
+        if piece_last >= from {
+            mask |= 1 << piece;
+        }
+        piece += 1;
+    }
+    mask
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,7 +283,7 @@ mod tests {
     #[test]
     fn a_chunk_goes_once_read_through() {
         let mut b = Buffer::new(4 * CHUNK);
-        b.insert(0, chunk(7), None);
+        b.insert(0, chunk(7), None, 0);
         let mut buf = [0u8; 4096];
         for i in 0..(CHUNK / 4096) {
             assert!(b.serve(&mut buf, i * 4096));
@@ -260,13 +296,13 @@ mod tests {
     #[test]
     fn dropped_chunks_leave_their_buffers_for_reuse() {
         let mut b = Buffer::new(CHUNK);
-        b.insert(0, chunk(1), None);
+        b.insert(0, chunk(1), None, 0);
         let mut buf = vec![0u8; CHUNK as usize];
         assert!(b.serve(&mut buf, 0));
         let spare = b.spare().expect("the read-through chunk's buffer");
         assert_eq!(spare.len() as u64, CHUNK);
-        b.insert(0, Data::new(Some(spare), 4096), None);
-        b.insert(CHUNK, chunk(2), None);
+        b.insert(0, Data::new(Some(spare), 4096), None, 0);
+        b.insert(CHUNK, chunk(2), None, 0);
         assert!(b.spare().is_some(), "the evicted chunk's buffer");
         assert!(b.spare().is_none());
     }
@@ -274,7 +310,7 @@ mod tests {
     #[test]
     fn small_reads_count_when_they_reach_a_piece_end() {
         let mut b = Buffer::new(4 * CHUNK);
-        b.insert(0, chunk(1), None);
+        b.insert(0, chunk(1), None, 0);
         let mut buf = [0u8; 512];
         for i in 0..(CHUNK / 512) - 1 {
             assert!(b.serve(&mut buf, i * 512));
@@ -287,8 +323,8 @@ mod tests {
     #[test]
     fn reads_spanning_chunks_and_partial_hits() {
         let mut b = Buffer::new(4 * CHUNK);
-        b.insert(0, chunk(1), None);
-        b.insert(CHUNK, chunk(2), None);
+        b.insert(0, chunk(1), None, 0);
+        b.insert(CHUNK, chunk(2), None, 0);
         let mut buf = vec![0u8; 8192];
         assert!(b.serve(&mut buf, CHUNK - 4096));
         assert_eq!(&buf[..4096], &[1u8; 4096][..]);
@@ -301,17 +337,17 @@ mod tests {
     #[test]
     fn untouched_chunks_are_evicted_before_partly_read_ones() {
         let mut b = Buffer::new(2 * CHUNK);
-        b.insert(0, chunk(1), None);
+        b.insert(0, chunk(1), None, 0);
         let mut buf = [0u8; 4096];
         assert!(b.serve(&mut buf, 0));
-        b.insert(CHUNK, chunk(2), None);
-        b.insert(2 * CHUNK, chunk(3), None);
+        b.insert(CHUNK, chunk(2), None, 0);
+        b.insert(2 * CHUNK, chunk(3), None, 0);
         assert!(b.contains(0), "the partly read chunk stays");
         assert!(!b.contains(CHUNK));
         assert_eq!(b.stats.wasted, CHUNK);
         // With only partly read chunks left, the least recently used goes.
         assert!(b.serve(&mut buf, 2 * CHUNK));
-        b.insert(3 * CHUNK, chunk(4), None);
+        b.insert(3 * CHUNK, chunk(4), None, 0);
         assert!(!b.contains(0) && b.contains(2 * CHUNK) && b.contains(3 * CHUNK));
         assert!(b.bytes() <= 2 * CHUNK);
     }
@@ -319,12 +355,12 @@ mod tests {
     #[test]
     fn owners_of_chunks_evicted_unread_are_reported() {
         let mut b = Buffer::new(2 * CHUNK);
-        b.insert(0, chunk(1), Some(7));
-        b.insert(CHUNK, chunk(2), Some(8));
+        b.insert(0, chunk(1), Some(7), 0);
+        b.insert(CHUNK, chunk(2), Some(8), 0);
         b.invalidate(CHUNK, 1);
         assert!(b.take_unread().is_empty(), "a write's invalidation is not the reader's fault");
-        b.insert(CHUNK, chunk(2), Some(8));
-        b.insert(2 * CHUNK, chunk(3), Some(9));
+        b.insert(CHUNK, chunk(2), Some(8), 0);
+        b.insert(2 * CHUNK, chunk(3), Some(9), 0);
         assert_eq!(b.take_unread(), vec![7]);
         assert!(b.take_unread().is_empty());
     }
@@ -333,11 +369,40 @@ mod tests {
     fn invalidation_drops_overlapping_chunks() {
         let mut b = Buffer::new(8 * CHUNK);
         for i in 0..4 {
-            b.insert(i * CHUNK, chunk(i as u8), None);
+            b.insert(i * CHUNK, chunk(i as u8), None, 0);
         }
         b.invalidate(CHUNK + 10, 1);
         assert!(b.contains(0) && !b.contains(CHUNK) && b.contains(2 * CHUNK));
         b.invalidate(0, 4 * CHUNK);
         assert_eq!(b.bytes(), 0);
+    }
+
+    /// Bytes the client read from below count as read: a read that ran past the held chunk
+    /// into one not here (a miss), and a stream that read past a chunk before it arrived.
+    #[test]
+    fn pieces_read_from_below_count_as_read() {
+        let mut b = Buffer::new(4 * CHUNK);
+        b.insert(0, chunk(1), None, 0);
+        let mut buf = vec![0u8; 8192];
+        // The chunk's last piece and the next chunk's first: a miss, but the piece is read.
+        assert!(!b.serve(&mut buf, CHUNK - 4096));
+        let mut piece = [0u8; 4096];
+        for i in 0..(CHUNK / 4096 - 1) {
+            assert!(b.serve(&mut piece, i * 4096));
+        }
+        assert!(!b.contains(0), "read through (its last piece from below) but kept");
+
+        // Arriving after its stream read half of it: only the other half is left to read.
+        b.insert(CHUNK, chunk(2), Some(3), CHUNK + CHUNK / 2);
+        for i in 0..(CHUNK / 2 / 4096) {
+            assert!(b.serve(&mut piece, CHUNK + CHUNK / 2 + i * 4096));
+        }
+        assert!(!b.contains(CHUNK));
+        assert_eq!(b.stats.wasted, 0);
+
+        // Arriving after its stream read all of it: not kept, read ahead in vain.
+        b.insert(2 * CHUNK, chunk(3), Some(3), 3 * CHUNK + 4096);
+        assert!(!b.contains(2 * CHUNK));
+        assert_eq!((b.bytes(), b.stats.wasted), (0, CHUNK));
     }
 }

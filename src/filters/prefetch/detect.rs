@@ -195,6 +195,11 @@ impl Detector {
         }
     }
 
+    /// The furthest byte chain `id` has read to, while it is followed.
+    pub fn frontier(&self, id: ChainId) -> Option<u64> {
+        self.chains.get(&id.0).map(|c| c.frontier)
+    }
+
     /// Is `id` still followed (some of its reads are in the history)?
     pub fn is_live(&self, id: ChainId) -> bool {
         self.chains.contains_key(&id.0)

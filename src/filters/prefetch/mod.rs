@@ -263,7 +263,9 @@ impl Shared {
         match read {
             // Data read while a write over it completed may be stale: drop it.
             Ok(()) if !st.written_since(since, job.start, job.len) => {
-                st.buffer.insert(job.start, data, job.owner.map(|c| c.0));
+                // Its stream may have read part or all of it from below meanwhile.
+                let read_to = job.owner.and_then(|c| st.detector.frontier(c)).unwrap_or(0);
+                st.buffer.insert(job.start, data, job.owner.map(|c| c.0), read_to);
                 // Streams whose read-ahead was evicted unread read more slowly than they are
                 // read ahead for: halve their windows.
                 for owner in st.buffer.take_unread() {
