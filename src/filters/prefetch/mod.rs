@@ -98,6 +98,9 @@ struct State {
     /// The latest writes' (generation, offset, length), at most [`WRITE_LOG`]: read-ahead that
     /// started before one of them and overlaps it is discarded.
     writes: VecDeque<(u64, u64, u64)>,
+    /// Read-ahead queued or in flight for CACHE requests: at most the buffer's worth, however
+    /// many requests ask.
+    cache_jobs: usize,
 }
 
 /// Writes remembered for read-ahead in flight: far more than can complete during one 256 KiB
@@ -148,6 +151,7 @@ impl Prefetch {
             in_flight: HashSet::new(),
             generation: 0,
             writes: VecDeque::new(),
+            cache_jobs: 0,
         };
         let shared =
             Arc::new(Shared { stopping: Default::default(), inner, cfg, size, state: Mutex::new(state) });
@@ -247,7 +251,11 @@ impl Shared {
     /// Runs one read-ahead job (on a background thread).
     fn fill(&self, job: Job) {
         if self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
-            self.state.lock().unwrap().in_flight.remove(&job.start);
+            let mut st = self.state.lock().unwrap();
+            st.in_flight.remove(&job.start);
+            if job.owner.is_none() {
+                st.cache_jobs -= 1;
+            }
             return;
         }
         // The generation when the read starts (not when it was queued: a write while it
@@ -260,6 +268,9 @@ impl Shared {
         let read = crate::backend::read_exact(&*self.inner, &mut data, job.start);
         let mut st = self.state.lock().unwrap();
         st.in_flight.remove(&job.start);
+        if job.owner.is_none() {
+            st.cache_jobs -= 1;
+        }
         match read {
             // Data read while a write over it completed may be stale: drop it.
             Ok(()) if !st.written_since(since, job.start, job.len) => {
@@ -359,8 +370,11 @@ impl Prefetch {
         let shared = &self.shared;
         let mut st = shared.state.lock().unwrap();
         let end = offset.saturating_add(len).min(shared.size);
-        let room = (shared.cfg.size / CHUNK) as usize;
+        // The buffer's worth in all, for every CACHE request together: more would only evict
+        // itself, and queue work that runs on after its client has gone.
+        let room = ((shared.cfg.size / CHUNK) as usize).saturating_sub(st.cache_jobs);
         let (jobs, _) = shared.queue(&mut st, offset / CHUNK * CHUNK, end, room, None);
+        st.cache_jobs += jobs.len();
         drop(st);
         self.submit(jobs);
         Ok(())
@@ -693,6 +707,24 @@ mod tests {
         }
         wait_until("the late read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
         assert!(!p.shared.state.lock().unwrap().buffer.contains(CHUNK), "{:?}", p.stats());
+    }
+
+    /// Many CACHE requests at once queue the buffer's worth of read-ahead in all, not each.
+    #[test]
+    fn cache_requests_together_queue_at_most_the_buffer() {
+        let slow = Rule::new(Op::Read, Fault::Slow(Duration::from_millis(20)));
+        let inner = Arc::new(FaultInjector::new(patterned(8 * MIB), vec![slow]));
+        let p = Prefetch::new(inner, PrefetchConfig { size: 2 * CHUNK, ..Default::default() });
+        for i in 0..16 {
+            p.cache(i * 2 * CHUNK, 2 * CHUNK).unwrap();
+            assert!(p.shared.state.lock().unwrap().in_flight.len() <= 2, "request {i}");
+        }
+        wait_until("the jobs", || p.shared.state.lock().unwrap().in_flight.is_empty());
+        assert_eq!(p.shared.state.lock().unwrap().cache_jobs, 0);
+        // And once they are done, room again.
+        p.cache(6 * MIB, CHUNK).unwrap();
+        wait_until("the last job", || p.shared.state.lock().unwrap().in_flight.is_empty());
+        assert!(p.shared.state.lock().unwrap().buffer.contains(6 * MIB));
     }
 
     #[test]
