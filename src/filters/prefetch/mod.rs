@@ -666,11 +666,9 @@ mod tests {
         assert_eq!(p.stats().streams_found, 0);
     }
 
-    /// A write elsewhere while read-ahead is in flight leaves it alone: chunk 1 (answered
-    /// 300 ms late) is buffered although a write 3 MiB away completed meanwhile. Before, any
-    /// write discarded every fill in flight.
-    #[test]
-    fn writes_elsewhere_keep_read_ahead_in_flight() {
+    /// A stream's read-ahead with chunk 1's read done but answered 300 ms late: returned
+    /// 100 ms in, with that answer still 200 ms away.
+    fn late_chunk_1() -> Prefetch {
         let mem = patterned(4 * MIB);
         let late = Rule::new(Op::Read, Fault::Late(Duration::from_millis(300))).at(CHUNK, CHUNK).times(1);
         let p = Prefetch::new(Arc::new(FaultInjector::new(mem, vec![late])), PrefetchConfig::default());
@@ -678,10 +676,18 @@ mod tests {
         for i in 0..STREAM {
             p.read(&mut buf, i * K4).unwrap();
         }
-        // Chunk 1's read is done by now and its answer 200 ms away (the old code discarded it
-        // whenever the write came before that answer).
         std::thread::sleep(Duration::from_millis(100));
         assert!(p.shared.state.lock().unwrap().in_flight.contains(&CHUNK));
+        p
+    }
+
+    /// A write elsewhere while read-ahead is in flight leaves it alone: chunk 1 (answered
+    /// 300 ms late) is buffered although a write 3 MiB away completed meanwhile. Before, any
+    /// write discarded every fill in flight.
+    #[test]
+    fn writes_elsewhere_keep_read_ahead_in_flight() {
+        let p = late_chunk_1();
+        let mut buf = [0u8; 4096];
         p.write(&[0xeeu8; 4096], 3 * MIB, false).unwrap();
         wait_until("the late read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
         assert!(p.shared.state.lock().unwrap().buffer.contains(CHUNK), "{:?}", p.stats());
@@ -693,15 +699,7 @@ mod tests {
     /// the forgotten ones overlapped it, and is discarded.
     #[test]
     fn read_ahead_older_than_the_write_log_is_discarded() {
-        let mem = patterned(4 * MIB);
-        let late = Rule::new(Op::Read, Fault::Late(Duration::from_millis(300))).at(CHUNK, CHUNK).times(1);
-        let p = Prefetch::new(Arc::new(FaultInjector::new(mem, vec![late])), PrefetchConfig::default());
-        let mut buf = [0u8; 4096];
-        for i in 0..STREAM {
-            p.read(&mut buf, i * K4).unwrap();
-        }
-        std::thread::sleep(Duration::from_millis(100));
-        assert!(p.shared.state.lock().unwrap().in_flight.contains(&CHUNK));
+        let p = late_chunk_1();
         for i in 0..WRITE_LOG as u64 + 1 {
             p.write(&[0xeeu8; 512], 3 * MIB + i % 64 * 512, false).unwrap();
         }
@@ -730,14 +728,8 @@ mod tests {
     #[test]
     fn writes_win_over_read_ahead_that_raced_them() {
         // The read-ahead of chunk 1 reads the old bytes, then answers 300 ms late.
-        let mem = patterned(4 * MIB);
-        let late = Rule::new(Op::Read, Fault::Late(Duration::from_millis(300))).at(CHUNK, CHUNK).times(1);
-        let p = Prefetch::new(Arc::new(FaultInjector::new(mem, vec![late])), PrefetchConfig::default());
+        let p = late_chunk_1();
         let mut buf = [0u8; 4096];
-        for i in 0..STREAM {
-            p.read(&mut buf, i * K4).unwrap();
-        }
-        std::thread::sleep(Duration::from_millis(100));
         let new = [0xeeu8; 4096];
         p.write(&new, CHUNK + 2 * K4, false).unwrap();
         wait_until("the late read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
