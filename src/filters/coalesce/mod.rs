@@ -403,8 +403,12 @@ impl Coalesce {
     fn write_at_hand_via(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
         let sh = &self.shared;
         let len = buf.len() as u64;
+        if len == 0 || !self.holds(offset, len) {
+            return None;
+        }
+        // After `holds`: it checked that the range does not wrap.
         let room = self.charge(offset, len);
-        if len == 0 || !self.holds(offset, len) || !sh.reserve(room) {
+        if !sh.reserve(room) {
             return None;
         }
         let Some(mut locks) = sh.try_write_locks(offset, len) else {
