@@ -339,7 +339,8 @@ fn bad_input_gets_a_clear_error() {
     // Sizes of 0 that would leave a filter on but idle, and an age bound past a day, are
     // usage errors.
     for (flag, size, why) in [
-        ("--prefetch-size", "0", "must be more than 0"),
+        ("--prefetch-size", "0", "at least 256K"),
+        ("--prefetch-size", "255K", "at least 256K"),
         ("--prefetch-max-request", "0K", "must be more than 0"),
         ("--coalesce-size", "0", "must be more than 0"),
         ("--coalesce-age", "25h", "at most 24h"),

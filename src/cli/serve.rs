@@ -99,8 +99,9 @@ pub struct ServeArgs {
     #[arg(long)]
     prefetch: bool,
 
-    /// With --prefetch: the buffer's bound (K, M, G or T suffix; not 0).
-    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_nonzero_size)]
+    /// With --prefetch: the buffer's bound, at least one 256K chunk (K, M, G or T suffix).
+    /// Buffers being filled and a few kept for reuse (2.5M at most) come on top.
+    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_prefetch_size)]
     prefetch_size: u64,
 
     /// With --prefetch: reads larger than this pass straight through (K, M, G or T suffix; not
@@ -406,6 +407,15 @@ pub fn run(a: ServeArgs) -> i32 {
 fn parse_nonzero_size(s: &str) -> Result<u64, String> {
     match parse_size(s)? {
         0 => Err(format!("'{s}': must be more than 0")),
+        n => Ok(n),
+    }
+}
+
+fn parse_prefetch_size(s: &str) -> Result<u64, String> {
+    match parse_size(s)? {
+        n if n < lightfoot::filters::prefetch::buffer::CHUNK => {
+            Err(format!("'{s}': at least 256K (one chunk)"))
+        }
         n => Ok(n),
     }
 }
