@@ -509,35 +509,50 @@ pub fn rename_noreplace(from: &std::path::Path, to: &std::path::Path) -> io::Res
 /// on the file, `EAGAIN` when a server listens with a full backlog (a blocking connect would
 /// wait for it, for ever without a timeout).
 pub fn unix_connect_nonblocking(path: &std::path::Path) -> io::Result<()> {
-    use std::os::fd::{FromRawFd, OwnedFd};
-    use std::os::unix::ffi::OsStrExt;
-    // SAFETY: sockaddr_un is plain data; all zeroes is a valid value.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    let bytes = path.as_os_str().as_bytes();
-    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
-        return Err(io::Error::from(io::ErrorKind::InvalidInput));
-    }
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
-        *d = *s as libc::c_char;
-    }
-    // SAFETY: plain system call; the fd is owned (and closed) below.
-    let fd = unsafe {
-        libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0)
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
-    // SAFETY: `addr` is a valid sockaddr_un of `len` bytes for the duration of the call.
+    let (addr, len) = sockaddr_un(path)?;
+    let fd = nonblocking_socket(libc::AF_UNIX)?;
+    // SAFETY: `addr` holds a valid sockaddr of `len` bytes for the duration of the call.
     let r = unsafe { libc::connect(fd.as_raw_fd(), (&raw const addr).cast(), len) };
     if r == 0 {
         Ok(())
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+/// `path` as a `sockaddr_un` and its length: a name starting with a NUL byte is in the
+/// abstract namespace, anything else a file.
+fn sockaddr_un(path: &std::path::Path) -> io::Result<(libc::sockaddr_storage, libc::socklen_t)> {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: sockaddr_storage is plain data; all zeroes is a valid value.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    // SAFETY: sockaddr_storage is large and aligned enough for a sockaddr_un.
+    let un: &mut libc::sockaddr_un = unsafe { &mut *(&raw mut ss).cast() };
+    let bytes = path.as_os_str().as_bytes();
+    let abstract_name = bytes.first() == Some(&0);
+    let name = if abstract_name { &bytes[1..] } else { bytes };
+    // A path needs its terminating NUL; an abstract name is counted by the length.
+    if bytes.len() + usize::from(!abstract_name) > un.sun_path.len() || name.contains(&0) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "socket path too long or with a NUL byte"));
+    }
+    un.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in un.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    let len = std::mem::offset_of!(libc::sockaddr_un, sun_path) + bytes.len() + usize::from(!abstract_name);
+    Ok((ss, len as libc::socklen_t))
+}
+
+/// A non-blocking, close-on-exec stream socket of `family`.
+fn nonblocking_socket(family: libc::c_int) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain system call; the fd is owned (and closed) below.
+    let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }
 
 /// How often a connection that is still being made asks whether to give up.
@@ -592,24 +607,8 @@ pub fn unix_connect(
     path: &std::path::Path,
     cancel: &dyn Fn() -> bool,
 ) -> io::Result<std::os::unix::net::UnixStream> {
-    use std::os::unix::ffi::OsStrExt;
-    // SAFETY: sockaddr_storage is plain data; all zeroes is a valid value.
-    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-    // SAFETY: as in `unix_connect_nonblocking`; sockaddr_storage holds a sockaddr_un.
-    let un: &mut libc::sockaddr_un = unsafe { &mut *(&raw mut ss).cast() };
-    let bytes = path.as_os_str().as_bytes();
-    let abstract_name = bytes.first() == Some(&0);
-    let name = if abstract_name { &bytes[1..] } else { bytes };
-    // A path needs its terminating NUL; an abstract name is counted by the length.
-    if bytes.len() + usize::from(!abstract_name) > un.sun_path.len() || name.contains(&0) {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, "socket path too long or with a NUL byte"));
-    }
-    un.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (d, s) in un.sun_path.iter_mut().zip(bytes) {
-        *d = *s as libc::c_char;
-    }
-    let len = std::mem::offset_of!(libc::sockaddr_un, sun_path) + bytes.len() + usize::from(!abstract_name);
-    let fd = connect_cancellable(libc::AF_UNIX, &ss, len as libc::socklen_t, cancel)?;
+    let (addr, len) = sockaddr_un(path)?;
+    let fd = connect_cancellable(libc::AF_UNIX, &addr, len, cancel)?;
     Ok(std::os::unix::net::UnixStream::from(fd))
 }
 
@@ -621,15 +620,8 @@ fn connect_cancellable(
     len: libc::socklen_t,
     cancel: &dyn Fn() -> bool,
 ) -> io::Result<std::os::fd::OwnedFd> {
-    use std::os::fd::{FromRawFd, OwnedFd};
     let interrupted = || io::Error::new(io::ErrorKind::Interrupted, "interrupted while connecting");
-    // SAFETY: plain system call; the fd is owned (and closed) below.
-    let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let fd = nonblocking_socket(family)?;
     loop {
         // SAFETY: `addr` holds a valid sockaddr of `len` bytes for the duration of the call.
         if unsafe { libc::connect(fd.as_raw_fd(), (addr as *const libc::sockaddr_storage).cast(), len) } == 0
