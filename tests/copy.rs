@@ -224,12 +224,8 @@ fn full_disk_fails_cleanly_and_says_the_destination_is_incomplete() {
     let dir = scratch();
     let src = dir.path().join("src");
     sample(&src, 32 * MIB, 4 * MIB);
-    let mnt = dir.path().join("small");
-    std::fs::create_dir(&mnt).unwrap();
-    let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=8m", "tmpfs", s(&mnt)]).status().unwrap();
-    assert!(st.success(), "mount tmpfs");
-    let out = copy(&[s(&src), s(&mnt.join("dst"))]);
-    let _ = Command::new("umount").arg(&mnt).status();
+    let mnt = Mount::new(dir.path(), "small", &["-t", "tmpfs", "-o", "size=8m", "tmpfs"]);
+    let out = copy(&[s(&src), s(&mnt.path.join("dst"))]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let t = text(&out);
     assert!(t.contains("no space left on device") && t.contains("at offset"), "{t}");
@@ -250,29 +246,16 @@ fn copies_from_a_filesystem_without_direct_io() {
         "mksquashfs is missing: `make test` installs it (Debian package squashfs-tools)"
     );
     let dir = scratch();
-    let (tree, mnt) = (dir.path().join("tree"), dir.path().join("mnt"));
+    let tree = dir.path().join("tree");
     std::fs::create_dir(&tree).unwrap();
-    std::fs::create_dir(&mnt).unwrap();
     random_file(&tree.join("disk.img"), 24 * MIB);
     let image = dir.path().join("fs.squashfs");
     let out =
         Command::new("mksquashfs").arg(&tree).arg(&image).args(["-noappend", "-quiet"]).output().unwrap();
     assert!(out.status.success(), "mksquashfs: {}", text(&out));
-    let st = Command::new("mount")
-        .args(["-t", "squashfs", "-o", "loop,ro"])
-        .arg(&image)
-        .arg(&mnt)
-        .status()
-        .unwrap();
-    assert!(st.success(), "mount squashfs");
-    struct Unmount<'a>(&'a Path);
-    impl Drop for Unmount<'_> {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg(self.0).status();
-        }
-    }
-    let _unmount = Unmount(&mnt);
-    let src = mnt.join("disk.img");
+    let image = image.to_str().unwrap();
+    let mnt = Mount::new(dir.path(), "mnt", &["-t", "squashfs", "-o", "loop,ro", image]);
+    let src = mnt.path.join("disk.img");
     evict(&src);
     let (ws, ws_len) = (8 * MIB, 4 * MIB);
     warm(&src, ws, ws_len);

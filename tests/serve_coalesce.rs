@@ -239,12 +239,8 @@ fn a_full_filesystem_fails_flush_only_when_written_bytes_do_not_fit() {
         return;
     }
     let dir = scratch();
-    let mnt = dir.path().join("small");
-    std::fs::create_dir(&mnt).unwrap();
-    let st =
-        Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"]).arg(&mnt).status().unwrap();
-    assert!(st.success(), "mount tmpfs");
-    let file = mnt.join("sparse.img");
+    let mnt = Mount::new(dir.path(), "small", &["-t", "tmpfs", "-o", "size=1m", "tmpfs"]);
+    let file = mnt.path.join("sparse.img");
     std::fs::File::create(&file).unwrap().set_len(64 * MIB).unwrap();
     let s = coalescing(&file, &["--coalesce-age", "1h"]);
     // 1 MiB is 256 pages. 100 blocks with 1 KiB in their first and in their ninth 4 KiB page:
@@ -273,12 +269,10 @@ print('ok')
 "#;
     let out = Command::new("/usr/bin/python3").arg("-c").arg(script).env("URI", s.uri()).output().unwrap();
     let (status, err) = s.stop();
-    let f = std::fs::read(&file);
-    let _ = Command::new("umount").arg(&mnt).status();
     assert!(out.status.success() && text(&out).contains("ok"), "{}\nserver: {err}", text(&out));
     // The write-back at exit fails too, and says so.
     assert!(!status.success(), "exit status {status} after a lost write-back: {err}");
-    let f = f.unwrap();
+    let f = std::fs::read(&file).unwrap();
     for i in 0..100usize {
         assert!(f[i * 65536..i * 65536 + 1024].iter().all(|&b| b == 0xab), "block {i}");
         assert!(f[i * 65536 + 32768..i * 65536 + 33792].iter().all(|&b| b == 0xcd), "block {i}");
@@ -300,11 +294,8 @@ fn gaps_are_not_filled_across_a_small_block_filesystems_holes() {
     std::fs::File::create(&image).unwrap().set_len(32 * MIB).unwrap();
     let mkfs = Command::new("mkfs.ext4").args(["-q", "-F", "-b", "1024"]).arg(&image).output().unwrap();
     assert!(mkfs.status.success(), "mkfs.ext4: {}", text(&mkfs));
-    let mnt = dir.path().join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
-    let st = Command::new("mount").args(["-o", "loop"]).arg(&image).arg(&mnt).status().unwrap();
-    assert!(st.success(), "mount -o loop");
-    let file = mnt.join("sparse.img");
+    let mnt = Mount::new(dir.path(), "mnt", &["-o", "loop", image.to_str().unwrap()]);
+    let file = mnt.path.join("sparse.img");
     std::fs::File::create(&file).unwrap().set_len(8 * MIB).unwrap();
     let s = coalescing(&file, &["--coalesce-age", "1h"]);
     let script = r#"
@@ -320,7 +311,6 @@ print('ok')
     let (status, err) = s.stop();
     let used = allocated(&file);
     let data = std::fs::read(&file).unwrap();
-    let _ = Command::new("umount").arg(&mnt).status();
     assert!(out.status.success() && text(&out).contains("ok"), "{}\nserver: {err}", text(&out));
     assert!(status.success(), "{err}");
     for i in 0..256usize {

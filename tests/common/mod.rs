@@ -203,6 +203,33 @@ pub fn allocated(path: &Path) -> u64 {
     std::fs::metadata(path).unwrap().blocks() * 512
 }
 
+/// A filesystem mounted (as root) on a new directory `name` in `dir` with `mount ARGS... DIR`;
+/// unmounted on drop, so a test that fails halfway leaves no mount behind.
+pub struct Mount {
+    pub path: PathBuf,
+}
+
+impl Mount {
+    pub fn new<S: AsRef<std::ffi::OsStr>>(dir: &Path, name: &str, args: &[S]) -> Mount {
+        let path = dir.join(name);
+        std::fs::create_dir(&path).unwrap();
+        let st = Command::new("mount").args(args).arg(&path).status().expect("run mount");
+        assert!(
+            st.success(),
+            "mount {:?} {}",
+            args.iter().map(|a| a.as_ref()).collect::<Vec<_>>(),
+            path.display()
+        );
+        Mount { path }
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.path).status();
+    }
+}
+
 /// A loop device over a new file of `size` bytes; detached on drop.
 pub struct Loop {
     pub dev: String,
