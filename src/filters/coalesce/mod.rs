@@ -431,13 +431,8 @@ impl Coalesce {
         let len = buf.len() as u64;
         let room = self.charge(offset, len);
         if !sh.wait_for_room(room) {
-            // Straight down (a write-back error is latched, so room may never come); a FUA
-            // write must still report that error, as every FUA after it does.
-            self.pass(offset, len, || sh.write_below(buf, offset, fua, false))?;
-            if fua {
-                sh.check_latch("write")?;
-            }
-            return Ok(());
+            // Straight down (a write-back error is latched, so room may never come).
+            return self.write_through(buf, offset, fua);
         }
         let mut locks = sh.write_locks(offset, len);
         if self.finished.load(SeqCst) {
@@ -447,8 +442,7 @@ impl Coalesce {
             // that begins after this look lists the block once the locks are free.
             drop(locks);
             sh.release(room);
-            self.pass(offset, len, || sh.write_below(buf, offset, fua, false))?;
-            return if fua { sh.check_latch("write") } else { Ok(()) };
+            return self.write_through(buf, offset, fua);
         }
         self.absorb(&mut locks, buf, offset, room);
         if fua {
@@ -538,6 +532,13 @@ impl Coalesce {
         if self.holds(offset, buf.len() as u64) {
             return self.write_small(buf, offset, fua);
         }
+        self.write_through(buf, offset, fua)
+    }
+
+    /// A write that is not held: straight down, dropping the held bytes it supersedes. A FUA
+    /// one still reports a latched write-back error, as every FUA does.
+    fn write_through(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        let sh = &self.shared;
         self.pass(offset, buf.len() as u64, || sh.write_below(buf, offset, fua, false))?;
         if fua {
             sh.check_latch("write")?;
