@@ -46,7 +46,9 @@
 #                (default 1; 0: no backend write counts but lightfoot's own)
 #
 # Output: a table of medians per workload (IOPS, ratio to lightfoot without --coalesce,
-# backend writes per client write, the host's CPU steal during the runs) on stdout and in
+# backend writes per client write, fio's mean write and FLUSH latencies, the host's CPU steal
+# during the runs; with the null server in CONFIGS, a ceiling for any server that keeps the
+# data: null's write round trip and the plain server's FLUSH per 64 writes) on stdout and in
 # DIR/table.md; every run in DIR/results.csv; logs in DIR/logs/. Only ratios within one run
 # mean anything here. The share of CPU time the host stole from this VM (/proc/stat "steal")
 # is recorded for every run: it swings from 0 to over 30 % within minutes on these VMs, so a
@@ -98,7 +100,7 @@ CSV=$DIR/results.csv
 URI="nbd+unix:///?socket=$SOCK"
 ((${#SOCK} < 100)) || die "$SOCK: too long for a Unix socket path"
 rm -f -- "$DIR"/logs/*
-echo "round,workload,config,traced,iops,client_writes,flushes,backend_writes,lightfoot_backend_writes,steal_pct,error" >"$CSV"
+echo "round,workload,config,traced,iops,client_writes,flushes,backend_writes,lightfoot_backend_writes,steal_pct,write_us,flush_us,error" >"$CSV"
 
 # shellcheck source=steal.sh
 . "$HERE/steal.sh"
@@ -224,7 +226,7 @@ run_one() {
 	prepare_file
 	REAL_PID=""
 	if ! start_server "$c" "$base.server" $perf; then
-		echo "$round,$w,$c,$traced,,,,,,,server did not start" >>"$CSV"
+		echo "$round,$w,$c,$traced,,,,,,,,,server did not start" >>"$CSV"
 		stop_server
 		return
 	fi
@@ -240,13 +242,17 @@ run_one() {
 	python3 - "$round" "$w" "$c" "$traced" "$base.fio" "$base.perf" "$base.server" "$steal" "$err" >>"$CSV" <<'EOF'
 import json, sys
 rnd, w, c, traced, fio, perf, server, steal, err = sys.argv[1:]
-iops = writes = syncs = backend = lf = ""
+iops = writes = syncs = backend = lf = wlat = flat = ""
 try:
     text = open(fio).read()
     job = json.loads(text[text.index("{"):])["jobs"][0]
     iops = f'{job["write"]["iops"]:.1f}'
     writes = job["write"]["total_ios"]
     syncs = job.get("sync", {}).get("total_ios", "")
+    # Mean latencies as the client sees them: a write's round trip, a FLUSH's.
+    wlat = f'{job["write"]["lat_ns"]["mean"] / 1e3:.1f}'
+    if syncs:
+        flat = f'{job["sync"]["lat_ns"]["mean"] / 1e3:.1f}'
     if job.get("error"):
         err = err or f'fio error {job["error"]}'
 except (OSError, ValueError, KeyError) as e:
@@ -266,7 +272,7 @@ try:
             lf = json.loads(line)["coalesce"]["backend_writes"]
 except (OSError, ValueError, KeyError):
     pass
-print(f"{rnd},{w},{c},{traced},{iops},{writes},{syncs},{backend},{lf},{steal},{err}")
+print(f"{rnd},{w},{c},{traced},{iops},{writes},{syncs},{backend},{lf},{steal},{wlat},{flat},{err}")
 EOF
 	tail -n 1 "$CSV" | sed 's/^/   /' >&2
 }
@@ -293,8 +299,9 @@ sweep "$RUNS" round ""
 
 # The table names the servers as config_name does: key, a tab and the name, a line each.
 NAMES=$(for k in "${CONFIG_KEYS[@]}"; do printf '%s\t%s\n' "$k" "$(config_name "$k")"; done)
-python3 - "$CSV" "$CONFIGS" "$QUIET" "$NAMES" <<'EOF' | tee "$DIR/table.md"
+python3 - "$CSV" "$CONFIGS" "$QUIET" "$NAMES" "$JOBS" "$FSYNC" <<'EOF' | tee "$DIR/table.md"
 import csv, statistics, sys
+JOBS, FSYNC = int(sys.argv[5]), int(sys.argv[6])
 rows = list(csv.DictReader(open(sys.argv[1])))
 names = dict(line.split("\t", 1) for line in sys.argv[4].splitlines())
 quiet = float(sys.argv[3])
@@ -315,8 +322,9 @@ for w in dict.fromkeys(r["workload"] for r in rows):
     print(f"\n### {w} (fio nbd, 4 jobs x iodepth 1, flush every 64 writes)\n")
     print(f"| server | IOPS | × lightfoot | × lightfoot, same round | same round, middle half "
           f"| same round, quiet rounds (steal < {quiet:g} %) "
-          "| backend writes / client write | lightfoot's own count | host steal % | failed runs |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| backend writes / client write | lightfoot's own count | write µs | FLUSH µs "
+          "| host steal % | failed runs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     timed = [r for r in rows if r["workload"] == w and r["traced"] == "0"]
     base = med(r["iops"] for r in timed if r["config"] == "lightfoot" and not r["error"])
     # Per round, against the plain server's run of the same round: less exposed to slow drifts.
@@ -347,5 +355,18 @@ for w in dict.fromkeys(r["workload"] for r in rows):
         failed = len(rs) - len(ok)
         print(f"| {names[c]} | {fmt(iops, '.0f')} | {ratio} | {fmt(paired, '.2f')} | {spread} | {calm} "
               f"| {fmt(per_write(counted, 'backend_writes'), '.3f')} "
-              f"| {fmt(per_write(mine, 'lightfoot_backend_writes'), '.3f')} | {st} | {failed} |")
+              f"| {fmt(per_write(mine, 'lightfoot_backend_writes'), '.3f')} "
+              f"| {fmt(med(r['write_us'] for r in ok), '.0f')} | {fmt(med(r['flush_us'] for r in ok), '.0f')} "
+              f"| {st} | {failed} |")
+    # A job's cycle is 64 writes and a FLUSH, one after another. A server that answered writes
+    # as fast as `nbdkit null` (which keeps nothing) and FLUSHes as fast as the plain server
+    # (whose FLUSH makes the same bytes durable) would reach this: a ceiling for any server
+    # that keeps the data, from this run's medians.
+    wnull = med(r["write_us"] for r in timed if r["config"] == "null" and not r["error"])
+    fplain = med(r["flush_us"] for r in timed if r["config"] == "lightfoot" and not r["error"])
+    if wnull and fplain and base:
+        ceiling = JOBS * FSYNC / ((FSYNC * wnull + fplain) / 1e6)
+        print(f"\nCeiling: `nbdkit null`'s write ({wnull:.0f} µs) and the plain server's FLUSH "
+              f"({fplain:.0f} µs) for every {FSYNC} writes: {ceiling:.0f} IOPS, "
+              f"{ceiling / base:.2f}× lightfoot.")
 EOF
