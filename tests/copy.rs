@@ -232,6 +232,30 @@ fn full_disk_fails_cleanly_and_says_the_destination_is_incomplete() {
     assert!(t.contains("is incomplete"), "{t}");
 }
 
+/// `--preallocate` where the filesystem cannot allocate in advance (ext2: fallocate answers
+/// EOPNOTSUPP) says so and copies; it failed the copy before, leaving DST empty. Where there
+/// is no room for DST (ENOSPC), it still fails, before any data is written.
+#[test]
+fn preallocate_without_fallocate_or_without_room() {
+    if !root_or_skip("preallocate_without_fallocate_or_without_room: needs root to mount") {
+        return;
+    }
+    let dir = scratch();
+    let src = dir.path().join("src");
+    sample(&src, 16 * MIB, MIB);
+    let ext2 = Mount::made(dir.path(), "ext2", 64 * MIB, &["mkfs.ext2", "-q", "-F"]);
+    let dst = ext2.path.join("dst");
+    let out = copy(&["--preallocate", s(&src), s(&dst)]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("cannot allocate in advance: copying without it"), "{}", text(&out));
+    assert!(same_contents(&src, &dst));
+    let small = Mount::new(dir.path(), "small", &["-t", "tmpfs", "-o", "size=8m", "tmpfs"]);
+    let out = copy(&["--preallocate", s(&src), s(&small.path.join("dst"))]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let t = text(&out);
+    assert!(t.contains("preallocate") && t.contains("no space left on device"), "{t}");
+}
+
 /// A source on squashfs, which refuses both O_DIRECT and RWF_DONTCACHE: read with
 /// evict-behind (it has cachestat), copied whole, the cache left as found. The copy failed
 /// before ("O_DIRECT: invalid argument"), as it would on iso9660.

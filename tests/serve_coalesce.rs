@@ -290,11 +290,7 @@ fn gaps_are_not_filled_across_a_small_block_filesystems_holes() {
         return;
     }
     let dir = scratch();
-    let image = dir.path().join("fs.img");
-    std::fs::File::create(&image).unwrap().set_len(32 * MIB).unwrap();
-    let mkfs = Command::new("mkfs.ext4").args(["-q", "-F", "-b", "1024"]).arg(&image).output().unwrap();
-    assert!(mkfs.status.success(), "mkfs.ext4: {}", text(&mkfs));
-    let mnt = Mount::new(dir.path(), "mnt", &["-o", "loop", image.to_str().unwrap()]);
+    let mnt = Mount::made(dir.path(), "mnt", 32 * MIB, &["mkfs.ext4", "-q", "-F", "-b", "1024"]);
     let file = mnt.path.join("sparse.img");
     std::fs::File::create(&file).unwrap().set_len(8 * MIB).unwrap();
     let s = coalescing(&file, &["--coalesce-age", "1h"]);

@@ -79,17 +79,22 @@ impl FileBackend {
         Ok(())
     }
 
-    /// Allocates `[0, len)` on disk (`--preallocate`).
-    pub fn preallocate(&self, len: u64) -> Result<()> {
+    /// Allocates `[0, len)` on disk (`--preallocate`). False, with nothing changed, where the
+    /// filesystem cannot allocate in advance (ext2, or ext4 files without extents: EOPNOTSUPP);
+    /// any other failure, such as ENOSPC, is an error.
+    pub fn preallocate(&self, len: u64) -> Result<bool> {
         if len == 0 {
-            return Ok(());
+            return Ok(true);
         }
         // Unwritten extents, which need no read before a write either: like holes.
         self.file.made_holes();
-        sys::fallocate(self.file.fd(), 0, 0, len)
-            .map_err(|e| Error::io("preallocate", e).path(self.file.path()).at(0, len))?;
+        match sys::fallocate(self.file.fd(), 0, 0, len) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => return Ok(false),
+            Err(e) => return Err(Error::io("preallocate", e).path(self.file.path()).at(0, len)),
+        }
         self.size.fetch_max(len, Ordering::Relaxed);
-        Ok(())
+        Ok(true)
     }
 
     fn err(&self, op: &'static str, offset: u64, len: u64) -> impl Fn(std::io::Error) -> Error + '_ {

@@ -113,8 +113,9 @@ pub struct CopyArgs {
     #[arg(long)]
     no_sparse: bool,
 
-    /// Allocate the whole DST file before copying (regular files, when SRC's size is known in
-    /// advance; otherwise a warning says it was not done).
+    /// Allocate the whole DST file before copying, so that a lack of room shows before any
+    /// data is written (regular files, when SRC's size is known in advance, on a filesystem
+    /// that can allocate in advance; otherwise a warning says it was not done).
     #[arg(long)]
     preallocate: bool,
 

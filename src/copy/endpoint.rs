@@ -326,8 +326,11 @@ pub fn open_destination(
             let opts_o = OpenOptions { write: true, create: true, truncate: true };
             let fb = FileBackend::open(p, opts_o, mode, tuning)?;
             if let Some(size) = size {
-                if opts.preallocate {
-                    fb.preallocate(size)?;
+                if opts.preallocate && !fb.preallocate(size)? {
+                    tracing::warn!(
+                        "--preallocate: {}: the filesystem cannot allocate in advance: copying without it",
+                        p.display()
+                    );
                 }
                 fb.set_len(size)?;
             }

@@ -224,6 +224,18 @@ impl Mount {
     }
 }
 
+impl Mount {
+    /// A new filesystem made by `mkfs ARGS...` on an image file of `size` bytes in `dir`,
+    /// mounted through a loop device on `dir/name`.
+    pub fn made(dir: &Path, name: &str, size: u64, mkfs: &[&str]) -> Mount {
+        let image = dir.join(format!("{name}.img"));
+        std::fs::File::create(&image).unwrap().set_len(size).unwrap();
+        let out = Command::new(mkfs[0]).args(&mkfs[1..]).arg(&image).output().expect("run mkfs");
+        assert!(out.status.success(), "{mkfs:?}: {}", text(&out));
+        Mount::new(dir, name, &["-o", "loop", image.to_str().unwrap()])
+    }
+}
+
 impl Drop for Mount {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg(&self.path).status();
