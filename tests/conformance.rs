@@ -122,8 +122,17 @@ fn block_device() {
 /// Serves `backend` in-process from a `lightfoot serve` server over a socket pair and returns
 /// the NBD client backend connected to it: the suite then covers client, wire and server.
 fn over_nbd(backend: Arc<dyn Backend>, multi_conn: bool) -> Arc<dyn Backend> {
+    over_nbd_with(move || Ok(backend.clone()), multi_conn)
+}
+
+/// [`over_nbd`] with a backend from `open` for each connection (and for the export's probe,
+/// which the server finishes at once).
+fn over_nbd_with(
+    open: impl Fn() -> lightfoot::Result<Arc<dyn Backend>> + Send + Sync + 'static,
+    multi_conn: bool,
+) -> Arc<dyn Backend> {
     use lightfoot::server::{Export, Server};
-    let export = Export::new("e", None, multi_conn, move || Ok(backend.clone())).unwrap();
+    let export = Export::new("e", None, multi_conn, open).unwrap();
     let server = Arc::new(Server::new(export, 4, 8));
     let (client, serving) = std::os::unix::net::UnixStream::pair().unwrap();
     std::thread::spawn(move || server.connection(Box::new(serving)));
@@ -166,6 +175,13 @@ fn nbd_client_against_nbdkit() {
     nbd.finish().unwrap();
 }
 
+/// The suite's sequential readers made the filter find streams and serve reads it had read
+/// ahead: the checks ran against buffered data, not only past the filter.
+fn assert_prefetched(p: &lightfoot::filters::prefetch::Prefetch, what: &str) {
+    let st = p.stats();
+    assert!(st.streams_found >= 2 && st.buffer.hits > 0 && st.buffer.prefetched > 0, "{what}: {st:?}");
+}
+
 #[test]
 fn prefetch_stacks() {
     use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
@@ -173,6 +189,7 @@ fn prefetch_stacks() {
     let cfg = PrefetchConfig { max_request: 1 << 20, ..PrefetchConfig::default() };
     let p = Prefetch::new(Arc::new(MemoryBackend::new(SIZE)), cfg);
     run(&p, Expect::Store, 60).unwrap();
+    assert_prefetched(&p, "memory");
     p.finish().unwrap();
     run_parallel(Arc::new(Prefetch::new(Arc::new(MemoryBackend::new(SIZE)), cfg)), 4, 61).unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -180,11 +197,18 @@ fn prefetch_stacks() {
         let file = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
         let p = Prefetch::new(file, cfg);
         run(&p, Expect::Store, 62).unwrap_or_else(|e| panic!("--cache={mode}: {e}"));
+        assert_prefetched(&p, mode.name());
         p.finish().unwrap();
     }
-    // Under the NBD server, as `serve --prefetch` will stack it.
-    let nbd = over_nbd(Arc::new(Prefetch::new(Arc::new(MemoryBackend::new(SIZE)), cfg)), true);
+    // Under the NBD server, as `serve --prefetch` stacks it: a front per connection (the
+    // server finishes a connection's backend when it ends, and finishing the filter itself
+    // would stop its read-ahead for every connection).
+    let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
+    let p = Arc::new(Prefetch::new(mem.clone(), cfg));
+    let front = p.clone();
+    let nbd = over_nbd_with(move || Ok(Arc::new(front.front(mem.clone())) as Arc<dyn Backend>), true);
     run(&*nbd, Expect::Store, 63).unwrap();
+    assert_prefetched(&p, "under the NBD server");
 }
 
 #[test]
@@ -219,6 +243,7 @@ fn coalesce_stacks() {
     let p = Arc::new(Prefetch::new(Arc::new(c.front(mem.clone())), pcfg));
     let nbd = over_nbd(Arc::new(p.front(Arc::new(c.front(mem.clone())))), true);
     run(&*nbd, Expect::Store, 75).unwrap();
+    assert_prefetched(&p, "over coalesce, under the NBD server");
     nbd.finish().unwrap();
     let c = Arc::new(Coalesce::new(mem.clone(), busy));
     run_parallel(over_nbd(Arc::new(c.front(mem)), true), 4, 76).unwrap();

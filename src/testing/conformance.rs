@@ -240,6 +240,51 @@ pub fn run(b: &dyn Backend, expect: Expect, seed: u64) -> Result<(), String> {
             check_extents(b, &m)?;
         }
     }
+    streams(b, &mut m, &mut rng)?;
+    check_all(b, &m, "after the sequential readers")
+}
+
+/// Two sequential readers taking 4 KiB at a time, interleaved, with writes, zeroes and trims
+/// landing 64-320 KiB ahead of them, where a read-ahead filter (`--prefetch`) has data
+/// buffered or being read: every read must see every change made before it.
+fn streams(b: &dyn Backend, m: &mut Model, rng: &mut Rng) -> Result<(), String> {
+    const STEP: u64 = 4096;
+    let caps = b.caps();
+    let size = m.data.len() as u64;
+    let span = (size / 4).min(1 << 20);
+    let mut pos = [size / 8, size / 2];
+    for i in 0..span / STEP {
+        for (s, p) in pos.iter_mut().enumerate() {
+            let len = STEP.min(size - *p);
+            let mut buf = vec![0u8; len as usize];
+            let got = b.read(&mut buf, *p).map_err(err("sequential read"))?;
+            if got as u64 != len {
+                return Err(format!("sequential read at {p}: got {got} of {len}"));
+            }
+            m.check(&buf, *p, &format!("reader {s}, read #{i} at {p}"))?;
+            *p += len;
+            if i % 16 != 7 {
+                continue;
+            }
+            let ahead = *p + (64 << 10) + rng.below(256 << 10);
+            if ahead >= size {
+                continue;
+            }
+            let len = (1 + rng.below(20_000)).min(size - ahead);
+            match (i / 16 + s as u64) % 3 {
+                1 if caps.can_zero => {
+                    b.zero(ahead, len, ZeroFlags { may_trim: true, fast: false, fua: false })
+                        .map_err(err("zero ahead of a reader"))?;
+                    m.zero(ahead, len);
+                }
+                2 if caps.can_trim => {
+                    b.trim(ahead, len, false).map_err(err("trim ahead of a reader"))?;
+                    m.trim(ahead, len);
+                }
+                _ => write(b, m, rng, ahead, len as usize, false)?,
+            }
+        }
+    }
     Ok(())
 }
 
