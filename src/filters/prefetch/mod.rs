@@ -666,17 +666,20 @@ mod tests {
         assert_eq!(p.stats().streams_found, 0);
     }
 
-    /// A stream's read-ahead with chunk 1's read done but answered 300 ms late: returned
-    /// 100 ms in, with that answer still 200 ms away.
+    /// A stream's read-ahead with chunk 1's read done but answered 300 ms late: returned once
+    /// that read has begun below (and its fill has taken its generation), and 20 ms more for
+    /// the memory read itself, with the answer still about 280 ms away.
     fn late_chunk_1() -> Prefetch {
         let mem = patterned(4 * MIB);
         let late = Rule::new(Op::Read, Fault::Late(Duration::from_millis(300))).at(CHUNK, CHUNK).times(1);
-        let p = Prefetch::new(Arc::new(FaultInjector::new(mem, vec![late])), PrefetchConfig::default());
+        let faults = Arc::new(FaultInjector::new(mem, vec![late]));
+        let p = Prefetch::new(faults.clone(), PrefetchConfig::default());
         let mut buf = [0u8; 4096];
         for i in 0..STREAM {
             p.read(&mut buf, i * K4).unwrap();
         }
-        std::thread::sleep(Duration::from_millis(100));
+        wait_until("chunk 1's read below", || faults.fired()[0] == 1);
+        std::thread::sleep(Duration::from_millis(20));
         assert!(p.shared.state.lock().unwrap().in_flight.contains(&CHUNK));
         p
     }
