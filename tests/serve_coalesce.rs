@@ -171,6 +171,10 @@ fn strided_writes_into_a_sparse_file_merge_without_inflating_it() {
         let line = err.lines().rev().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON: {err}"));
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         let backend = v["coalesce"]["backend_writes"].as_u64().unwrap();
+        // The FLUSH's time, in its two parts: the fdatasync of a file just written takes some.
+        assert!(v["coalesce"]["flushes"].as_u64().unwrap() >= 1, "{line}");
+        assert!(v["coalesce"]["flush_write_back_us"].as_u64().is_some(), "{line}");
+        assert!(v["coalesce"]["flush_below_us"].as_u64().unwrap() > 0, "{line}");
         let alloc = allocated(&file);
         let f = std::fs::read(&file).unwrap();
         for (i, x) in f[..4 * MIB as usize].iter().enumerate() {

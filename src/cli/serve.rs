@@ -483,7 +483,7 @@ fn print_stats(server: &Server, prefetch: Option<&Prefetch>, coalesce: Option<&C
     }
     if let Some(c) = cstats {
         t += &format!(
-            "coalesce: {} client writes ({} held), {} backend writes, {} written, {} read to fill gaps in {} reads, {} flushes ({} below), {} write-back errors, {} held (at most {})\n",
+            "coalesce: {} client writes ({} held), {} backend writes, {} written, {} read to fill gaps in {} reads, {} flushes ({} below; each {} µs writing back and {} µs below on average), {} write-back errors, {} held (at most {})\n",
             c.client_writes,
             c.absorbed,
             c.backend_writes,
@@ -492,6 +492,8 @@ fn print_stats(server: &Server, prefetch: Option<&Prefetch>, coalesce: Option<&C
             c.fill_reads,
             c.flushes,
             c.backend_flushes,
+            c.flush_write_back_us / c.flushes.max(1),
+            c.flush_below_us / c.flushes.max(1),
             c.errors,
             super::human::bytes(c.held),
             super::human::bytes(c.peak_held)

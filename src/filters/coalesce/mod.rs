@@ -134,6 +134,10 @@ pub struct CoalesceStats {
     /// FLUSH requests from clients, and flushes sent below (one for each).
     pub flushes: u64,
     pub backend_flushes: u64,
+    /// Time FLUSHes spent writing back what was held, and flushing below, in all (µs): where
+    /// a client's FLUSH waits.
+    pub flush_write_back_us: u64,
+    pub flush_below_us: u64,
     /// Write-backs that failed (latched).
     pub errors: u64,
     /// Dirty bytes held now, with [`dirty::RUN_COST`] for each run of them: what the memory
@@ -155,6 +159,8 @@ struct Counters {
     bytes_filled: AtomicU64,
     flushes: AtomicU64,
     backend_flushes: AtomicU64,
+    flush_write_back_us: AtomicU64,
+    flush_below_us: AtomicU64,
     errors: AtomicU64,
 }
 
@@ -260,6 +266,8 @@ impl Coalesce {
             bytes_filled: c.bytes_filled.load(SeqCst),
             flushes: c.flushes.load(SeqCst),
             backend_flushes: c.backend_flushes.load(SeqCst),
+            flush_write_back_us: c.flush_write_back_us.load(SeqCst),
+            flush_below_us: c.flush_below_us.load(SeqCst),
             errors: c.errors.load(SeqCst),
             held: self.shared.held.load(SeqCst),
             peak_held: self.shared.peak.load(SeqCst),
@@ -568,9 +576,16 @@ impl Coalesce {
     /// durable below.
     fn flush_all(&self) -> Result<()> {
         let sh = &self.shared;
-        sh.counters.flushes.fetch_add(1, SeqCst);
-        sh.write_back_all()?;
-        sh.flush_below()
+        let c = &sh.counters;
+        c.flushes.fetch_add(1, SeqCst);
+        let start = Instant::now();
+        let r = sh.write_back_all();
+        let written = Instant::now();
+        c.flush_write_back_us.fetch_add((written - start).as_micros() as u64, SeqCst);
+        r?;
+        let r = sh.flush_below();
+        c.flush_below_us.fetch_add(written.elapsed().as_micros() as u64, SeqCst);
+        r
     }
 
     /// Clean shutdown: stop the background thread, write back everything, flush.
