@@ -18,8 +18,9 @@ fn with_server(rules: Vec<Rule>, script: &str) -> std::process::Output {
     // One injector shared by every connection, so rule counters are per export.
     let faulty: Arc<dyn Backend> = Arc::new(FaultInjector::new(store, rules));
     let srv = InProcess::start(move || Ok(faulty.clone()), |_| {});
-    Command::new("/usr/bin/python3")
-        .args(["-c", script])
+    // A client left waiting for a reply fails the test (status 124) rather than hanging it.
+    Command::new("timeout")
+        .args(["60", "/usr/bin/python3", "-c", script])
         .env("URI", srv.uri())
         .output()
         .expect("python3 with libnbd (make test installs python3-libnbd)")
@@ -67,6 +68,28 @@ print("ok")
     );
     let out = with_server(rules, &script);
     assert!(out.status.success() && text(&out).contains("ok"), "{}", text(&out));
+}
+
+/// A panic below (a bug) while serving a request ends that connection: the client sees it
+/// closed instead of waiting for a reply for ever (the worker thread died with the request,
+/// before), and the server goes on serving other connections.
+#[test]
+fn a_panic_below_closes_the_connection_and_the_server_goes_on() {
+    let rules = vec![Rule::new(Op::Read, Fault::Panic).at(MIB, 4096).times(1)];
+    let script = format!(
+        "{PRELUDE}{}",
+        r#"
+h = connect()
+h.pwrite(b"y" * 4096, 0)
+assert err(lambda: h.pread(4096, 1 << 20)) != "ok"
+assert not h.aio_is_ready()
+h2 = connect()
+assert h2.pread(4096, 0) == b"y" * 4096
+print("ok")
+"#
+    );
+    let out = with_server(rules, &script);
+    assert!(out.status.success() && text(&out).contains("ok"), "{:?}: {}", out.status, text(&out));
 }
 
 #[test]

@@ -32,6 +32,8 @@ pub enum Fault {
     /// Carry out the operation, then sleep before returning: an answer that arrives late,
     /// whose data may be stale by then (races with writes). Reads and writes only.
     Late(Duration),
+    /// Panic, as a bug in a layer would: what the layers above do about it.
+    Panic,
 }
 
 /// One rule: `fault` on `ops` overlapping `range`, on every `every`-th match after skipping
@@ -110,6 +112,7 @@ impl FaultInjector {
             fired.fetch_add(1, Ordering::Relaxed);
             match rule.fault {
                 Fault::Slow(d) => std::thread::sleep(d),
+                Fault::Panic => panic!("fault injected: a panic in {op:?} at {offset}+{len}"),
                 other => return Some(other),
             }
         }

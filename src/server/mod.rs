@@ -432,8 +432,15 @@ impl Server {
         }
         let server = self.clone();
         std::thread::spawn(move || {
-            if let Err(e) = server.connection_numbered(s, Some(id)) {
-                tracing::info!("connection ended: {e}");
+            // A panic (a bug) ends this connection only, and still runs the bookkeeping below,
+            // which drops the last handle on the socket: the client sees it closed.
+            let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                server.connection_numbered(s, Some(id))
+            }));
+            match served {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::info!("connection ended: {e}"),
+                Err(_) => tracing::error!("internal error: a connection's thread panicked; it is closed"),
             }
             server.closers.lock().unwrap().remove(&id);
             server.handshakes.lock().unwrap().remove(&id);
@@ -457,8 +464,9 @@ impl Server {
         if let Some(id) = id {
             self.handshakes.lock().unwrap().remove(&id);
         }
+        let closer = s.closer()?;
         let (r, w) = s.split()?;
-        transmission::run(self, backend, agreed, r, w)
+        transmission::run(self, backend, agreed, r, w, closer)
     }
 }
 

@@ -22,6 +22,11 @@ pub const COMMANDS: [(u16, &str); 7] = [
     (CMD_BLOCK_STATUS, "block-status"),
 ];
 
+/// The name of command `cmd` as `--stats` prints it.
+pub fn command_name(cmd: u16) -> &'static str {
+    COMMANDS.iter().find(|(c, _)| *c == cmd).map_or("a request", |(_, n)| n)
+}
+
 struct PerCommand {
     count: AtomicU64,
     errors: AtomicU64,

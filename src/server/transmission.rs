@@ -153,6 +153,7 @@ pub fn run(
     agreed: Agreed,
     reader: Box<dyn Read + Send>,
     writer: Box<dyn Write + Send>,
+    closer: crate::stream::Closer,
 ) -> io::Result<()> {
     let mut reader = io::BufReader::with_capacity(READER_BUFFER, reader);
     let caps = backend.caps();
@@ -196,12 +197,28 @@ pub fn run(
                     match job {
                         Ok(job) => {
                             let weight = job.weight();
-                            if job.merged.is_empty() {
-                                let (req, arrived) = (job.req, job.arrived);
-                                let ok = conn.handle(job, &mut buf);
-                                server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
-                            } else {
-                                conn.read_merged(server, job, &mut buf);
+                            let (req, arrived, merged) = (job.req, job.arrived, !job.merged.is_empty());
+                            let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                if merged {
+                                    conn.read_merged(server, job, &mut buf);
+                                } else {
+                                    let ok = conn.handle(job, &mut buf);
+                                    server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
+                                }
+                            }));
+                            if served.is_err() {
+                                // A bug below (or here). The request has no answer, and one may be
+                                // half sent: end the connection, so that the client sees it closed
+                                // rather than waiting for ever, and let the server go on.
+                                tracing::error!(
+                                    "internal error serving {} at {}+{}: closing the connection",
+                                    super::stats::command_name(req.cmd),
+                                    req.offset,
+                                    req.len
+                                );
+                                conn.broken.store(true, Ordering::Relaxed);
+                                closer();
+                                buf = AlignedBuf::new(0);
                             }
                             budget.give(weight);
                             if buf.len() > KEEP_BUFFER_MAX {
