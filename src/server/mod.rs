@@ -464,7 +464,12 @@ impl Server {
         if let Some(id) = id {
             self.handshakes.lock().unwrap().remove(&id);
         }
-        let closer = s.closer()?;
+        // Ends the connection after a panic in a worker (see transmission::run). Without one
+        // (no descriptor for a second handle), such a panic leaves the client waiting.
+        let closer = s.closer().unwrap_or_else(|e| {
+            tracing::debug!("no closer for this connection: {e}");
+            Box::new(|| {})
+        });
         let (r, w) = s.split()?;
         transmission::run(self, backend, agreed, r, w, closer)
     }

@@ -222,9 +222,7 @@ impl Mount {
         );
         Mount { path }
     }
-}
 
-impl Mount {
     /// A new filesystem made by `mkfs ARGS...` on an image file of `size` bytes in `dir`,
     /// mounted through a loop device on `dir/name`.
     pub fn made(dir: &Path, name: &str, size: u64, mkfs: &[&str]) -> Mount {
