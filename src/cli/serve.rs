@@ -166,7 +166,8 @@ pub struct ServeArgs {
     run: Option<String>,
 
     /// Print request counts, bytes, errors, latency percentiles and the cache footprint at
-    /// exit and on SIGUSR1 (to stderr).
+    /// exit and on SIGUSR1 (to stderr); with --prefetch or --coalesce, one more line each
+    /// with the filter's counters (docs/serve.md).
     #[arg(long)]
     stats: bool,
 
