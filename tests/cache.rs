@@ -74,6 +74,23 @@ fn errors_name_the_file_and_the_others_are_still_shown() {
     assert!(t.lines().any(|l| l.starts_with(f.to_str().unwrap())), "{t}");
     let out = lightfoot(&["cache", "stat", "--range", "nonsense", f.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
+    // A directory or a character device has no figures that mean anything: refused by name
+    // (a directory showed a row of zeroes before), the file beside them still shown.
+    let d = dir.path().to_str().unwrap();
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let fifo = fifo.to_str().unwrap();
+    let out = lightfoot(&["cache", "stat", d, "/dev/null", fifo, f.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let t = text(&out);
+    assert!(t.contains(&format!("{d}: a directory")), "{t}");
+    assert!(t.contains("/dev/null: not a regular file or block device"), "{t}");
+    assert!(t.contains(&format!("{fifo}: not a regular file or block device")), "{t}");
+    assert!(!t.lines().any(|l| l.starts_with(d) && !l.starts_with(f.to_str().unwrap())), "{t}");
+    assert!(t.lines().any(|l| l.starts_with(f.to_str().unwrap())), "{t}");
+    let out = lightfoot(&["cache", "evict", d]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("a directory"), "{}", text(&out));
 }
 
 /// cachestat answers EPERM for files the user cannot write: say residency is not visible,

@@ -39,7 +39,7 @@ usage error. See docs/cache.md.";
 
 #[derive(Args)]
 pub struct StatArgs {
-    /// Files or block devices.
+    /// Regular files or block devices (a directory is refused: name the files in it).
     #[arg(required = true, value_name = "FILE")]
     files: Vec<PathBuf>,
 
@@ -55,7 +55,7 @@ pub struct StatArgs {
 
 #[derive(Args)]
 pub struct EvictArgs {
-    /// Files or block devices.
+    /// Regular files or block devices (a directory is refused: name the files in it).
     #[arg(required = true, value_name = "FILE")]
     files: Vec<PathBuf>,
 

@@ -210,14 +210,7 @@ struct Summary {
 
 fn cached_now(ep: &Endpoint) -> Option<u64> {
     let Endpoint::Path(p) = ep else { return None };
-    // Regular files and block devices only: opening a FIFO here, before the copy opens it,
-    // would wake the program at its other end and then leave it (it could read an empty pipe
-    // and finish, or be killed by SIGPIPE), and a tape device would rewind.
-    use std::os::unix::fs::FileTypeExt;
-    let kind = std::fs::metadata(p).ok()?.file_type();
-    if !(kind.is_file() || kind.is_block_device()) {
-        return None;
-    }
+    // Regular files and block devices only (open_for_inspection refuses the rest unopened).
     let f = open_for_inspection(p).ok()?;
     residency(&f, p, 0, None).ok().map(|r| r.cached_bytes())
 }

@@ -38,7 +38,22 @@ impl Residency {
 
 /// Opens `path` the way `cache stat|evict` need it: for writing when allowed (cachestat wants
 /// write access), otherwise read-only.
+/// Only regular files and block devices, looked at before they are opened: a directory's page
+/// cache says nothing about the data under it (ext4 keeps directory blocks in the device's
+/// cache), and opening a FIFO would wake the program at its other end and then leave it (it
+/// could read an empty pipe and finish, or be killed by SIGPIPE); a tape device would rewind.
 pub fn open_for_inspection(path: &Path) -> Result<File> {
+    let kind = std::fs::metadata(path).map_err(|e| Error::io("open", e).path(path))?.file_type();
+    if kind.is_dir() {
+        return Err(Error::new(ErrorKind::InvalidInput, "open")
+            .path(path)
+            .detail("a directory: name the files in it (for example DIR/*)"));
+    }
+    if !kind.is_file() && !kind.is_block_device() {
+        return Err(Error::new(ErrorKind::InvalidInput, "open")
+            .path(path)
+            .detail("not a regular file or block device"));
+    }
     match std::fs::OpenOptions::new().read(true).write(true).open(path) {
         Ok(f) => Ok(f),
         Err(_) => File::open(path).map_err(|e| Error::io("open", e).path(path)),
