@@ -99,8 +99,8 @@ pub struct ServeArgs {
     #[arg(long)]
     prefetch: bool,
 
-    /// With --prefetch: the buffer's bound, at least one 256K chunk (K, M, G or T suffix).
-    /// Buffers being filled and a few kept for reuse (2.5M at most) come on top.
+    /// With --prefetch: the buffer's bound, at least one 256K chunk (K, M, G or T suffix),
+    /// buffers kept for reuse included. The two being filled (512K) come on top.
     #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_prefetch_size)]
     prefetch_size: u64,
 

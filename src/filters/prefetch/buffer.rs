@@ -116,9 +116,12 @@ impl Buffer {
         self.spares.pop()
     }
 
-    /// Keeps a dropped chunk's buffer for reuse (up to [`SPARES`] of them).
+    /// Keeps a dropped chunk's buffer for reuse: up to [`SPARES`] of them, and only while the
+    /// chunks and the spares together stay within the limit (so a small `--prefetch-size`
+    /// is not 2 MiB of spares more).
     pub fn recycle(&mut self, data: Data) {
-        if self.spares.len() < SPARES {
+        let spares = self.spares.len() as u64 + 1;
+        if self.spares.len() < SPARES && self.bytes + spares * CHUNK <= self.limit {
             self.spares.push(data.into_spare());
         }
     }
@@ -215,6 +218,8 @@ impl Buffer {
         self.bytes += len;
         self.stats.prefetched += len;
         self.chunks.insert(start, Chunk { last_use: self.tick, ..chunk });
+        // Spares give way to chunks.
+        while self.bytes + self.spares.len() as u64 * CHUNK > self.limit && self.spares.pop().is_some() {}
     }
 
     fn evict_one(&mut self) {
@@ -295,7 +300,7 @@ mod tests {
 
     #[test]
     fn dropped_chunks_leave_their_buffers_for_reuse() {
-        let mut b = Buffer::new(CHUNK);
+        let mut b = Buffer::new(2 * CHUNK);
         b.insert(0, chunk(1), None, 0);
         let mut buf = vec![0u8; CHUNK as usize];
         assert!(b.serve(&mut buf, 0));
@@ -303,8 +308,33 @@ mod tests {
         assert_eq!(spare.len() as u64, CHUNK);
         b.insert(0, Data::new(Some(spare), 4096), None, 0);
         b.insert(CHUNK, chunk(2), None, 0);
-        assert!(b.spare().is_some(), "the evicted chunk's buffer");
+        b.insert(2 * CHUNK, chunk(3), None, 0);
+        assert!(b.spare().is_none(), "no room beside two chunks");
+        // The two chunks read through: both buffers kept, within the limit.
+        assert!(b.serve(&mut buf, CHUNK) && b.serve(&mut buf, 2 * CHUNK));
+        assert_eq!(b.bytes(), 0);
+        assert!(b.spare().is_some() && b.spare().is_some());
         assert!(b.spare().is_none());
+    }
+
+    /// Spare buffers count against the limit with the chunks: a full buffer keeps none, and
+    /// a chunk coming in pushes them out. Before, up to 8 (2 MiB) came on top of any limit.
+    #[test]
+    fn spares_stay_within_the_limit() {
+        let mut b = Buffer::new(4 * CHUNK);
+        let mut buf = vec![0u8; CHUNK as usize];
+        for i in 0..4 {
+            b.insert(i * CHUNK, chunk(1), None, 0);
+        }
+        for i in 0..4 {
+            assert!(b.serve(&mut buf, i * CHUNK));
+        }
+        assert_eq!(b.spares.len(), 4);
+        for i in 0..3 {
+            b.insert(i * CHUNK, chunk(2), None, 0);
+            assert!(b.bytes() + b.spares.len() as u64 * CHUNK <= 4 * CHUNK, "chunk {i}");
+        }
+        assert_eq!(b.spares.len(), 1);
     }
 
     #[test]
