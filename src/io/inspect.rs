@@ -38,6 +38,7 @@ impl Residency {
 
 /// Opens `path` the way `cache stat|evict` need it: for writing when allowed (cachestat wants
 /// write access), otherwise read-only.
+///
 /// Only regular files and block devices, looked at before they are opened: a directory's page
 /// cache says nothing about the data under it (ext4 keeps directory blocks in the device's
 /// cache), and opening a FIFO would wake the program at its other end and then leave it (it
