@@ -22,16 +22,6 @@ fn ok(out: Output) -> String {
     String::from_utf8_lossy(&out.stdout).to_string()
 }
 
-/// Runs a Python script with libnbd's module (in the system interpreter).
-fn nbdsh(script: &str, uri: &str) -> Output {
-    let probe = Command::new("/usr/bin/python3").args(["-c", "import nbd"]).output();
-    assert!(
-        probe.map(|o| o.status.success()).unwrap_or(false),
-        "python3-libnbd is missing: `make test` installs it"
-    );
-    Command::new("/usr/bin/python3").arg("-c").arg(script).env("URI", uri).output().unwrap()
-}
-
 /// What sysfs says of the disk under `path` (the server must say the same).
 fn rotational(path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
@@ -198,7 +188,7 @@ fn protocol_edges_through_libnbd() {
     let img = dir.path().join("disk.img");
     std::fs::File::create(&img).unwrap().set_len(4 * MIB).unwrap();
     let s = Served::start(&img, &[]);
-    let out = nbdsh(EDGES, &s.uri());
+    let out = libnbd(EDGES, &s.uri());
     assert!(out.status.success() && text(&out).contains("ok"), "{}", text(&out));
     s.stop();
 }
@@ -228,7 +218,7 @@ fn read_only_export_refuses_writes() {
     sample(&img, MIB, 64 * 1024);
     let before = std::fs::read(&img).unwrap();
     let s = Served::start(&img, &["--read-only"]);
-    let out = nbdsh(READ_ONLY, &s.uri());
+    let out = libnbd(READ_ONLY, &s.uri());
     assert!(out.status.success(), "{}", text(&out));
     s.stop();
     assert!(std::fs::read(&img).unwrap() == before);
@@ -260,7 +250,7 @@ h.connect_uri(os.environ["URI"])
 assert len(h.pread(4096, 0)) == 4096
 print("ok")
 "#;
-    let out = nbdsh(script, &s.uri());
+    let out = libnbd(script, &s.uri());
     assert!(out.status.success(), "{}", text(&out));
     // Raw transmission garbage after a real handshake (EXPORT_NAME, no zeroes).
     let mut c = UnixStream::connect(&s.sock).unwrap();
@@ -279,7 +269,7 @@ print("ok")
     let _ = c.read_to_end(&mut rest);
     assert!(rest.is_empty(), "no reply to garbage");
     // Still serving.
-    let out = nbdsh(script, &s.uri());
+    let out = libnbd(script, &s.uri());
     assert!(out.status.success(), "{}", text(&out));
     s.stop();
 }
@@ -413,7 +403,7 @@ for i in range(50):
     assert a.pread(10, i * 65536 + 1000) == data[:10], i
 print("ok")
 "#;
-    let out = nbdsh(script, &s.uri());
+    let out = libnbd(script, &s.uri());
     assert!(out.status.success(), "{}", text(&out));
     s.stop();
 }
@@ -463,7 +453,7 @@ except nbd.Error as e:
     assert "EINVAL" in str(e), e
 print("ok")
 "#;
-    let out = nbdsh(script, &s.uri());
+    let out = libnbd(script, &s.uri());
     assert!(out.status.success(), "{}", text(&out));
     s.stop();
 }
@@ -491,7 +481,7 @@ c = nbd.NBD()
 c.connect_uri(os.environ["URI"])
 print("ok")
 "#;
-    let out = nbdsh(script, &s.uri());
+    let out = libnbd(script, &s.uri());
     assert!(out.status.success(), "{}", text(&out));
     s.stop();
 }
@@ -656,7 +646,7 @@ fn stats_on_sigusr1_and_at_exit() {
     let pid: u32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
     assert_eq!(pid, s.child.id());
     ok(tool("nbdcopy", "libnbd-bin").args([&s.uri(), "null:"]).output().unwrap());
-    let out = nbdsh("import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\nh.pwrite(b'x' * 4096, 0)\nh.flush()\n", &s.uri());
+    let out = libnbd("import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\nh.pwrite(b'x' * 4096, 0)\nh.flush()\n", &s.uri());
     assert!(out.status.success(), "{}", text(&out));
     assert!(Command::new("kill").args(["-USR1", &pid.to_string()]).status().unwrap().success());
     std::thread::sleep(Duration::from_millis(400));
@@ -806,7 +796,7 @@ fn unaligned_trims_and_zeroes_leave_no_pages_behind() {
     }
     zeroed(ws + 512, 8192 - 1024, "trim");
     script += "h.flush()\n";
-    let out = nbdsh(&script, &s.uri());
+    let out = libnbd(&script, &s.uri());
     assert!(out.status.success(), "{}", text(&out));
     s.stop();
     assert_kept(cached(&img, ws, Some(ws_len)), ws_len, "working set");
@@ -837,7 +827,7 @@ for i in range(300):
 h.flush()
 print("ok")
 "#;
-    let out = nbdsh(script, &s.uri());
+    let out = libnbd(script, &s.uri());
     assert!(out.status.success(), "{}", text(&out));
     s.stop();
     assert_kept(cached(&img, 0, Some(16 * MIB)), 16 * MIB, "small writes");
@@ -868,7 +858,7 @@ b.flush()
 a.flush()
 print("ok")
 "#;
-    let out = nbdsh(script, &s.uri());
+    let out = libnbd(script, &s.uri());
     assert!(out.status.success(), "{}", text(&out));
     s.stop();
     assert_eq!(cached(&img, 0, None), 0, "pages left cached");

@@ -15,12 +15,7 @@ fn coalescing(file: &Path, extra: &[&str]) -> Served {
 }
 
 fn python(script: &str, uri: &str) -> Output {
-    let probe = Command::new("/usr/bin/python3").args(["-c", "import nbd"]).output();
-    assert!(
-        probe.map(|o| o.status.success()).unwrap_or(false),
-        "python3-libnbd is missing: `make test` installs it"
-    );
-    let out = Command::new("/usr/bin/python3").arg("-c").arg(script).env("URI", uri).output().unwrap();
+    let out = libnbd(script, uri);
     assert!(out.status.success(), "{}", text(&out));
     out
 }
@@ -271,7 +266,7 @@ for _ in range(2):
 assert h.pread(1024, 150 * 65536 + 32768) == b'\xcd' * 1024
 print('ok')
 "#;
-    let out = Command::new("/usr/bin/python3").arg("-c").arg(script).env("URI", s.uri()).output().unwrap();
+    let out = libnbd(script, &s.uri());
     let (status, err) = s.stop();
     assert!(out.status.success() && text(&out).contains("ok"), "{}\nserver: {err}", text(&out));
     // The write-back at exit fails too, and says so.
@@ -307,7 +302,7 @@ for i in range(256):
 h.flush()
 print('ok')
 "#;
-    let out = Command::new("/usr/bin/python3").arg("-c").arg(script).env("URI", s.uri()).output().unwrap();
+    let out = libnbd(script, &s.uri());
     let (status, err) = s.stop();
     let used = allocated(&file);
     let data = std::fs::read(&file).unwrap();

@@ -38,6 +38,22 @@ pub fn text(out: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
+/// Runs a Python script with libnbd's module (the system interpreter's: Debian's
+/// python3-libnbd), `$URI` set to `uri`. Under `timeout 300`: a client left waiting for a
+/// reply fails its test (status 124) instead of holding CI until its limit.
+pub fn libnbd(script: &str, uri: &str) -> Output {
+    let probe = Command::new("/usr/bin/python3").args(["-c", "import nbd"]).output();
+    assert!(
+        probe.map(|o| o.status.success()).unwrap_or(false),
+        "python3-libnbd is missing: `make test` installs it"
+    );
+    Command::new("timeout")
+        .args(["300", "/usr/bin/python3", "-c", script])
+        .env("URI", uri)
+        .output()
+        .expect("run timeout and /usr/bin/python3")
+}
+
 /// True as root; otherwise says on stderr that the test (`what`: its name and why it needs
 /// root) was skipped, so a run without root never reports it as passing silently.
 pub fn root_or_skip(what: &str) -> bool {
