@@ -11,12 +11,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn tool(name: &str, package: &str) -> Command {
-    let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().unwrap();
-    assert!(found.status.success(), "{name} is missing: `make test` installs it (Debian package {package})");
-    Command::new(name)
-}
-
 fn ok(out: Output) -> String {
     assert!(out.status.success(), "{}", text(&out));
     String::from_utf8_lossy(&out.stdout).to_string()
@@ -898,7 +892,7 @@ fn prefetch_serves_a_sequential_reader_from_its_buffer() {
 
 #[test]
 fn fio_verifies_through_prefetch() {
-    tool("fio", "fio");
+    need("fio", "fio");
     let dir = scratch();
     let file = dir.path().join("f.img");
     std::fs::File::create(&file).unwrap().set_len(64 * MIB).unwrap();

@@ -5,7 +5,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use common::*;
 
@@ -183,12 +183,6 @@ fn strided_writes_into_a_sparse_file_merge_without_inflating_it() {
             assert_eq!(backend, blocks, "stride {stride}: gaps over never-written blocks filled");
         }
     }
-}
-
-fn tool(name: &str, package: &str) -> Command {
-    let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().unwrap();
-    assert!(found.status.success(), "{name} is missing: `make test` installs it (Debian package {package})");
-    Command::new(name)
 }
 
 /// Held writes into a sparse file are data to clients that skip holes: nbdcopy and qemu-img

@@ -19,12 +19,6 @@ use lightfoot::proto::*;
 
 const SIZE: u64 = 16 * MIB;
 
-fn tool(name: &str, package: &str) -> Command {
-    let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().unwrap();
-    assert!(found.status.success(), "{name} is missing: `make test` installs it (Debian package {package})");
-    Command::new(name)
-}
-
 fn run_ok(cmd: &mut Command) -> String {
     let out = cmd.output().unwrap();
     assert!(out.status.success(), "{cmd:?} failed: {}", text(&out));
@@ -357,7 +351,8 @@ fn lightfoot_copy_from_qemu_nbd_over_tls() {
         l.local_addr().unwrap().port()
     };
     let object = format!("tls-creds-x509,id=tls0,endpoint=server,dir={}", certs.server.display());
-    let mut qemu = tool("qemu-nbd", "qemu-utils")
+    need("qemu-nbd", "qemu-utils");
+    let mut qemu = Command::new("qemu-nbd")
         .args(["--object", &object, "--tls-creds", "tls0", "-f", "raw", "-r", "-t", "-b", "127.0.0.1"])
         .args(["-p", &port.to_string(), s(&img)])
         .stderr(Stdio::piped())

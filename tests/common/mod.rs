@@ -30,12 +30,34 @@ pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_lightfoot")
 }
 
+/// Runs lightfoot to completion, under `timeout 300` (a hang fails the test with status 124).
 pub fn lightfoot(args: &[&str]) -> Output {
-    Command::new(bin()).args(args).output().expect("run lightfoot")
+    Command::new("timeout")
+        .args(["-k", "10", "300"])
+        .arg(bin())
+        .args(args)
+        .output()
+        .expect("run lightfoot under timeout")
 }
 
 pub fn text(out: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// Asserts that `name` is installed (`make test` installs Debian's `package`).
+pub fn need(name: &str, package: &str) {
+    let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().unwrap();
+    assert!(found.status.success(), "{name} is missing: `make test` installs it (Debian package {package})");
+}
+
+/// A client tool to run to completion (`output()`, `status()`), under `timeout 300` like
+/// [`libnbd`]. A program that must run on and be killed is spawned without it ([`need`]
+/// first): killing `timeout` would leave its child running.
+pub fn tool(name: &str, package: &str) -> Command {
+    need(name, package);
+    let mut c = Command::new("timeout");
+    c.args(["-k", "10", "300", name]);
+    c
 }
 
 /// Runs a Python script with libnbd's module (the system interpreter's: Debian's
@@ -48,7 +70,7 @@ pub fn libnbd(script: &str, uri: &str) -> Output {
         "python3-libnbd is missing: `make test` installs it"
     );
     Command::new("timeout")
-        .args(["300", "/usr/bin/python3", "-c", script])
+        .args(["-k", "10", "300", "/usr/bin/python3", "-c", script])
         .env("URI", uri)
         .output()
         .expect("run timeout and /usr/bin/python3")
