@@ -367,8 +367,8 @@ for w in dict.fromkeys(r["workload"] for r in rows):
     wnull = med(r["write_us"] for r in timed if r["config"] == "null" and not r["error"])
     fplain = med(r["flush_us"] for r in timed if r["config"] == "lightfoot" and not r["error"])
     if w == "strided" and wnull and fplain and base:
-        ceiling = JOBS * FSYNC / ((FSYNC * wnull + fplain) / 1e6)
+        model = JOBS * FSYNC / ((FSYNC * wnull + fplain) / 1e6)
         print(f"\nModel: `nbdkit null`'s write ({wnull:.0f} µs) and the plain server's FLUSH "
-              f"({fplain:.0f} µs) for every {FSYNC} writes: {ceiling:.0f} IOPS, "
-              f"{ceiling / base:.2f}× lightfoot.")
+              f"({fplain:.0f} µs) for every {FSYNC} writes: {model:.0f} IOPS, "
+              f"{model / base:.2f}× lightfoot.")
 EOF
