@@ -206,7 +206,7 @@ impl Opened {
 /// Opens the source. `connections` is for NBD servers that advertise multi-conn.
 pub fn open_source(ep: &Endpoint, mode: CacheMode, tuning: &Tuning, connections: usize) -> Result<Opened> {
     match ep {
-        Endpoint::Nbd(t) => Ok(Opened::nbd(NbdBackend::open(t, connections)?, false)),
+        Endpoint::Nbd(t) => Ok(Opened::nbd(NbdBackend::open(t, connections)?.keeping_extents(), false)),
         Endpoint::Stdio => {
             let mut o = Opened::plain(Arc::new(PipeBackend::stdin()?), false);
             // Standard input redirected from a file or device: known, so that it is never

@@ -5,7 +5,11 @@
 //!
 //! Kept answers are only as old as the last write through this backend: every write, zero
 //! and trim clears them. A writer on another connection or client can change the map at any
-//! time, which makes any answer stale the moment it arrives; a kept one is no worse.
+//! time, which makes any answer stale the moment it arrives; a kept one is no worse for a
+//! copy's source, the only backend that keeps them (`NbdBackend::keeping_extents`). It is
+//! worse under a filter stack: coalesce writes back through a backend of its own, and a front's
+//! backend that kept an answer from before would call the written bytes zero (the conformance
+//! matrix caught this).
 
 use std::sync::{Mutex, MutexGuard};
 

@@ -64,8 +64,9 @@ pub struct NbdBackend {
     conns: Vec<Connection>,
     next: AtomicUsize,
     finished: AtomicBool,
-    /// The allocation map, fetched in large windows.
-    extent_cache: extents::Cache,
+    /// The allocation map, fetched in large windows: only for a copy's source
+    /// ([`NbdBackend::keeping_extents`]).
+    extent_cache: Option<extents::Cache>,
     /// Read-modify-write of partial blocks (`align`).
     locks: align::BlockLocks,
     /// Declared last: the server is stopped after the connections are closed.
@@ -73,6 +74,22 @@ pub struct NbdBackend {
 }
 
 impl NbdBackend {
+    /// Keeps the allocation map it fetches, in large windows ([`extents`]), for a reader
+    /// that asks about every request, such as a copy's source. Not for a backend under a
+    /// filter stack: writes through the stack's other backends (coalesce's write-back) would
+    /// leave it saying "zero" over written data.
+    pub fn keeping_extents(mut self) -> NbdBackend {
+        self.extent_cache = Some(Default::default());
+        self
+    }
+
+    /// Forgets the kept allocation map (after a write through this backend).
+    fn forget_extents(&self) {
+        if let Some(c) = &self.extent_cache {
+            c.clear();
+        }
+    }
+
     /// Connects to `target`. `connections` > 1 opens that many when the server advertises
     /// `CAN_MULTI_CONN` (and one otherwise).
     pub fn open(target: &Target, connections: usize) -> Result<NbdBackend> {
@@ -147,7 +164,7 @@ impl NbdBackend {
             conns,
             next: AtomicUsize::new(0),
             finished: AtomicBool::new(false),
-            extent_cache: Default::default(),
+            extent_cache: None,
             locks: Default::default(),
             captive,
         }
@@ -227,7 +244,7 @@ impl NbdBackend {
             r
         });
         // Even a failed write may have changed the allocation map.
-        self.extent_cache.clear();
+        self.forget_extents();
         written?;
         if fua && !native_fua {
             self.flush()?;
@@ -447,7 +464,7 @@ impl Backend for NbdBackend {
             f |= CMD_FLAG_FUA;
         }
         let zeroed = self.ranged("zero", CMD_WRITE_ZEROES, f, offset, len);
-        self.extent_cache.clear();
+        self.forget_extents();
         zeroed?;
         if flags.fua && !self.info.has(TF_SEND_FUA) {
             self.flush()?;
@@ -466,7 +483,7 @@ impl Backend for NbdBackend {
         }
         let f = if fua && self.info.has(TF_SEND_FUA) { CMD_FLAG_FUA } else { 0 };
         let trimmed = self.ranged("trim", CMD_TRIM, f, offset, len);
-        self.extent_cache.clear();
+        self.forget_extents();
         trimmed
     }
 
@@ -496,7 +513,10 @@ impl Backend for NbdBackend {
         if self.info.allocation.is_none() {
             return Ok(vec![Extent::data(len)]);
         }
-        let mut window = self.extent_cache.lock();
+        let Some(cache) = &self.extent_cache else {
+            return self.fetch_extents(offset, len);
+        };
+        let mut window = cache.lock();
         if let Some(known) = window.lookup(offset, len) {
             return Ok(known);
         }
