@@ -5,7 +5,8 @@
 //! - [`server`]: the NBD server, a driver that serves one backend to many connections.
 //! - [`copy`]: the copy engine, a driver that moves requests between two backends with
 //!   parallel workers, skipping holes and zeroes ([`copy::copy`]).
-//! - [`filters`]: backends that wrap a backend ([`filters::FaultInjector`] for tests).
+//! - [`filters`]: read-ahead (`--prefetch`) and write coalescing (`--coalesce`), each shared by
+//!   an export's users through a front per user, stacked in one place ([`filters::Stack`]).
 //! - [`backend`]: the [`backend::Backend`] trait and where bytes live: files and block
 //!   devices, memory, `null:`, pipes.
 //! - [`io`]: the cache policy (`--cache=neutral|keep|drop|direct`) and every system call that

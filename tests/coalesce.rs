@@ -9,7 +9,8 @@ use std::time::Duration;
 use lightfoot::backend::{Backend, Extent, MemoryBackend, NbdBackend, ZeroFlags};
 use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
 use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
-use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
+use lightfoot::filters::prefetch::PrefetchConfig;
+use lightfoot::filters::{Filter, Front, Stack, StackConfig};
 use lightfoot::testing::conformance::{Expect, Model, Rng};
 use lightfoot::testing::powerloss::PowerLoss;
 use lightfoot::ErrorKind;
@@ -81,16 +82,18 @@ enum Via {
 /// One run: `steps` operations, each through one of three fronts picked at random.
 fn mix(seed: u64, steps: usize, cfg: CoalesceConfig, via: Via) -> Result<(), String> {
     let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
-    let c = Arc::new(Coalesce::new(mem.clone(), cfg));
-    let pcfg = PrefetchConfig { size: 1 << 20, ..PrefetchConfig::default() };
     let prefetch = via == Via::Prefetch;
-    let pf = prefetch.then(|| Arc::new(Prefetch::new(Arc::new(c.front(mem.clone())), pcfg)));
+    let pcfg = PrefetchConfig { size: 1 << 20, ..PrefetchConfig::default() };
+    let below = mem.clone();
+    let stack = StackConfig { read_only: false, prefetch: prefetch.then_some(pcfg), coalesce: Some(cfg) };
+    let stack = Stack::new(stack, move |_| Ok(below.clone())).unwrap();
+    let c = stack.coalesce().unwrap().clone();
     let front = |_| -> Arc<dyn Backend> {
-        let cf = Arc::new(c.front(mem.clone()));
-        match (&pf, via) {
-            (Some(p), _) => Arc::new(p.front(cf)),
-            (None, Via::Server) => Arc::new(over_nbd(cf)),
-            (None, _) => cf,
+        let f = stack.open().unwrap();
+        if via == Via::Server {
+            Arc::new(over_nbd(f))
+        } else {
+            f
         }
     };
     let fronts: Vec<Arc<dyn Backend>> = (0..3).map(front).collect();
@@ -150,14 +153,15 @@ fn mix(seed: u64, steps: usize, cfg: CoalesceConfig, via: Via) -> Result<(), Str
     // scheduling (reads never wait for it, and writes void it): it failed a clean-clone
     // `make test` under load with 27 streams and nothing read ahead yet. The prefetch unit
     // tests check hits, waiting for the read-ahead.
-    if let Some(p) = &pf {
+    if let Some(p) = stack.prefetch() {
         if p.stats().streams_found == 0 {
             return Err(format!("seed {seed}: no stream found: {:?}", p.stats()));
         }
     }
-    check_extents(&*c, &m, &nonzero, 0, SIZE, &format!("seed {seed}: all extents"))?;
+    let whole = Front::new(c.clone(), mem.clone());
+    check_extents(&whole, &m, &nonzero, 0, SIZE, &format!("seed {seed}: all extents"))?;
     // After finishing, the layer below holds exactly what the model says.
-    c.finish().map_err(|e| format!("seed {seed}: finish: {e}"))?;
+    stack.finish().map_err(|e| format!("seed {seed}: finish: {e}"))?;
     let mut all = vec![0u8; SIZE as usize];
     mem.read(&mut all, 0).unwrap();
     m.check(&all, 0, &format!("seed {seed}: written back"))?;
@@ -203,7 +207,7 @@ fn concurrent_fronts_on_disjoint_regions() {
         let region = SIZE / 4;
         let handles: Vec<_> = (0..4u64)
             .map(|t| {
-                let f = c.front(mem.clone());
+                let f = Front::new(c.clone(), mem.clone());
                 std::thread::spawn(move || -> Result<(), String> {
                     let mut m = Model::new(region as usize, Expect::Store);
                     let mut rng = Rng::new(200 + t);
@@ -261,7 +265,7 @@ fn writers_sharing_blocks_never_see_stale_bytes() {
         let c = Arc::new(Coalesce::new(mem.clone(), cfg));
         let handles: Vec<_> = (0..4u64)
             .map(|t| {
-                let f = c.front(mem.clone());
+                let f = Front::new(c.clone(), mem.clone());
                 std::thread::spawn(move || -> Result<Vec<u8>, String> {
                     let mut rng = Rng::new(700 + t + 10 * i as u64);
                     let slots = SPAN / SLOT / 4;
@@ -318,7 +322,7 @@ fn writers_sharing_blocks_never_see_stale_bytes() {
 fn power_loss(seed: u64, cfg: CoalesceConfig) -> Result<(), String> {
     let dev = Arc::new(PowerLoss::new(SIZE));
     let c = Arc::new(Coalesce::new(dev.clone(), cfg));
-    let fronts: Vec<_> = (0..2).map(|_| c.front(dev.clone())).collect();
+    let fronts: Vec<_> = (0..2).map(|_| Front::new(c.clone(), dev.clone())).collect();
     let mut rng = Rng::new(seed);
     // What must survive: `Some` for bytes durable by a flush or FUA and unchanged since.
     let mut must: Vec<Option<u8>> = vec![Some(0); SIZE as usize];
@@ -387,7 +391,7 @@ fn concurrent_flushes_survive_a_power_loss() {
         let region = SIZE / 4;
         let handles: Vec<_> = (0..4u64)
             .map(|t| {
-                let f = c.front(dev.clone());
+                let f = Front::new(c.clone(), dev.clone());
                 std::thread::spawn(move || -> Result<Vec<Option<u8>>, String> {
                     let mut rng = Rng::new(300 + t + 10 * i as u64);
                     let mut now = vec![0u8; region as usize];
@@ -448,8 +452,8 @@ fn a_failed_write_back_surfaces_on_flush_through_the_server() {
     let bad = Rule::new(Op::Write, Fault::Fail(ErrorKind::Io)).at(K * K, 4 * K).times(1);
     let below: Arc<dyn Backend> = Arc::new(FaultInjector::new(mem.clone(), vec![bad]));
     let c = Arc::new(Coalesce::new(below, configs()[0]));
-    let a = over_nbd(Arc::new(c.front(mem.clone())));
-    let b = over_nbd(Arc::new(c.front(mem.clone())));
+    let a = over_nbd(Arc::new(Front::new(c.clone(), mem.clone())));
+    let b = over_nbd(Arc::new(Front::new(c.clone(), mem.clone())));
     a.write(&[1u8; 1024], K * K + 100, false).expect("acknowledged from memory");
     assert!(a.flush().is_err(), "the flush after a failed write-back succeeded");
     assert!(b.flush().is_err(), "a later flush on another connection succeeded");
@@ -466,7 +470,7 @@ fn a_failed_write_back_surfaces_on_flush_through_the_server() {
 #[test]
 fn holes_stay_holes() {
     let mem = Arc::new(MemoryBackend::new(SIZE));
-    let c = Coalesce::new(mem.clone(), configs()[0]);
+    let c = Front::whole(Coalesce::new(mem.clone(), configs()[0]));
     for i in 0..32 {
         c.write(&[0xabu8; 1024], i * 128 * K + 3 * K, false).unwrap();
         c.write(&[0xcdu8; 1024], i * 128 * K + 50 * K, false).unwrap();

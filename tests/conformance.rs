@@ -1,12 +1,26 @@
 //! Every backend and filter stack against the same conformance suite (`lightfoot::testing`).
+//!
+//! The matrix at the end generates one test per backend × filter stack (`memory::plain`,
+//! `file_direct::prefetch_coalesce`, …). Each builds its stack with
+//! [`lightfoot::filters::Stack`], as `serve` does, and runs the suite three times on a fresh
+//! backend: through one front, with four writer threads at once, and through lightfoot's own
+//! NBD server and client (the stack behind the server, a front per connection). Stacks with
+//! prefetch must have found streams and served reads from their buffer.
+//!
+//! The rest are the paths the matrix does not reach: forced mechanisms, no cachestat, the
+//! fault injector.
 
 mod common;
 
 use std::path::Path;
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use lightfoot::backend::{Backend, FileBackend, MemoryBackend, NbdBackend, NullBackend};
-use lightfoot::filters::FaultInjector;
+use lightfoot::filters::coalesce::CoalesceConfig;
+use lightfoot::filters::prefetch::PrefetchConfig;
+use lightfoot::filters::{FaultInjector, Stack, StackConfig};
 use lightfoot::io::{CacheMode, OpenOptions, ReadMech, Tuning, WriteMech};
 use lightfoot::testing::conformance::{run, run_parallel, Expect};
 
@@ -19,29 +33,6 @@ fn new_file(dir: &Path, name: &str, mode: CacheMode, tuning: &Tuning) -> FileBac
     let fb = FileBackend::open(&path, opts, mode, tuning).expect("open test file");
     fb.set_len(SIZE).unwrap();
     fb
-}
-
-#[test]
-fn memory() {
-    run(&MemoryBackend::new(SIZE), Expect::Store, 1).unwrap();
-    run_parallel(Arc::new(MemoryBackend::new(SIZE)), 4, 2).unwrap();
-}
-
-#[test]
-fn null() {
-    run(&NullBackend::new(Some(SIZE)), Expect::Zeroes, 3).unwrap();
-}
-
-#[test]
-fn file_in_every_cache_mode() {
-    let dir = tempfile::tempdir().unwrap();
-    for mode in [CacheMode::Neutral, CacheMode::Keep, CacheMode::Drop, CacheMode::Direct] {
-        let fb = new_file(dir.path(), mode.name(), mode, &Tuning::default());
-        run(&fb, Expect::Store, 10).unwrap_or_else(|e| panic!("--cache={mode}: {e}"));
-        fb.finish().unwrap();
-        let fb = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
-        run_parallel(fb, 4, 11).unwrap_or_else(|e| panic!("--cache={mode}, parallel: {e}"));
-    }
 }
 
 #[test]
@@ -82,169 +73,274 @@ fn fault_injector_without_rules_is_transparent() {
     run(&FaultInjector::new(inner, vec![]), Expect::Store, 40).unwrap();
 }
 
-/// A loop device over a file: the block-device paths (BLKGETSIZE64, BLKZEROOUT, BLKDISCARD).
-#[test]
-fn block_device() {
-    if !common::root_or_skip("block_device: needs root for losetup") {
-        return;
+/// Where the bytes live in a cell of the matrix.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Memory,
+    /// `null:` (writes discarded, reads return zeroes).
+    Null,
+    /// A regular file in a cache mode; each open is a file of its own, as in `serve`.
+    File(CacheMode),
+    /// A loop device over a file (root only: BLKGETSIZE64, BLKZEROOUT, BLKDISCARD).
+    Loop(CacheMode),
+    /// lightfoot's NBD client to `nbdkit memory`.
+    Nbd,
+}
+
+/// Opens one more backend onto a cell's data (what [`Stack::new`] takes).
+type Opener = Arc<dyn Fn(bool) -> lightfoot::Result<Arc<dyn Backend>> + Send + Sync>;
+
+static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// `nbdkit memory` on a Unix socket, killed on drop.
+struct Nbdkit(std::process::Child, String);
+
+impl Nbdkit {
+    fn start(dir: &Path) -> Nbdkit {
+        common::need("nbdkit", "nbdkit");
+        let sock =
+            dir.join(format!("nbdkit-{}.sock", STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+        let child = std::process::Command::new("nbdkit")
+            .args(["-f", "-U"])
+            .arg(&sock)
+            .args(["memory", &SIZE.to_string()])
+            .spawn()
+            .expect("start nbdkit");
+        assert!(common::within(10, || sock.exists()), "nbdkit did not listen on {}", sock.display());
+        Nbdkit(child, format!("nbd+unix:///?socket={}", sock.display()))
     }
-    let dir = tempfile::tempdir().unwrap();
-    let img = dir.path().join("loop.img");
-    std::fs::File::create(&img).unwrap().set_len(4 << 20).unwrap();
-    let out =
-        std::process::Command::new("losetup").args(["-f", "--show"]).arg(&img).output().expect("run losetup");
-    assert!(out.status.success(), "losetup failed: {}", String::from_utf8_lossy(&out.stderr));
-    let dev = String::from_utf8(out.stdout).unwrap().trim().to_string();
-    let result = std::panic::catch_unwind(|| {
-        for mode in [CacheMode::Neutral, CacheMode::Keep, CacheMode::Direct] {
-            let opts = OpenOptions { write: true, create: false, truncate: false };
-            let fb = FileBackend::open(Path::new(&dev), opts, mode, &Tuning::default()).unwrap();
-            assert!(fb.is_block());
-            assert_eq!(fb.size(), Some(4 << 20));
-            // A fresh device reads as zeroes: zero it first.
-            fb.zero(0, 4 << 20, Default::default()).unwrap();
-            run(&fb, Expect::Store, 50).unwrap_or_else(|e| panic!("{dev} --cache={mode}: {e}"));
-            fb.finish().unwrap();
+}
+
+impl Drop for Nbdkit {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A cell's backends: [`Fixture::fresh`] gives an opener onto data that reads as zeroes.
+struct Fixture {
+    kind: Kind,
+    dir: tempfile::TempDir,
+    device: Option<common::Loop>,
+    made: std::sync::atomic::AtomicU32,
+}
+
+impl Fixture {
+    /// `None`, said on stderr, where the cell cannot run here (a loop device without root).
+    fn new(kind: Kind) -> Option<Fixture> {
+        let device = match kind {
+            Kind::Loop(_) if !common::root_or_skip(&format!("{kind:?}: needs root for losetup")) => {
+                return None
+            }
+            Kind::Loop(_) => Some(common::Loop::new(4 << 20)),
+            _ => None,
+        };
+        Some(Fixture { kind, dir: tempfile::tempdir().unwrap(), device, made: Default::default() })
+    }
+
+    /// What reads must return: under a filter that holds writes, `null:` returns the held
+    /// bytes until they are passed down, and zeroes after.
+    fn expect(&self, holds_writes: bool) -> Expect {
+        match self.kind {
+            Kind::Null if holds_writes => Expect::Unkept,
+            Kind::Null => Expect::Zeroes,
+            _ => Expect::Store,
         }
-        // Coalescing over the device: gaps inside written 4 KiB units are read from it.
-        use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
-        let opts = OpenOptions { write: true, create: false, truncate: false };
-        let fb = FileBackend::open(Path::new(&dev), opts, CacheMode::Neutral, &Tuning::default()).unwrap();
-        fb.zero(0, 4 << 20, Default::default()).unwrap();
-        let c = Coalesce::new(Arc::new(fb), CoalesceConfig::default());
-        run(&c, Expect::Store, 51).unwrap_or_else(|e| panic!("{dev} with coalesce: {e}"));
-        c.finish().unwrap();
-    });
-    let _ = std::process::Command::new("losetup").args(["-d", &dev]).status();
-    result.unwrap();
+    }
+
+    fn fresh(&self) -> Opener {
+        match self.kind {
+            Kind::Memory => {
+                let m: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
+                Arc::new(move |_| Ok(m.clone()))
+            }
+            Kind::Null => {
+                let n: Arc<dyn Backend> = Arc::new(NullBackend::new(Some(SIZE)));
+                Arc::new(move |_| Ok(n.clone()))
+            }
+            Kind::Nbd => {
+                // A new nbdkit for fresh data; each open is a client of its own (4 connections:
+                // nbdkit advertises multi-conn for memory), as each open of a file is its own.
+                use lightfoot::backend::nbd::Target;
+                let server = Arc::new(Nbdkit::start(self.dir.path()));
+                Arc::new(move |_| {
+                    let n = NbdBackend::open(&Target::Uri(server.1.parse().unwrap()), 4)?;
+                    assert_eq!(n.connections(), 4);
+                    assert!(n.caps().can_extents && n.caps().can_fast_zero, "{:?}", n.caps());
+                    Ok(Arc::new(n))
+                })
+            }
+            Kind::File(mode) => {
+                let i = self.made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let path = self.dir.path().join(format!("{}-{i}", mode.name()));
+                new_file(self.dir.path(), &format!("{}-{i}", mode.name()), mode, &Tuning::default())
+                    .finish()
+                    .unwrap();
+                reopen(path, mode)
+            }
+            Kind::Loop(mode) => {
+                let dev = std::path::PathBuf::from(&self.device.as_ref().unwrap().dev);
+                let opts = OpenOptions { write: true, create: false, truncate: false };
+                let fb = FileBackend::open(&dev, opts, mode, &Tuning::default()).unwrap();
+                assert!(fb.is_block());
+                fb.zero(0, 4 << 20, Default::default()).unwrap();
+                fb.finish().unwrap();
+                reopen(dev, mode)
+            }
+        }
+    }
 }
 
-/// Serves `backend` in-process from a `lightfoot serve` server over a socket pair and returns
+/// Each open is the file opened again, sharing the export's latch and locks, as in `serve`.
+fn reopen(path: std::path::PathBuf, mode: CacheMode) -> Opener {
+    let shared = Arc::new(lightfoot::io::Shared::default());
+    Arc::new(move |write| {
+        let opts = OpenOptions { write, create: false, truncate: false };
+        Ok(Arc::new(FileBackend::open_shared(&path, opts, mode, &Tuning::default(), shared.clone())?))
+    })
+}
+
+/// Which filters a cell stacks.
+#[derive(Debug, Clone, Copy)]
+struct Filters {
+    prefetch: bool,
+    coalesce: bool,
+}
+
+impl Filters {
+    /// Small reads pass through prefetch: let reads up to 1 MiB go through it too. With
+    /// `busy`, coalesce has a small bound and age, so write-back under pressure and by age
+    /// runs amid the checks.
+    fn config(self, busy: bool) -> StackConfig {
+        let ccfg = CoalesceConfig::default();
+        let ccfg = if busy {
+            CoalesceConfig { size: 256 << 10, age: Duration::from_millis(5), ..ccfg }
+        } else {
+            ccfg
+        };
+        StackConfig {
+            read_only: false,
+            prefetch: self
+                .prefetch
+                .then_some(PrefetchConfig { max_request: 1 << 20, ..PrefetchConfig::default() }),
+            coalesce: self.coalesce.then_some(ccfg),
+        }
+    }
+}
+
+/// With prefetch: the suite's sequential readers made the filter find streams and read ahead,
+/// and reads of a range asked for with CACHE are served from its buffer, with the bytes below.
+/// (Whether the suite's own reads hit depends on the backend's speed: they never wait for
+/// read-ahead, and the writes ahead of them drop what it read. On a loop device with O_DIRECT
+/// they all missed.)
+fn assert_prefetched(stack: &Stack, front: &dyn Backend, below: &dyn Backend, what: &str) {
+    let Some(p) = stack.prefetch() else { return };
+    let st = p.stats();
+    assert!(st.streams_found >= 2 && st.buffer.prefetched > 0, "{what}: {st:?}");
+    // Held writes go down first, so that `below` has every byte.
+    front.flush().unwrap();
+    let (off, len) = (256 << 10, 512 << 10);
+    let hits = p.stats().buffer.hits;
+    let (mut got, mut want) = (vec![0u8; 4096], vec![0u8; 4096]);
+    for _ in 0..100 {
+        front.cache(off, len).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        for at in (off..off + len).step_by(4096) {
+            front.read(&mut got, at).unwrap();
+            below.read(&mut want, at).unwrap();
+            assert!(got == want, "{what}: a read at {at} after CACHE differs from the bytes below");
+        }
+        if p.stats().buffer.hits > hits {
+            return;
+        }
+    }
+    panic!("{what}: no read after CACHE was served from the buffer: {:?}", p.stats());
+}
+
+/// One cell of the matrix (see the module doc).
+fn cell(kind: Kind, filters: Filters, seed: u64) {
+    let Some(fx) = Fixture::new(kind) else { return };
+    let what = format!("{kind:?} with {filters:?}");
+    let expect = fx.expect(filters.coalesce);
+    let open = fx.fresh();
+    let below = open(false).unwrap();
+    let stack = Stack::new(filters.config(true), move |w| open(w)).unwrap();
+    let front = stack.open().unwrap();
+    run(&*front, expect, seed).unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_prefetched(&stack, &*front, &*below, &what);
+    front.finish().unwrap();
+    stack.finish().unwrap();
+
+    if expect == Expect::Store {
+        let open = fx.fresh();
+        let stack = Stack::new(filters.config(false), move |w| open(w)).unwrap();
+        run_parallel(stack.open().unwrap(), 4, seed + 1).unwrap_or_else(|e| panic!("{what}, parallel: {e}"));
+        stack.finish().unwrap();
+    }
+
+    // Under lightfoot's NBD server, as `serve` stacks it: a front per connection (the server
+    // finishes a connection's backend when it ends, and the stack's filters live on).
+    let open = fx.fresh();
+    let below = open(false).unwrap();
+    let stack = Arc::new(Stack::new(filters.config(false), move |w| open(w)).unwrap());
+    let nbd = over_nbd(stack.clone());
+    run(&nbd, expect, seed + 2).unwrap_or_else(|e| panic!("{what}, over NBD: {e}"));
+    assert_prefetched(&stack, &nbd, &*below, &format!("{what}, over NBD"));
+    nbd.finish().unwrap();
+}
+
+/// Serves `stack` in-process from a `lightfoot serve` server over a socket pair and returns
 /// the NBD client backend connected to it: the suite then covers client, wire and server.
-fn over_nbd(backend: Arc<dyn Backend>, multi_conn: bool) -> Arc<dyn Backend> {
-    over_nbd_with(move || Ok(backend.clone()), multi_conn)
-}
-
-/// [`over_nbd`] with a backend from `open` for each connection (and for the export's probe,
-/// which the server finishes at once).
-fn over_nbd_with(
-    open: impl Fn() -> lightfoot::Result<Arc<dyn Backend>> + Send + Sync + 'static,
-    multi_conn: bool,
-) -> Arc<dyn Backend> {
+fn over_nbd(stack: Arc<Stack>) -> NbdBackend {
     use lightfoot::server::{Export, Server};
-    let export = Export::new("e", None, multi_conn, open).unwrap();
+    let export = Export::new("e", None, true, move || stack.open()).unwrap();
     let server = Arc::new(Server::new(export, 4, 8));
     let (client, serving) = std::os::unix::net::UnixStream::pair().unwrap();
     std::thread::spawn(move || server.connection(Box::new(serving)));
-    Arc::new(NbdBackend::from_stream(Box::new(client), "e", "nbd-test").unwrap())
+    NbdBackend::from_stream(Box::new(client), "e", "nbd-test").unwrap()
 }
 
-#[test]
-fn nbd_client_through_the_server_to_memory() {
-    let nbd = over_nbd(Arc::new(MemoryBackend::new(SIZE)), true);
-    run(&*nbd, Expect::Store, 40).unwrap();
-    run_parallel(over_nbd(Arc::new(MemoryBackend::new(SIZE)), true), 4, 41).unwrap();
-    nbd.finish().unwrap();
+/// One module per backend, one test per stack in it.
+macro_rules! matrix {
+    ($($name:ident: $kind:expr, $seed:expr;)*) => {$(
+        mod $name {
+            use super::*;
+            const KIND: Kind = $kind;
+
+            #[test]
+            fn plain() {
+                cell(KIND, Filters { prefetch: false, coalesce: false }, $seed);
+            }
+
+            #[test]
+            fn prefetch() {
+                cell(KIND, Filters { prefetch: true, coalesce: false }, $seed + 10);
+            }
+
+            #[test]
+            fn coalesce() {
+                cell(KIND, Filters { prefetch: false, coalesce: true }, $seed + 20);
+            }
+
+            #[test]
+            fn prefetch_coalesce() {
+                cell(KIND, Filters { prefetch: true, coalesce: true }, $seed + 30);
+            }
+        }
+    )*};
 }
 
-#[test]
-fn nbd_client_through_the_server_to_a_neutral_file() {
-    let dir = tempfile::tempdir().unwrap();
-    for mode in [CacheMode::Neutral, CacheMode::Direct] {
-        let file: Arc<dyn Backend> = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
-        let nbd = over_nbd(file.clone(), true);
-        run(&*nbd, Expect::Store, 42).unwrap_or_else(|e| panic!("--cache={mode}: {e}"));
-        nbd.finish().unwrap();
-        let file: Arc<dyn Backend> = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
-        run_parallel(over_nbd(file, true), 4, 43).unwrap_or_else(|e| panic!("--cache={mode}: {e}"));
-    }
-}
-
-#[test]
-fn nbd_client_against_nbdkit() {
-    use lightfoot::backend::nbd::Target;
-    let argv = ["nbdkit", "memory", &SIZE.to_string()].map(String::from).to_vec();
-    let nbd = NbdBackend::open(&Target::Captive(argv.clone()), 1).unwrap();
-    assert!(nbd.caps().can_extents && nbd.caps().can_fast_zero, "{:?}", nbd.caps());
-    run(&nbd, Expect::Store, 44).unwrap();
-    nbd.finish().unwrap();
-    // nbdkit advertises multi-conn for memory: writers on 4 connections at once.
-    let nbd = Arc::new(NbdBackend::open(&Target::Captive(argv), 4).unwrap());
-    assert_eq!(nbd.connections(), 4);
-    run_parallel(nbd.clone(), 4, 45).unwrap();
-    nbd.finish().unwrap();
-}
-
-/// The suite's sequential readers made the filter find streams and serve reads it had read
-/// ahead: the checks ran against buffered data, not only past the filter.
-fn assert_prefetched(p: &lightfoot::filters::prefetch::Prefetch, what: &str) {
-    let st = p.stats();
-    assert!(st.streams_found >= 2 && st.buffer.hits > 0 && st.buffer.prefetched > 0, "{what}: {st:?}");
-}
-
-#[test]
-fn prefetch_stacks() {
-    use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
-    // Small reads pass through the filter: let reads up to 1 MiB go through it too.
-    let cfg = PrefetchConfig { max_request: 1 << 20, ..PrefetchConfig::default() };
-    let p = Prefetch::new(Arc::new(MemoryBackend::new(SIZE)), cfg);
-    run(&p, Expect::Store, 60).unwrap();
-    assert_prefetched(&p, "memory");
-    p.finish().unwrap();
-    run_parallel(Arc::new(Prefetch::new(Arc::new(MemoryBackend::new(SIZE)), cfg)), 4, 61).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    for mode in [CacheMode::Neutral, CacheMode::Direct] {
-        let file = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
-        let p = Prefetch::new(file, cfg);
-        run(&p, Expect::Store, 62).unwrap_or_else(|e| panic!("--cache={mode}: {e}"));
-        assert_prefetched(&p, mode.name());
-        p.finish().unwrap();
-    }
-    // Under the NBD server, as `serve --prefetch` stacks it: a front per connection (the
-    // server finishes a connection's backend when it ends, and finishing the filter itself
-    // would stop its read-ahead for every connection).
-    let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
-    let p = Arc::new(Prefetch::new(mem.clone(), cfg));
-    let front = p.clone();
-    let nbd = over_nbd_with(move || Ok(Arc::new(front.front(mem.clone())) as Arc<dyn Backend>), true);
-    run(&*nbd, Expect::Store, 63).unwrap();
-    assert_prefetched(&p, "under the NBD server");
-}
-
-#[test]
-fn coalesce_stacks() {
-    use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
-    use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
-    use std::time::Duration;
-    let cfg = CoalesceConfig::default();
-    // Small bound and age too, so write-back under pressure and by age runs amid the checks.
-    let busy = CoalesceConfig { size: 256 << 10, age: Duration::from_millis(5), ..cfg };
-    for (i, cfg) in [cfg, busy].into_iter().enumerate() {
-        let c = Coalesce::new(Arc::new(MemoryBackend::new(SIZE)), cfg);
-        run(&c, Expect::Store, 70 + i as u64).unwrap_or_else(|e| panic!("config {i}: {e}"));
-        c.finish().unwrap();
-        run_parallel(Arc::new(Coalesce::new(Arc::new(MemoryBackend::new(SIZE)), cfg)), 4, 72).unwrap();
-    }
-    let dir = tempfile::tempdir().unwrap();
-    for mode in [CacheMode::Neutral, CacheMode::Keep, CacheMode::Drop, CacheMode::Direct] {
-        let file = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
-        let c = Coalesce::new(file, busy);
-        run(&c, Expect::Store, 73).unwrap_or_else(|e| panic!("--cache={mode}: {e}"));
-        c.finish().unwrap();
-        let file = Arc::new(new_file(dir.path(), mode.name(), mode, &Tuning::default()));
-        run_parallel(Arc::new(Coalesce::new(file, cfg)), 4, 74)
-            .unwrap_or_else(|e| panic!("--cache={mode}, parallel: {e}"));
-    }
-    // Under the NBD server, through a front per connection, with prefetch above as
-    // `serve --prefetch --coalesce` stacks them.
-    let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
-    let c = Arc::new(Coalesce::new(mem.clone(), cfg));
-    let pcfg = PrefetchConfig { max_request: 1 << 20, ..PrefetchConfig::default() };
-    let p = Arc::new(Prefetch::new(Arc::new(c.front(mem.clone())), pcfg));
-    let nbd = over_nbd(Arc::new(p.front(Arc::new(c.front(mem.clone())))), true);
-    run(&*nbd, Expect::Store, 75).unwrap();
-    assert_prefetched(&p, "over coalesce, under the NBD server");
-    nbd.finish().unwrap();
-    let c = Arc::new(Coalesce::new(mem.clone(), busy));
-    run_parallel(over_nbd(Arc::new(c.front(mem)), true), 4, 76).unwrap();
+matrix! {
+    memory: Kind::Memory, 100;
+    null: Kind::Null, 200;
+    file_neutral: Kind::File(CacheMode::Neutral), 300;
+    file_keep: Kind::File(CacheMode::Keep), 400;
+    file_drop: Kind::File(CacheMode::Drop), 500;
+    file_direct: Kind::File(CacheMode::Direct), 600;
+    loop_neutral: Kind::Loop(CacheMode::Neutral), 700;
+    loop_keep: Kind::Loop(CacheMode::Keep), 800;
+    loop_direct: Kind::Loop(CacheMode::Direct), 900;
+    nbd_client: Kind::Nbd, 1000;
+    // object_storage: the S3 backend (issue 29) goes here, over the store `make test` starts.
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use lightfoot::backend::{Backend, MemoryBackend, ZeroFlags};
 use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
 use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
+use lightfoot::filters::Front;
 use lightfoot::testing::conformance::{Expect, Model, Rng};
 
 const SIZE: u64 = 8 << 20;
@@ -25,7 +26,7 @@ fn mix(seed: u64, steps: usize, late_read_ahead: bool) -> Result<(), String> {
     };
     let cfg = PrefetchConfig { size: 1 << 20, ..PrefetchConfig::default() };
     let p = Arc::new(Prefetch::new(ahead, cfg));
-    let fronts: Vec<_> = (0..3).map(|_| p.front(mem.clone())).collect();
+    let fronts: Vec<_> = (0..3).map(|_| Front::new(p.clone(), mem.clone())).collect();
     let mut m = Model::new(SIZE as usize, Expect::Store);
     let mut rng = Rng::new(seed);
     let mut cursors: Vec<u64> = (0..3).map(|_| rng.below(SIZE / K4) * K4).collect();
@@ -107,7 +108,7 @@ fn probe_hit(seed: u64) -> Result<(), String> {
     let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new(SIZE));
     let p =
         Arc::new(Prefetch::new(mem.clone(), PrefetchConfig { size: 1 << 20, ..PrefetchConfig::default() }));
-    let f = p.front(mem);
+    let f = Front::new(p.clone(), mem);
     let mut buf = vec![0u8; K4 as usize];
     for i in 0..32 {
         f.read(&mut buf, i * K4).map_err(|e| format!("seed {seed}: probe read: {e}"))?;
@@ -157,7 +158,7 @@ fn concurrent_fronts_on_disjoint_regions() {
     let region = SIZE / 4;
     let handles: Vec<_> = (0..4u64)
         .map(|t| {
-            let f = p.front(mem.clone());
+            let f = Front::new(p.clone(), mem.clone());
             std::thread::spawn(move || -> Result<(), String> {
                 let mut m = Model::new(region as usize, Expect::Store);
                 let mut rng = Rng::new(100 + t);

@@ -22,6 +22,8 @@ pub struct FileBackend {
     read_only: bool,
     rotational: bool,
     logical_block: u32,
+    /// [`Caps::alloc_unit`]: the filesystem's block for a regular file; none for a device.
+    alloc_unit: Option<u32>,
 }
 
 impl FileBackend {
@@ -47,7 +49,13 @@ impl FileBackend {
         } else {
             (rotational(meta.dev()), 1)
         };
+        // f_bsize: a failed statfs (or an absurd size) only means the unit is not known.
+        let alloc_unit = match file.is_block() {
+            true => None,
+            false => sys::fs_block_size(file.fd()).ok().and_then(|b| u32::try_from(b).ok()),
+        };
         Ok(FileBackend {
+            alloc_unit,
             name: path.display().to_string(),
             file,
             size: AtomicU64::new(size),
@@ -159,6 +167,7 @@ impl Backend for FileBackend {
             growable: !block,
             rotational: self.rotational,
             block: BlockSizes { minimum, preferred: 4096.max(minimum), maximum: 32 << 20 },
+            alloc_unit: self.alloc_unit,
         }
     }
 
@@ -174,6 +183,12 @@ impl Backend for FileBackend {
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         debug_assert!(!self.read_only);
         self.file.write_at(buf, offset, fua)
+    }
+
+    /// A write may wait for the device (a page read before a partial overwrite, writeback
+    /// throttling): never at hand.
+    fn write_at_hand(&self, _buf: &[u8], _offset: u64) -> Option<Result<()>> {
+        None
     }
 
     fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {

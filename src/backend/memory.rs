@@ -87,6 +87,7 @@ impl Backend for MemoryBackend {
             growable: false,
             rotational: false,
             block: BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 },
+            alloc_unit: Some(PAGE as u32),
         }
     }
 
@@ -115,6 +116,17 @@ impl Backend for MemoryBackend {
         });
         Ok(())
     }
+
+    /// Memory never waits for a device: written at once, as reads are.
+    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
+        Some(self.write(buf, offset, false))
+    }
+
+    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.write(buf, offset, fua)
+    }
+
+    fn will_write(&self, _offset: u64, _len: u64) {}
 
     fn zero(&self, offset: u64, len: u64, _flags: ZeroFlags) -> Result<()> {
         self.clear(offset, len);

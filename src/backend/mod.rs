@@ -82,6 +82,10 @@ pub struct Caps {
     pub growable: bool,
     pub rotational: bool,
     pub block: BlockSizes,
+    /// The unit space is allocated in when a hole is written (a file's filesystem block), where
+    /// there is such a thing and it is known: `--coalesce` fills gaps only inside units that
+    /// hold written bytes.
+    pub alloc_unit: Option<u32>,
 }
 
 /// Page-cache footprint of a backend's file, where it has one.
@@ -122,27 +126,25 @@ pub trait Backend: Send + Sync {
     /// request holds, or for memory to be freed (`--coalesce` taking a small write into its
     /// dirty map). `None` means nothing was done or recorded: call [`Backend::write`] from a
     /// thread that may block. The server's reader thread carries out such writes itself, as
-    /// it answers prefetch hits (see [`Backend::read_at_hand`]). The default, `None`, is
-    /// always correct; a filter forwards it only if it keeps its own promises when the layer
-    /// below takes the write this way.
-    fn write_at_hand(&self, _buf: &[u8], _offset: u64) -> Option<Result<()>> {
-        None
-    }
+    /// it answers prefetch hits (see [`Backend::read_at_hand`]). `None` is always correct; a
+    /// filter forwards it only if it keeps its own promises when the layer below takes the
+    /// write this way.
+    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>>;
 
     /// Writes `buf` at `offset` as [`Backend::write`] does, for a caller that has already
     /// merged several small writes into this one (`--coalesce` writing back a block with the
     /// gaps between its writes filled). A file in neutral mode keeps such a write out of the
     /// page cache as it does a large one, rather than caching it until the next flush as it
-    /// does small writes (see `io::file::SMALL_WRITE`). The default is [`Backend::write`].
-    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        self.write(buf, offset, fua)
-    }
+    /// does small writes (see `io::file::SMALL_WRITE`). Where nothing tells merged writes
+    /// apart, it is [`Backend::write`].
+    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
 
     /// A hint: `[offset, offset+len)` is about to be written, and its first or last page only
     /// in part. A file may start reading those pages now, all at once, rather than one at a
     /// time inside each write (the kernel reads a page it must partly overwrite). Only if the
-    /// pages will leave the cache as written pages do. The default does nothing.
-    fn will_write(&self, _offset: u64, _len: u64) {}
+    /// pages will leave the cache as written pages do. Where there are no such pages, it does
+    /// nothing.
+    fn will_write(&self, offset: u64, len: u64);
 
     /// Makes `[offset, offset+len)` read as zeroes.
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()>;

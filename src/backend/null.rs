@@ -45,6 +45,7 @@ impl Backend for NullBackend {
             growable: false,
             rotational: false,
             block: BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 },
+            alloc_unit: None,
         }
     }
 
@@ -60,6 +61,17 @@ impl Backend for NullBackend {
     fn write(&self, _buf: &[u8], _offset: u64, _fua: bool) -> Result<()> {
         Ok(())
     }
+
+    /// Nothing to wait for: written (discarded) at once.
+    fn write_at_hand(&self, _buf: &[u8], _offset: u64) -> Option<Result<()>> {
+        Some(Ok(()))
+    }
+
+    fn write_merged(&self, _buf: &[u8], _offset: u64, _fua: bool) -> Result<()> {
+        Ok(())
+    }
+
+    fn will_write(&self, _offset: u64, _len: u64) {}
 
     fn zero(&self, _offset: u64, _len: u64, _flags: ZeroFlags) -> Result<()> {
         Ok(())

@@ -77,6 +77,7 @@ impl Backend for PipeBackend {
             growable: true,
             rotational: false,
             block: BlockSizes { minimum: 1, preferred: 1 << 20, maximum: 32 << 20 },
+            alloc_unit: None,
         }
     }
 
@@ -118,6 +119,18 @@ impl Backend for PipeBackend {
         *pos += buf.len() as u64;
         Ok(())
     }
+
+    /// A pipe's reader may be slow: never at hand.
+    fn write_at_hand(&self, _buf: &[u8], _offset: u64) -> Option<Result<()>> {
+        None
+    }
+
+    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.write(buf, offset, fua)
+    }
+
+    /// No page cache between lightfoot and the pipe.
+    fn will_write(&self, _offset: u64, _len: u64) {}
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         if flags.fast {

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use clap::Args;
 use lightfoot::backend::{Backend, FileBackend};
 use lightfoot::copy::endpoint::parse_size;
-use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
-use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
+use lightfoot::filters::coalesce::CoalesceConfig;
+use lightfoot::filters::prefetch::PrefetchConfig;
+use lightfoot::filters::{Stack, StackConfig};
 use lightfoot::io::{CacheMode, Fadvise, OpenOptions, Shared};
 use lightfoot::server::{Export, Listener, Server};
 use lightfoot::tls::ServerTls;
@@ -221,73 +222,39 @@ pub fn run(a: ServeArgs) -> i32 {
     };
     let tuning = a.mechanisms.tuning(a.fadvise, true);
     let shared = Arc::new(Shared::default());
-    let (path, mode, ro) = (a.file.clone(), a.cache, a.read_only);
-    if a.coalesce && ro {
-        tracing::warn!("--coalesce does nothing with --read-only");
-    }
-    // --coalesce: one filter for the export, writing back through a file of its own; each
-    // connection reads through its own file with the held writes laid over.
-    let coalesce = match (a.coalesce && !ro).then(|| {
-        let opts = OpenOptions { write: true, create: false, truncate: false };
-        FileBackend::open_shared(&path, opts, mode, &tuning, shared.clone())
-    }) {
-        None => None,
-        Some(Ok(wb)) => {
-            let fs_block = lightfoot::io::sys::fs_block_size(wb.policy().fd()).ok();
-            let cfg = CoalesceConfig {
-                size: a.coalesce_size,
-                age: a.coalesce_age,
-                block: a.coalesce_block,
-                max_request: a.coalesce_block,
-                unit: lightfoot::filters::coalesce::unit_for(fs_block),
-                ..CoalesceConfig::default()
-            };
-            tracing::info!("--coalesce: gaps filled within {}-byte units", cfg.unit);
-            Some(Arc::new(Coalesce::new(Arc::new(wb), cfg)))
-        }
-        Some(Err(e)) => {
+    let (path, mode) = (a.file.clone(), a.cache);
+    let coalesce = CoalesceConfig {
+        size: a.coalesce_size,
+        age: a.coalesce_age,
+        block: a.coalesce_block,
+        max_request: a.coalesce_block,
+        ..CoalesceConfig::default()
+    };
+    let prefetch = PrefetchConfig {
+        size: a.prefetch_size,
+        max_request: a.prefetch_max_request,
+        ..PrefetchConfig::default()
+    };
+    let cfg = StackConfig {
+        read_only: a.read_only,
+        prefetch: a.prefetch.then_some(prefetch),
+        coalesce: a.coalesce.then_some(coalesce),
+    };
+    // Every open is a file of its own (readahead state and writeback errors are per open
+    // file), sharing the export's error latch and block locks.
+    let open = move |write: bool| -> lightfoot::Result<Arc<dyn Backend>> {
+        let opts = OpenOptions { write, create: false, truncate: false };
+        Ok(Arc::new(FileBackend::open_shared(&path, opts, mode, &tuning, shared.clone())?))
+    };
+    let stack = match Stack::new(cfg, open) {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
             super::report(&e);
             return 1;
         }
     };
-    // --prefetch: one filter for the export, reading ahead through a read-only open file of
-    // its own; each connection reaches it through a front over the connection's own file.
-    let prefetch = match a.prefetch.then(|| {
-        let opts = OpenOptions { write: false, create: false, truncate: false };
-        FileBackend::open_shared(&path, opts, mode, &tuning, shared.clone())
-    }) {
-        None => None,
-        Some(Ok(ra)) => {
-            // Read-ahead must see held writes too: prefetch stacks above coalesce.
-            let ra: Arc<dyn Backend> = match &coalesce {
-                Some(c) => Arc::new(c.front(Arc::new(ra))),
-                None => Arc::new(ra),
-            };
-            let cfg = PrefetchConfig {
-                size: a.prefetch_size,
-                max_request: a.prefetch_max_request,
-                ..PrefetchConfig::default()
-            };
-            Some(Arc::new(Prefetch::new(ra, cfg)))
-        }
-        Some(Err(e)) => {
-            super::report(&e);
-            return 1;
-        }
-    };
-    let (pf, co) = (prefetch.clone(), coalesce.clone());
-    let opener = move || -> lightfoot::Result<Arc<dyn Backend>> {
-        let opts = OpenOptions { write: !ro, create: false, truncate: false };
-        let mut file: Arc<dyn Backend> =
-            Arc::new(FileBackend::open_shared(&path, opts, mode, &tuning, shared.clone())?);
-        if let Some(c) = &co {
-            file = Arc::new(c.front(file));
-        }
-        Ok(match &pf {
-            Some(p) => Arc::new(p.front(file)),
-            None => file,
-        })
-    };
+    let s = stack.clone();
+    let opener = move || s.open();
     let export = match Export::new(&a.export_name, a.description.clone(), true, opener) {
         Ok(e) => e,
         Err(e) => {
@@ -370,11 +337,11 @@ pub fn run(a: ServeArgs) -> i32 {
     }
     if a.stats {
         let _ = lightfoot::io::sys::catch_sigusr1();
-        let (s, json, pf, co) = (server.clone(), a.json, prefetch.clone(), coalesce.clone());
+        let (s, json, st) = (server.clone(), a.json, stack.clone());
         std::thread::spawn(move || loop {
             std::thread::sleep(std::time::Duration::from_millis(100));
             if lightfoot::io::sys::take_sigusr1() {
-                print_stats(&s, pf.as_deref(), co.as_deref(), json);
+                print_stats(&s, &st, json);
             }
         });
     }
@@ -384,19 +351,16 @@ pub fn run(a: ServeArgs) -> i32 {
         let _ = std::fs::remove_file(p);
     }
     // Clean shutdown: read-ahead stops, then held writes are written back and flushed.
-    if let Some(p) = &prefetch {
-        let _ = p.finish();
-    }
-    let written_back = coalesce.as_ref().map_or(Ok(()), |c| c.finish());
+    let finished = stack.finish();
     if a.stats {
-        print_stats(&server, prefetch.as_deref(), coalesce.as_deref(), a.json);
+        print_stats(&server, &stack, a.json);
     }
     if let Err(e) = served {
         super::report(&format!("serve: {e}"));
         return 1;
     }
-    if let Err(e) = written_back {
-        super::report(&format!("write back at exit: {e}"));
+    if let Err(e) = finished {
+        super::report(&format!("at exit: {e}"));
         return 1;
     }
     let code = *status.lock().unwrap();
@@ -436,10 +400,10 @@ fn parse_coalesce_block(s: &str) -> Result<u64, String> {
     Ok(n)
 }
 
-fn print_stats(server: &Server, prefetch: Option<&Prefetch>, coalesce: Option<&Coalesce>, json: bool) {
+fn print_stats(server: &Server, stack: &Stack, json: bool) {
     let snap = server.stats_snapshot();
-    let pstats = prefetch.map(|p| p.stats());
-    let cstats = coalesce.map(|c| c.stats());
+    let pstats = stack.prefetch().map(|p| p.stats());
+    let cstats = stack.coalesce().map(|c| c.stats());
     if json {
         let mut v = serde_json::to_value(&snap).expect("stats serialise");
         if let Some(p) = pstats {

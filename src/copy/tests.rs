@@ -219,6 +219,15 @@ impl Backend for CountFinish {
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.0.write(buf, offset, fua)
     }
+    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
+        self.0.write_at_hand(buf, offset)
+    }
+    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.0.write_merged(buf, offset, fua)
+    }
+    fn will_write(&self, offset: u64, len: u64) {
+        self.0.will_write(offset, len)
+    }
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         self.0.zero(offset, len, flags)
     }

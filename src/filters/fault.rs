@@ -134,6 +134,28 @@ impl FaultInjector {
     }
 }
 
+impl FaultInjector {
+    /// A write (`below` carries it out) with the write rules applied.
+    fn write_with(
+        &self,
+        buf: &[u8],
+        offset: u64,
+        fua: bool,
+        below: impl Fn(&[u8], u64, bool) -> Result<()>,
+    ) -> Result<()> {
+        match self.check(Op::Write, offset, buf.len() as u64) {
+            Some(Fault::Fail(k)) => Err(self.fail(k, "write", offset, buf.len() as u64)),
+            Some(Fault::Short) => {
+                let half = buf.len() / 2;
+                below(&buf[..half], offset, fua)?;
+                Err(self.fail(ErrorKind::Io, "write", offset + half as u64, (buf.len() - half) as u64))
+            }
+            Some(Fault::Late(d)) => late(d, below(buf, offset, fua)),
+            _ => below(buf, offset, fua),
+        }
+    }
+}
+
 /// Returns `r` after sleeping `d`.
 fn late<T>(d: Duration, r: T) -> T {
     std::thread::sleep(d);
@@ -175,16 +197,25 @@ impl Backend for FaultInjector {
     }
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        match self.check(Op::Write, offset, buf.len() as u64) {
-            Some(Fault::Fail(k)) => Err(self.fail(k, "write", offset, buf.len() as u64)),
-            Some(Fault::Short) => {
-                let half = buf.len() / 2;
-                self.inner.write(&buf[..half], offset, fua)?;
-                Err(self.fail(ErrorKind::Io, "write", offset + half as u64, (buf.len() - half) as u64))
-            }
-            Some(Fault::Late(d)) => late(d, self.inner.write(buf, offset, fua)),
-            _ => self.inner.write(buf, offset, fua),
+        self.write_with(buf, offset, fua, |b, o, f| self.inner.write(b, o, f))
+    }
+
+    /// Writes with a rule go through `write`, where the rule applies; others are the inner
+    /// backend's.
+    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
+        if self.rules.iter().any(|(r, _, _)| r.ops.contains(&Op::Write)) {
+            return None;
         }
+        self.inner.write_at_hand(buf, offset)
+    }
+
+    /// The write rules apply to merged writes too (a coalesce write-back is torn this way).
+    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.write_with(buf, offset, fua, |b, o, f| self.inner.write_merged(b, o, f))
+    }
+
+    fn will_write(&self, offset: u64, len: u64) {
+        self.inner.will_write(offset, len)
     }
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {

@@ -17,6 +17,10 @@ pub enum Expect {
     Store,
     /// `null:`: writes are discarded, reads return zeroes.
     Zeroes,
+    /// `null:` under a filter that holds writes (`--coalesce`): a written byte reads back as
+    /// written while the filter holds it and as zero once passed down, so it is unspecified
+    /// (as after a trim); zeroed bytes read as zeroes.
+    Unkept,
 }
 
 /// The reference: a byte vector, plus which bytes are unspecified (after a trim).
@@ -32,10 +36,14 @@ impl Model {
     }
 
     pub fn write(&mut self, buf: &[u8], offset: u64) {
-        if self.expect == Expect::Store {
-            let o = offset as usize;
-            self.data[o..o + buf.len()].copy_from_slice(buf);
-            self.known[o..o + buf.len()].fill(true);
+        let o = offset as usize;
+        match self.expect {
+            Expect::Store => {
+                self.data[o..o + buf.len()].copy_from_slice(buf);
+                self.known[o..o + buf.len()].fill(true);
+            }
+            Expect::Unkept => self.known[o..o + buf.len()].fill(false),
+            Expect::Zeroes => {}
         }
     }
 
@@ -46,7 +54,7 @@ impl Model {
     }
 
     pub fn trim(&mut self, offset: u64, len: u64) {
-        if self.expect == Expect::Store {
+        if self.expect != Expect::Zeroes {
             let (o, n) = (offset as usize, len as usize);
             self.known[o..o + n].fill(false);
         }

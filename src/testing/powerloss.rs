@@ -80,6 +80,7 @@ impl Backend for PowerLoss {
             growable: false,
             rotational: false,
             block: BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 },
+            alloc_unit: None,
         }
     }
 
@@ -97,6 +98,17 @@ impl Backend for PowerLoss {
         self.change(offset, buf.len() as u64, fua, |d| d.copy_from_slice(buf));
         Ok(())
     }
+
+    /// In memory, as reads are.
+    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
+        Some(self.write(buf, offset, false))
+    }
+
+    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.write(buf, offset, fua)
+    }
+
+    fn will_write(&self, _offset: u64, _len: u64) {}
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         self.change(offset, len, flags.fua, |d| d.fill(0));

@@ -410,32 +410,19 @@ impl Drop for InProcess {
 }
 
 /// What `lightfoot serve` opens per connection over `below` with `--prefetch` and/or
-/// `--coalesce`: one filter of each for the export, a front per connection.
+/// `--coalesce`, from the same [`lightfoot::filters::Stack`]: one filter of each for the
+/// export, a front of each per connection.
 pub fn stack_opener(
     below: std::sync::Arc<dyn lightfoot::backend::Backend>,
     prefetch: bool,
     coalesce: bool,
 ) -> impl Fn() -> lightfoot::Result<std::sync::Arc<dyn lightfoot::backend::Backend>> + Send + Sync + 'static {
-    use lightfoot::backend::Backend;
-    use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
-    use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
-    use std::sync::Arc;
-    let coalesce = coalesce.then(|| Arc::new(Coalesce::new(below.clone(), CoalesceConfig::default())));
-    let prefetch = prefetch.then(|| {
-        let b: Arc<dyn Backend> = match &coalesce {
-            Some(c) => Arc::new(c.front(below.clone())),
-            None => below.clone(),
-        };
-        Arc::new(Prefetch::new(b, PrefetchConfig::default()))
-    });
-    move || {
-        let mut b = below.clone();
-        if let Some(c) = &coalesce {
-            b = Arc::new(c.front(b));
-        }
-        if let Some(p) = &prefetch {
-            b = Arc::new(p.front(b));
-        }
-        Ok(b)
-    }
+    use lightfoot::filters::{Stack, StackConfig};
+    let cfg = StackConfig {
+        read_only: false,
+        prefetch: prefetch.then(Default::default),
+        coalesce: coalesce.then(Default::default),
+    };
+    let stack = Stack::new(cfg, move |_| Ok(below.clone())).expect("filters over a shared backend");
+    move || stack.open()
 }

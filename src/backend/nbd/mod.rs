@@ -74,7 +74,7 @@ pub struct NbdBackend {
 }
 
 impl NbdBackend {
-    /// Keeps the allocation map it fetches, in large windows ([`extents`]), for a reader
+    /// Keeps the allocation map it fetches, in large windows (`extents`), for a reader
     /// that asks about every request, such as a copy's source. Not for a backend under a
     /// filter stack: writes through the stack's other backends (coalesce's write-back) would
     /// leave it saying "zero" over written data.
@@ -415,6 +415,7 @@ impl Backend for NbdBackend {
             growable: false,
             rotational: i.has(TF_ROTATIONAL),
             block: BlockSizes { minimum: i.block.minimum, preferred: i.block.preferred, maximum: max },
+            alloc_unit: None,
         }
     }
 
@@ -441,6 +442,19 @@ impl Backend for NbdBackend {
             self.write_unaligned(buf, offset, fua)
         }
     }
+
+    /// A round trip to the server: never at hand.
+    fn write_at_hand(&self, _buf: &[u8], _offset: u64) -> Option<Result<()>> {
+        None
+    }
+
+    /// The server's cache is the server's business: NBD has no way to say a write was merged.
+    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.write(buf, offset, fua)
+    }
+
+    /// The pages are the server's: nothing to prepare here.
+    fn will_write(&self, _offset: u64, _len: u64) {}
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         if flags.fast && !self.caps().can_fast_zero {

@@ -1,4 +1,4 @@
-//! `--coalesce` (issue 6): safe write coalescing. Small scattered writes are held in memory
+//! `--coalesce`: safe write coalescing. Small scattered writes are held in memory
 //! and written back later, merged, as fewer and larger requests.
 //!
 //! - [`dirty`]: the dirty data of one block (exact byte ranges, merged when they touch), the
@@ -7,8 +7,8 @@
 //! - `writeback`: write-back of a block, of everything (FLUSH), of old blocks and under
 //!   memory pressure (a background thread); flushes below; the error latch.
 //! - [`Coalesce`]: the filter, over one backend that does every write-back, gap-fill read,
-//!   pass-through write, zero and trim. [`CoalesceFront`]s share one `Coalesce` between users
-//!   with backends of their own (the server's connections, each with its own open file), which
+//!   pass-through write, zero and trim. [`Front`](super::Front)s share one `Coalesce` between
+//!   users with backends of their own (the server's connections, each with its own open file), which
 //!   they use for reads only: every connection sees every connection's dirty data.
 //!
 //! Data flow. A WRITE of at most `max_request` bytes is copied into the dirty map and answered
@@ -57,7 +57,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, CacheInfo, Caps, Extent, ZeroFlags};
+use super::Filter;
+use crate::backend::{Backend, Caps, Extent, ZeroFlags};
 use crate::error::{ErrorKind, Result};
 use dirty::Block;
 use stripes::STRIPES;
@@ -196,7 +197,8 @@ struct Shared {
     zeroes: Mutex<zeroes::Zeroes>,
 }
 
-/// The write-coalescing filter: a [`Backend`] over a [`Backend`].
+/// The write-coalescing filter: a [`Filter`] over a [`Backend`] of its own, which every change
+/// of data goes through.
 pub struct Coalesce {
     shared: Arc<Shared>,
     /// The background thread and the write-back helpers.
@@ -274,13 +276,6 @@ impl Coalesce {
         }
     }
 
-    /// A front for one more user of the same export (a server connection): reads go through
-    /// `front` (its own open file) with the shared dirty data laid over them; everything that
-    /// changes data goes through this filter.
-    pub fn front(self: &Arc<Self>, front: Arc<dyn Backend>) -> CoalesceFront {
-        CoalesceFront { coalesce: self.clone(), front }
-    }
-
     /// Stops the background thread and the helpers; what is dirty stays dirty.
     fn stop(&self) {
         self.shared.stopping.store(true, SeqCst);
@@ -298,17 +293,6 @@ impl Coalesce {
 }
 
 impl Coalesce {
-    fn read_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.overlaid(buf, offset, true, |buf| Some(front.read(buf, offset))).expect("read always answers")
-    }
-
-    /// A read of what is at hand: held bytes, laid over what the layer below has at hand.
-    /// `None` (and nothing recorded) when the layer below would have to wait for a device, or
-    /// a stripe is locked (a write-back holds it across device I/O).
-    fn read_at_hand_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
-        self.overlaid(buf, offset, false, |buf| front.read_at_hand(buf, offset))
-    }
-
     /// Reads with `below` and lays the held bytes over the result, holding the stripes'
     /// read locks across both (a write-back cannot slip between them). Reads that held bytes
     /// cover entirely do not call `below`. Without `wait`, `None` if a stripe is locked.
@@ -405,35 +389,6 @@ impl Coalesce {
         sh.counters.absorbed.fetch_add(1, SeqCst);
     }
 
-    /// A write held without waiting: `None` (nothing recorded) if it would go straight down,
-    /// if there is no room for it, or if a stripe is locked (a write-back holds it across
-    /// device I/O).
-    fn write_at_hand_via(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
-        let sh = &self.shared;
-        let len = buf.len() as u64;
-        if len == 0 || !self.holds(offset, len) {
-            return None;
-        }
-        // After `holds`: it checked that the range does not wrap.
-        let room = self.charge(offset, len);
-        if !sh.reserve(room) {
-            return None;
-        }
-        let Some(mut locks) = sh.try_write_locks(offset, len) else {
-            sh.release(room);
-            return None;
-        };
-        if self.finished.load(SeqCst) {
-            // `finish` began after `holds` (see `write_small`): not held.
-            drop(locks);
-            sh.release(room);
-            return None;
-        }
-        sh.counters.client_writes.fetch_add(1, SeqCst);
-        self.absorb(&mut locks, buf, offset, room);
-        Some(Ok(()))
-    }
-
     fn write_small(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         let sh = &self.shared;
         let len = buf.len() as u64;
@@ -496,53 +451,6 @@ impl Coalesce {
         Ok(())
     }
 
-    fn extents_via(&self, front: &dyn Backend, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        let sh = &self.shared;
-        if sh.held.load(SeqCst) == 0 {
-            return front.extents(offset, len);
-        }
-        let locks = sh.read_locks(offset, len);
-        let below = front.extents(offset, len)?;
-        let total: u64 = below.iter().map(|e| e.len).sum();
-        let (bs, unit) = (sh.cfg.block, u64::from(sh.cfg.unit));
-        let mut ranges: Vec<Range<u64>> = Vec::new();
-        // Dirty bytes in the units the request touches (the same blocks: blocks are whole
-        // units), so that the answer does not depend on where a request starts.
-        let (lo, hi) = (offset / unit * unit, (offset + total).div_ceil(unit) * unit);
-        let dirty = sh.dirty_in(&locks, lo, hi.min(sh.size) - lo);
-        for (b, r) in dirty {
-            let blk = &locks.map(Shared::stripe_of(b))[&b];
-            for d in blk.ranges().filter(|d| d.start < r.end && r.start < d.end) {
-                // Whole units: clients read in aligned pieces, and qemu rounds an unaligned
-                // extent so that a hole's status covers the dirty bytes sharing its 512-byte
-                // sector (it then reads them as zeroes). Data is the safe answer for the rest
-                // of the unit, which the filesystem allocates with the dirty bytes anyway.
-                let s = ((b * bs + u64::from(d.start)) / unit * unit).max(offset);
-                let e = (b * bs + u64::from(d.end)).div_ceil(unit).saturating_mul(unit).min(offset + total);
-                match ranges.last_mut() {
-                    Some(last) if last.end >= s => last.end = last.end.max(e),
-                    _ => ranges.push(s..e),
-                }
-            }
-        }
-        Ok(dirty::mark_data(&below, offset, &ranges))
-    }
-
-    fn write_via(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        let sh = &self.shared;
-        sh.counters.client_writes.fetch_add(1, SeqCst);
-        if buf.is_empty() {
-            // Nothing to write, but a FUA write still reports a latched error, as every FUA
-            // does (a zero-length ZERO or TRIM with FUA does too, through `pass`).
-            return if fua { sh.check_latch("write") } else { Ok(()) };
-        }
-        // After `finish` nothing would write held bytes back: write through.
-        if self.holds(offset, buf.len() as u64) {
-            return self.write_small(buf, offset, fua);
-        }
-        self.write_through(buf, offset, fua)
-    }
-
     /// A write that is not held: straight down, dropping the held bytes it supersedes. A FUA
     /// one still reports a latched write-back error, as every FUA does.
     fn write_through(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
@@ -550,24 +458,6 @@ impl Coalesce {
         self.pass(offset, buf.len() as u64, || sh.write_below(buf, offset, fua, false))?;
         if fua {
             sh.check_latch("write")?;
-        }
-        Ok(())
-    }
-
-    fn zero_via(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        let sh = &self.shared;
-        self.pass(offset, len, || sh.inner.zero(offset, len, flags))?;
-        if flags.fua {
-            sh.check_latch("zero")?;
-        }
-        Ok(())
-    }
-
-    fn trim_via(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
-        let sh = &self.shared;
-        self.pass(offset, len, || sh.inner.trim(offset, len, fua))?;
-        if fua {
-            sh.check_latch("trim")?;
         }
         Ok(())
     }
@@ -603,58 +493,139 @@ impl Coalesce {
     }
 }
 
-/// The filter over its own backend: everything goes to `inner`.
-impl Backend for Coalesce {
-    fn name(&self) -> &str {
-        self.shared.inner.name()
-    }
-
-    fn size(&self) -> Option<u64> {
-        self.shared.inner.size()
-    }
-
-    fn caps(&self) -> Caps {
+/// Reads, BLOCK_STATUS and CACHE through the front's own backend (`below`) with the held
+/// bytes laid over; every change of data, held or not, and every flush through the filter's
+/// own backend, which every writer of the export shares.
+impl Filter for Coalesce {
+    fn caps(&self, _below: &dyn Backend) -> Caps {
         self.shared.inner.caps()
     }
 
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.read_via(&*self.shared.inner, buf, offset)
+    fn read(&self, below: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.overlaid(buf, offset, true, |buf| Some(below.read(buf, offset))).expect("read always answers")
     }
 
-    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
-        self.read_at_hand_via(&*self.shared.inner, buf, offset)
+    /// A read of what is at hand: held bytes, laid over what the layer below has at hand.
+    /// `None` (and nothing recorded) when the layer below would have to wait for a device, or
+    /// a stripe is locked (a write-back holds it across device I/O).
+    fn read_at_hand(&self, below: &dyn Backend, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+        self.overlaid(buf, offset, false, |buf| below.read_at_hand(buf, offset))
     }
 
-    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        self.write_via(buf, offset, fua)
+    fn write(&self, _below: &dyn Backend, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        let sh = &self.shared;
+        sh.counters.client_writes.fetch_add(1, SeqCst);
+        if buf.is_empty() {
+            // Nothing to write, but a FUA write still reports a latched error, as every FUA
+            // does (a zero-length ZERO or TRIM with FUA does too, through `pass`).
+            return if fua { sh.check_latch("write") } else { Ok(()) };
+        }
+        // After `finish` nothing would write held bytes back: write through.
+        if self.holds(offset, buf.len() as u64) {
+            return self.write_small(buf, offset, fua);
+        }
+        self.write_through(buf, offset, fua)
     }
 
-    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
-        self.write_at_hand_via(buf, offset)
+    /// A write held without waiting: `None` (nothing recorded) if it would go straight down,
+    /// if there is no room for it, or if a stripe is locked (a write-back holds it across
+    /// device I/O).
+    fn write_at_hand(&self, _below: &dyn Backend, buf: &[u8], offset: u64) -> Option<Result<()>> {
+        let sh = &self.shared;
+        let len = buf.len() as u64;
+        if len == 0 || !self.holds(offset, len) {
+            return None;
+        }
+        // After `holds`: it checked that the range does not wrap.
+        let room = self.charge(offset, len);
+        if !sh.reserve(room) {
+            return None;
+        }
+        let Some(mut locks) = sh.try_write_locks(offset, len) else {
+            sh.release(room);
+            return None;
+        };
+        if self.finished.load(SeqCst) {
+            // `finish` began after `holds` (see `write_small`): not held.
+            drop(locks);
+            sh.release(room);
+            return None;
+        }
+        sh.counters.client_writes.fetch_add(1, SeqCst);
+        self.absorb(&mut locks, buf, offset, room);
+        Some(Ok(()))
     }
 
-    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.zero_via(offset, len, flags)
+    /// As any write: held if it is small enough. (Only a filter's write-back merges writes,
+    /// and none stacks above this one.)
+    fn write_merged(&self, below: &dyn Backend, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        Filter::write(self, below, buf, offset, fua)
     }
 
-    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
-        self.trim_via(offset, len, fua)
+    /// Nothing: the pages of held writes are the filter's to prepare when it writes them back
+    /// (it hints its own writes below then), and a pass-through write needs no hint.
+    fn will_write(&self, _below: &dyn Backend, _offset: u64, _len: u64) {}
+
+    fn zero(&self, _below: &dyn Backend, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        let sh = &self.shared;
+        self.pass(offset, len, || sh.inner.zero(offset, len, flags))?;
+        if flags.fua {
+            sh.check_latch("zero")?;
+        }
+        Ok(())
     }
 
-    fn flush(&self) -> Result<()> {
+    fn trim(&self, _below: &dyn Backend, offset: u64, len: u64, fua: bool) -> Result<()> {
+        let sh = &self.shared;
+        self.pass(offset, len, || sh.inner.trim(offset, len, fua))?;
+        if fua {
+            sh.check_latch("trim")?;
+        }
+        Ok(())
+    }
+
+    fn flush(&self, _below: &dyn Backend) -> Result<()> {
         self.flush_all()
     }
 
-    fn cache(&self, offset: u64, len: u64) -> Result<()> {
-        self.shared.inner.cache(offset, len)
+    fn cache(&self, below: &dyn Backend, offset: u64, len: u64) -> Result<()> {
+        below.cache(offset, len)
     }
 
-    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        self.extents_via(&*self.shared.inner, offset, len)
+    fn extents(&self, below: &dyn Backend, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        let sh = &self.shared;
+        if sh.held.load(SeqCst) == 0 {
+            return below.extents(offset, len);
+        }
+        let locks = sh.read_locks(offset, len);
+        let found = below.extents(offset, len)?;
+        let total: u64 = found.iter().map(|e| e.len).sum();
+        let (bs, unit) = (sh.cfg.block, u64::from(sh.cfg.unit));
+        let mut ranges: Vec<Range<u64>> = Vec::new();
+        // Dirty bytes in the units the request touches (the same blocks: blocks are whole
+        // units), so that the answer does not depend on where a request starts.
+        let (lo, hi) = (offset / unit * unit, (offset + total).div_ceil(unit) * unit);
+        let dirty = sh.dirty_in(&locks, lo, hi.min(sh.size) - lo);
+        for (b, r) in dirty {
+            let blk = &locks.map(Shared::stripe_of(b))[&b];
+            for d in blk.ranges().filter(|d| d.start < r.end && r.start < d.end) {
+                // Whole units: clients read in aligned pieces, and qemu rounds an unaligned
+                // extent so that a hole's status covers the dirty bytes sharing its 512-byte
+                // sector (it then reads them as zeroes). Data is the safe answer for the rest
+                // of the unit, which the filesystem allocates with the dirty bytes anyway.
+                let s = ((b * bs + u64::from(d.start)) / unit * unit).max(offset);
+                let e = (b * bs + u64::from(d.end)).div_ceil(unit).saturating_mul(unit).min(offset + total);
+                match ranges.last_mut() {
+                    Some(last) if last.end >= s => last.end = last.end.max(e),
+                    _ => ranges.push(s..e),
+                }
+            }
+        }
+        Ok(dirty::mark_data(&found, offset, &ranges))
     }
 
-    fn cache_info(&self) -> Option<CacheInfo> {
-        self.shared.inner.cache_info()
+    fn own(&self) -> &Arc<dyn Backend> {
+        &self.shared.inner
     }
 
     fn finish(&self) -> Result<()> {
@@ -673,72 +644,6 @@ impl Drop for Coalesce {
         if let Err(e) = self.finish_all() {
             tracing::warn!("coalesce: at exit: {e}");
         }
-    }
-}
-
-/// One user's view of a shared [`Coalesce`] (see [`Coalesce::front`]): reads, extents and
-/// CACHE through its own backend with the dirty data laid over; writes, zeroes, trims and
-/// flushes through the `Coalesce`. Finishing it cleans up its own backend only.
-pub struct CoalesceFront {
-    coalesce: Arc<Coalesce>,
-    front: Arc<dyn Backend>,
-}
-
-impl Backend for CoalesceFront {
-    fn name(&self) -> &str {
-        self.front.name()
-    }
-
-    fn size(&self) -> Option<u64> {
-        self.front.size()
-    }
-
-    fn caps(&self) -> Caps {
-        self.coalesce.caps()
-    }
-
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.coalesce.read_via(&*self.front, buf, offset)
-    }
-
-    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
-        self.coalesce.read_at_hand_via(&*self.front, buf, offset)
-    }
-
-    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        self.coalesce.write_via(buf, offset, fua)
-    }
-
-    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
-        self.coalesce.write_at_hand_via(buf, offset)
-    }
-
-    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.coalesce.zero_via(offset, len, flags)
-    }
-
-    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
-        self.coalesce.trim_via(offset, len, fua)
-    }
-
-    fn flush(&self) -> Result<()> {
-        self.coalesce.flush_all()
-    }
-
-    fn cache(&self, offset: u64, len: u64) -> Result<()> {
-        self.front.cache(offset, len)
-    }
-
-    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        self.coalesce.extents_via(&*self.front, offset, len)
-    }
-
-    fn cache_info(&self) -> Option<CacheInfo> {
-        self.front.cache_info()
-    }
-
-    fn finish(&self) -> Result<()> {
-        self.front.finish()
     }
 }
 

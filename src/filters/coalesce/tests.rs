@@ -1,8 +1,9 @@
 //! Unit tests of the filter over memory backends (with faults injected where needed).
 
 use super::*;
-use crate::backend::MemoryBackend;
+use crate::backend::{CacheInfo, MemoryBackend};
 use crate::filters::fault::{Fault, FaultInjector, Op, Rule};
+use crate::filters::Front;
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
@@ -30,7 +31,7 @@ fn read(b: &dyn Backend, off: u64, len: u64) -> Vec<u8> {
 #[test]
 fn strided_writes_become_one_request_per_block() {
     let mem = full(4 * MIB);
-    let c = Coalesce::new(mem.clone(), cfg());
+    let c = Front::whole(Coalesce::new(mem.clone(), cfg()));
     let mut want = read(&*mem, 0, 4 * MIB);
     for i in 0..MIB / (4 * K) {
         let data = vec![(i % 200) as u8; K as usize];
@@ -56,7 +57,7 @@ fn strided_writes_become_one_request_per_block() {
 #[test]
 fn passed_blocks_are_written_back_early() {
     let mem = full(4 * MIB);
-    let c = Coalesce::new(mem.clone(), cfg());
+    let c = Front::whole(Coalesce::new(mem.clone(), cfg()));
     // Blocks 0-3: 1 KiB every 4 KiB, then one write into block 4.
     for i in 0..65 {
         c.write(&[0x5a; 1024], i * 4 * K, false).unwrap();
@@ -86,7 +87,7 @@ fn passed_blocks_are_written_back_early() {
 fn gaps_over_holes_are_not_filled() {
     // A fresh memory backend is all holes: each range is written as it is.
     let mem = Arc::new(MemoryBackend::new(4 * MIB));
-    let c = Coalesce::new(mem.clone(), cfg());
+    let c = Front::whole(Coalesce::new(mem.clone(), cfg()));
     for i in 0..64 {
         c.write(&[7u8; 1024], i * MIB / 16, false).unwrap();
     }
@@ -112,7 +113,7 @@ fn gaps_over_data_are_filled_only_inside_written_units() {
     for (stride, len) in [(8 * K, K), (8 * K, 4 * K)] {
         let mem = full(MIB);
         let mut want = read(&*mem, 0, MIB);
-        let c = Coalesce::new(mem.clone(), cfg());
+        let c = Front::whole(Coalesce::new(mem.clone(), cfg()));
         for i in 0..MIB / stride {
             let data = vec![(i % 250) as u8 + 1; len as usize];
             c.write(&data, i * stride, false).unwrap();
@@ -132,7 +133,7 @@ fn strided_writes_into_holes_merge_within_touched_units() {
     // request; 1 KiB every 8 KiB: the units between were never written, so not filled.
     for (stride, writes) in [(4 * K, 16), (8 * K, 128)] {
         let mem = Arc::new(MemoryBackend::new(4 * MIB));
-        let c = Coalesce::new(mem.clone(), cfg());
+        let c = Front::whole(Coalesce::new(mem.clone(), cfg()));
         for i in 0..MIB / stride {
             c.write(&[0xaa; 1024], i * stride + 512, false).unwrap();
         }
@@ -149,7 +150,7 @@ fn strided_writes_into_holes_merge_within_touched_units() {
 #[test]
 fn trims_and_zeroes_discard_earlier_writes_and_lose_to_later_ones() {
     let mem = full(MIB);
-    let c = Coalesce::new(mem.clone(), cfg());
+    let c = Front::whole(Coalesce::new(mem.clone(), cfg()));
     c.write(&[1u8; 4096], 8192, false).unwrap();
     c.zero(8192 + 1024, 1024, ZeroFlags::default()).unwrap();
     c.write(&[2u8; 512], 8192 + 1024 + 256, false).unwrap();
@@ -175,7 +176,7 @@ fn trims_and_zeroes_discard_earlier_writes_and_lose_to_later_ones() {
 #[test]
 fn extents_report_dirty_data_as_data() {
     let mem = Arc::new(MemoryBackend::new(4 * MIB));
-    let c = Coalesce::new(mem.clone(), cfg());
+    let c = Front::whole(Coalesce::new(mem.clone(), cfg()));
     assert_eq!(c.extents(0, 4 * MIB).unwrap(), [Extent::hole(4 * MIB)]);
     c.write(&[1u8; 1000], MIB + 24, false).unwrap();
     // Whole 4 KiB units are data (qemu misreads unaligned extents).
@@ -195,7 +196,7 @@ fn a_failed_write_back_fails_every_later_flush_and_fua() {
     let mem = full(MIB);
     let bad = Rule::new(Op::Write, Fault::Fail(ErrorKind::Io)).at(64 * K, 64 * K).times(1);
     let f = Arc::new(FaultInjector::new(mem.clone(), vec![bad]));
-    let c = Coalesce::new(f, cfg());
+    let c = Front::whole(Coalesce::new(f, cfg()));
     c.write(&[1u8; 1024], 64 * K + 10, false).unwrap();
     c.write(&[2u8; 1024], 10, false).unwrap();
     let e = c.flush().unwrap_err();
@@ -218,7 +219,7 @@ fn a_fua_write_past_a_full_bound_reports_a_latched_error() {
     let mem = full(MIB);
     let bad = Rule::new(Op::Write, Fault::Fail(ErrorKind::Io)).at(0, 64 * K);
     let f = Arc::new(FaultInjector::new(mem.clone(), vec![bad]));
-    let c = Coalesce::new(f, CoalesceConfig { size: 128 * K, ..cfg() });
+    let c = Front::whole(Coalesce::new(f, CoalesceConfig { size: 128 * K, ..cfg() }));
     c.write(&[1u8; 1024], 10, false).unwrap();
     assert!(c.flush().is_err());
     // Fill the bound with blocks elsewhere (held: no room for more).
@@ -235,8 +236,10 @@ fn a_fua_write_past_a_full_bound_reports_a_latched_error() {
 fn a_write_larger_than_a_quarter_of_the_bound_gets_room() {
     let mem = full(MIB);
     // An age bound that ends the wait in 20 s at the latest.
-    let c =
-        Coalesce::new(mem.clone(), CoalesceConfig { size: 128 * K, age: Duration::from_secs(20), ..cfg() });
+    let c = Front::whole(Coalesce::new(
+        mem.clone(),
+        CoalesceConfig { size: 128 * K, age: Duration::from_secs(20), ..cfg() },
+    ));
     c.write(&vec![1u8; 16 * K as usize], 0, false).unwrap();
     c.write(&vec![2u8; 64 * K as usize], 64 * K, false).unwrap();
     let t0 = Instant::now();
@@ -250,7 +253,7 @@ fn a_write_larger_than_a_quarter_of_the_bound_gets_room() {
 fn writers_wait_within_the_memory_bound() {
     let mem = full(16 * MIB);
     let cfg = CoalesceConfig { size: 256 * K, ..cfg() };
-    let c = Coalesce::new(mem.clone(), cfg);
+    let c = Front::whole(Coalesce::new(mem.clone(), cfg));
     let mut rng = crate::testing::conformance::Rng::new(5);
     let mut want = read(&*mem, 0, 16 * MIB);
     for _ in 0..4000 {
@@ -271,7 +274,8 @@ fn writers_wait_within_the_memory_bound() {
 #[test]
 fn old_data_is_written_back_in_the_background() {
     let mem = full(MIB);
-    let c = Coalesce::new(mem.clone(), CoalesceConfig { age: Duration::from_millis(20), ..cfg() });
+    let c =
+        Front::whole(Coalesce::new(mem.clone(), CoalesceConfig { age: Duration::from_millis(20), ..cfg() }));
     c.write(&[9u8; 100], 5000, false).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while c.stats().held > 0 {
@@ -285,7 +289,8 @@ fn old_data_is_written_back_in_the_background() {
 fn concurrent_flushes_each_flush_below() {
     let mem = full(MIB);
     let slow = Rule::new(Op::Flush, Fault::Slow(Duration::from_millis(100)));
-    let c = Arc::new(Coalesce::new(Arc::new(FaultInjector::new(mem.clone(), vec![slow])), cfg()));
+    let c =
+        Arc::new(Front::whole(Coalesce::new(Arc::new(FaultInjector::new(mem.clone(), vec![slow])), cfg())));
     let threads: Vec<_> = (0..4u64)
         .map(|t| {
             let c = c.clone();
@@ -316,7 +321,8 @@ fn a_flush_writes_back_other_blocks_while_a_stripe_is_busy() {
     let (a, b) = (0u64, 5u64);
     assert_ne!(Shared::stripe_of(a), Shared::stripe_of(b));
     let slow = Rule::new(Op::Write, Fault::Slow(Duration::from_secs(2))).at(a * 64 * K, 64 * K);
-    let c = Arc::new(Coalesce::new(Arc::new(FaultInjector::new(mem.clone(), vec![slow])), cfg()));
+    let c =
+        Arc::new(Front::whole(Coalesce::new(Arc::new(FaultInjector::new(mem.clone(), vec![slow])), cfg())));
     c.write(&[0xeeu8; 100], a * 64 * K, false).unwrap();
     c.write(&[2u8; 100], b * 64 * K, false).unwrap();
     let bg = {
@@ -348,7 +354,7 @@ fn a_flush_writes_back_other_blocks_while_a_stripe_is_busy() {
 #[test]
 fn reads_at_hand_see_held_bytes_and_never_wait() {
     let mem = full(MIB);
-    let c = Coalesce::new(mem.clone(), cfg());
+    let c = Front::whole(Coalesce::new(mem.clone(), cfg()));
     c.write(&[9u8; 100], 5000, false).unwrap();
     let mut buf = [0u8; 200];
     assert_eq!(c.read_at_hand(&mut buf, 4950).unwrap().unwrap(), 200);
@@ -362,12 +368,12 @@ fn reads_at_hand_see_held_bytes_and_never_wait() {
 #[test]
 fn dropping_writes_everything_back() {
     let mem = full(MIB);
-    let c = Coalesce::new(mem.clone(), cfg());
+    let c = Front::whole(Coalesce::new(mem.clone(), cfg()));
     c.write(&[9u8; 100], 5000, false).unwrap();
     drop(c);
     assert_eq!(read(&*mem, 5000, 100), [9u8; 100]);
     // After finish, writes go straight through: nothing would write them back.
-    let c = Coalesce::new(mem.clone(), cfg());
+    let c = Front::whole(Coalesce::new(mem.clone(), cfg()));
     c.finish().unwrap();
     c.write(&[7u8; 100], 5000, false).unwrap();
     assert_eq!((c.stats().held, c.stats().backend_writes), (0, 1));
@@ -380,7 +386,7 @@ fn dropping_writes_everything_back() {
 #[test]
 fn writes_at_hand_are_held_or_left_alone() {
     let mem = full(4 * MIB);
-    let c = Coalesce::new(mem.clone(), CoalesceConfig { size: 128 * K, ..cfg() });
+    let c = Front::whole(Coalesce::new(mem.clone(), CoalesceConfig { size: 128 * K, ..cfg() }));
     let before = read(&*mem, 0, 4 * MIB);
     let mut want = before.clone();
 
@@ -420,7 +426,7 @@ fn writes_at_hand_are_held_or_left_alone() {
 fn concurrent_writers_never_hold_more_than_the_bound() {
     let mem = full(8 * MIB);
     let bound = 64 * K;
-    let c = Arc::new(Coalesce::new(mem.clone(), CoalesceConfig { size: bound, ..cfg() }));
+    let c = Arc::new(Front::whole(Coalesce::new(mem.clone(), CoalesceConfig { size: bound, ..cfg() })));
     let threads: Vec<_> = (0..8u64)
         .map(|t| {
             let c = c.clone();
@@ -448,7 +454,7 @@ fn gaps_known_to_read_as_zeroes_are_filled_without_reading() {
     // Holes everywhere but the second MiB, which holds data before the filter starts.
     let mem = Arc::new(MemoryBackend::new(4 * MIB));
     mem.write(&vec![5u8; MIB as usize], MIB, false).unwrap();
-    let c = Coalesce::new(mem.clone(), cfg());
+    let c = Front::whole(Coalesce::new(mem.clone(), cfg()));
     // 1 KiB every 4 KiB over 256 KiB of holes and 256 KiB of data: four 64 KiB blocks each.
     for i in 0..64u64 {
         c.write(&[9u8; 1024], i * 4096, false).unwrap();
@@ -514,6 +520,10 @@ impl Backend for Recorder {
         self.plain.fetch_add(1, SeqCst);
         self.inner.write(buf, offset, fua)
     }
+    /// Not at hand: counted as a plain write when it comes through `write`.
+    fn write_at_hand(&self, _buf: &[u8], _offset: u64) -> Option<Result<()>> {
+        None
+    }
     fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.merged.fetch_add(1, SeqCst);
         self.inner.write(buf, offset, fua)
@@ -553,7 +563,7 @@ fn write_backs_that_join_writes_say_so() {
     for holes in [false, true] {
         let mem = if holes { Arc::new(MemoryBackend::new(4 * MIB)) } else { full(4 * MIB) };
         let rec = Recorder::over(mem.clone());
-        let c = Coalesce::new(rec.clone(), cfg());
+        let c = Front::whole(Coalesce::new(rec.clone(), cfg()));
         // Block 0: 1 KiB every 4 KiB (joined, gaps read or known to be zeroes). Block 2: two
         // touching writes (one range). Block 4: a lone write.
         for i in 0..8 {
@@ -578,7 +588,7 @@ fn write_backs_that_join_writes_say_so() {
 #[test]
 fn exact_ranges_are_hinted_before_the_write_backs() {
     let rec = Recorder::over(full(4 * MIB));
-    let c = Coalesce::new(rec.clone(), cfg());
+    let c = Front::whole(Coalesce::new(rec.clone(), cfg()));
     // Block 0: 1 KiB every 4 KiB (joined). Block 1: two ranges 32 KiB apart (not joined).
     // Block 3: a lone write.
     for i in 0..8 {
@@ -610,7 +620,7 @@ fn the_unit_is_the_filesystems_block_up_to_4k() {
 fn tiny_scattered_writes_fill_the_bound_with_their_runs() {
     let mem = Arc::new(MemoryBackend::new(4 * MIB));
     let bound = 64 * K;
-    let c = Coalesce::new(mem.clone(), CoalesceConfig { size: bound, ..cfg() });
+    let c = Front::whole(Coalesce::new(mem.clone(), CoalesceConfig { size: bound, ..cfg() }));
     let mut held_before_write_back = 0;
     for i in 0..4096u64 {
         c.write(&[0x11], i * 2, false).unwrap();

@@ -1,14 +1,14 @@
-//! `--prefetch` (issue 5): read-ahead for sequential streams into a small bounded buffer, so
+//! `--prefetch`: read-ahead for sequential streams into a small bounded buffer, so
 //! small sequential reads on uncached storage stop paying a device round trip each.
 //!
 //! - [`detect`]: finding streams among an export's reads (interleaved, reordered, amid random
 //!   reads); one detector per filter, so per export and shared by its connections.
 //! - [`buffer`]: 256 KiB chunks read ahead, each dropped once read through, within a byte
 //!   bound; unread chunks are evicted first, then the least recently used.
-//! - [`Prefetch`]: the filter, over one backend; [`PrefetchFront`]s share one `Prefetch`
-//!   between users with backends of their own (the server's connections, each with its own
-//!   open file), so a stream is followed whichever connection its reads arrive on.
-//!   Read-ahead always goes through the `Prefetch`'s own backend.
+//! - [`Prefetch`]: the filter, over one backend; [`Front`](super::Front)s share one `Prefetch` between
+//!   users with backends of their own (the server's connections, each with its own open
+//!   file), so a stream is followed whichever connection its reads arrive on. Read-ahead
+//!   always goes through the `Prefetch`'s own backend.
 //!
 //! A read of at most `max_request` bytes is shown to the detector and served from the buffer
 //! when the buffer holds all of it, from the layer below otherwise. A read of a stream queues
@@ -39,7 +39,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
-use crate::backend::{Backend, CacheInfo, Caps, Extent, ZeroFlags};
+use super::Filter;
+use crate::backend::{Backend, Caps, Extent, ZeroFlags};
 use crate::error::Result;
 use buffer::{Buffer, BufferStats, CHUNK};
 use detect::ChainId;
@@ -134,7 +135,7 @@ struct Shared {
     state: Mutex<State>,
 }
 
-/// The prefetch filter: a [`Backend`] over a [`Backend`].
+/// The prefetch filter: a [`Filter`] over a [`Backend`] of its own, for read-ahead.
 pub struct Prefetch {
     shared: Arc<Shared>,
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
@@ -296,13 +297,6 @@ impl Shared {
 }
 
 impl Prefetch {
-    /// A front for one more user of the same export (a server connection): its own backend
-    /// `front` for the client's reads, writes and clean-up, with this detector, buffer and
-    /// read-ahead shared.
-    pub fn front(self: &Arc<Self>, front: Arc<dyn Backend>) -> PrefetchFront {
-        PrefetchFront { prefetch: self.clone(), front }
-    }
-
     /// Whether a read is small enough to be shown to the detector and served from the buffer.
     fn small(&self, len: u64) -> bool {
         len != 0 && len <= self.shared.cfg.max_request
@@ -310,7 +304,7 @@ impl Prefetch {
 
     /// Shows a small read to the detector, queues the read-ahead its stream calls for, and
     /// serves it from the buffer if the buffer holds all of it. With `only_hits`, a read the
-    /// buffer cannot serve is left alone, unrecorded (it comes again through `read_via`).
+    /// buffer cannot serve is left alone, unrecorded (it comes again through `read`).
     fn serve(&self, buf: &mut [u8], offset: u64, only_hits: bool) -> bool {
         let len = buf.len() as u64;
         let mut st = self.shared.state.lock().unwrap();
@@ -325,48 +319,81 @@ impl Prefetch {
         hit
     }
 
-    fn read_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {
+    /// Stops read-ahead: the workers end when the queue closes.
+    fn stop(&self) {
+        self.shared.stopping.store(true, std::sync::atomic::Ordering::Relaxed);
+        drop(self.jobs.lock().unwrap().take());
+        for w in self.workers.lock().unwrap().drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// Reads through the connection's own backend (`below`) unless the buffer serves them;
+/// read-ahead through the filter's own. Every change of data goes to `below` and then drops
+/// what it overlaps from the buffer.
+impl Filter for Prefetch {
+    fn caps(&self, below: &dyn Backend) -> Caps {
+        below.caps()
+    }
+
+    fn read(&self, below: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {
         if self.small(buf.len() as u64) && self.serve(buf, offset, false) {
             return Ok(buf.len());
         }
-        front.read(buf, offset)
+        below.read(buf, offset)
     }
 
-    fn read_at_hand_via(&self, front: &dyn Backend, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
+    fn read_at_hand(&self, below: &dyn Backend, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
         if !self.small(buf.len() as u64) {
-            return front.read_at_hand(buf, offset);
+            return below.read_at_hand(buf, offset);
         }
         self.serve(buf, offset, true).then_some(Ok(buf.len()))
     }
 
-    fn write_via(&self, front: &dyn Backend, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        let r = front.write(buf, offset, fua);
+    fn write(&self, below: &dyn Backend, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        let r = below.write(buf, offset, fua);
         self.invalidate(offset, buf.len() as u64);
         r
     }
 
-    /// As `write_via`, when the layer below takes the write at once (`--coalesce`).
-    fn write_at_hand_via(&self, front: &dyn Backend, buf: &[u8], offset: u64) -> Option<Result<()>> {
-        let r = front.write_at_hand(buf, offset)?;
+    /// When the layer below takes the write at once (`--coalesce`).
+    fn write_at_hand(&self, below: &dyn Backend, buf: &[u8], offset: u64) -> Option<Result<()>> {
+        let r = below.write_at_hand(buf, offset)?;
         self.invalidate(offset, buf.len() as u64);
         Some(r)
     }
 
-    fn zero_via(&self, front: &dyn Backend, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        let r = front.zero(offset, len, flags);
+    fn write_merged(&self, below: &dyn Backend, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        let r = below.write_merged(buf, offset, fua);
+        self.invalidate(offset, buf.len() as u64);
+        r
+    }
+
+    /// A hint about the layer below's pages: the buffer has nothing to prepare.
+    fn will_write(&self, below: &dyn Backend, offset: u64, len: u64) {
+        below.will_write(offset, len)
+    }
+
+    fn zero(&self, below: &dyn Backend, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        let r = below.zero(offset, len, flags);
         self.invalidate(offset, len);
         r
     }
 
-    fn trim_via(&self, front: &dyn Backend, offset: u64, len: u64, fua: bool) -> Result<()> {
-        let r = front.trim(offset, len, fua);
+    fn trim(&self, below: &dyn Backend, offset: u64, len: u64, fua: bool) -> Result<()> {
+        let r = below.trim(offset, len, fua);
         self.invalidate(offset, len);
         r
+    }
+
+    fn flush(&self, below: &dyn Backend) -> Result<()> {
+        below.flush()
     }
 
     /// NBD CACHE: reads `[offset, offset+len)` ahead into the buffer (as much of it as the
     /// buffer holds), instead of into the page cache.
-    fn cache_range(&self, offset: u64, len: u64) -> Result<()> {
+    fn cache(&self, _below: &dyn Backend, offset: u64, len: u64) -> Result<()> {
         let shared = &self.shared;
         let mut st = shared.state.lock().unwrap();
         let end = offset.saturating_add(len).min(shared.size);
@@ -380,139 +407,18 @@ impl Prefetch {
         Ok(())
     }
 
-    /// Stops read-ahead: the workers end when the queue closes.
-    fn stop(&self) {
-        self.shared.stopping.store(true, std::sync::atomic::Ordering::Relaxed);
-        drop(self.jobs.lock().unwrap().take());
-        for w in self.workers.lock().unwrap().drain(..) {
-            let _ = w.join();
-        }
-    }
-}
-
-/// The filter over its own backend: reads, writes and read-ahead all go to `inner`.
-impl Backend for Prefetch {
-    fn name(&self) -> &str {
-        self.shared.inner.name()
+    fn extents(&self, below: &dyn Backend, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        below.extents(offset, len)
     }
 
-    fn size(&self) -> Option<u64> {
-        self.shared.inner.size()
-    }
-
-    fn caps(&self) -> Caps {
-        self.shared.inner.caps()
-    }
-
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.read_via(&*self.shared.inner, buf, offset)
-    }
-
-    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
-        self.read_at_hand_via(&*self.shared.inner, buf, offset)
-    }
-
-    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        self.write_via(&*self.shared.inner, buf, offset, fua)
-    }
-
-    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
-        self.write_at_hand_via(&*self.shared.inner, buf, offset)
-    }
-
-    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.zero_via(&*self.shared.inner, offset, len, flags)
-    }
-
-    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
-        self.trim_via(&*self.shared.inner, offset, len, fua)
-    }
-
-    fn flush(&self) -> Result<()> {
-        self.shared.inner.flush()
-    }
-
-    fn cache(&self, offset: u64, len: u64) -> Result<()> {
-        self.cache_range(offset, len)
-    }
-
-    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        self.shared.inner.extents(offset, len)
-    }
-
-    fn cache_info(&self) -> Option<CacheInfo> {
-        self.shared.inner.cache_info()
+    fn own(&self) -> &Arc<dyn Backend> {
+        &self.shared.inner
     }
 
     fn finish(&self) -> Result<()> {
         // Stop read-ahead before the layer below cleans up its cache.
         self.stop();
         self.shared.inner.finish()
-    }
-}
-
-/// One user's view of a shared [`Prefetch`] (see [`Prefetch::front`]). Finishing it cleans up
-/// its own backend only; read-ahead runs until the `Prefetch` itself is finished or dropped.
-pub struct PrefetchFront {
-    prefetch: Arc<Prefetch>,
-    front: Arc<dyn Backend>,
-}
-
-impl Backend for PrefetchFront {
-    fn name(&self) -> &str {
-        self.front.name()
-    }
-
-    fn size(&self) -> Option<u64> {
-        self.front.size()
-    }
-
-    fn caps(&self) -> Caps {
-        self.front.caps()
-    }
-
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.prefetch.read_via(&*self.front, buf, offset)
-    }
-
-    fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
-        self.prefetch.read_at_hand_via(&*self.front, buf, offset)
-    }
-
-    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        self.prefetch.write_via(&*self.front, buf, offset, fua)
-    }
-
-    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
-        self.prefetch.write_at_hand_via(&*self.front, buf, offset)
-    }
-
-    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.prefetch.zero_via(&*self.front, offset, len, flags)
-    }
-
-    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
-        self.prefetch.trim_via(&*self.front, offset, len, fua)
-    }
-
-    fn flush(&self) -> Result<()> {
-        self.front.flush()
-    }
-
-    fn cache(&self, offset: u64, len: u64) -> Result<()> {
-        self.prefetch.cache_range(offset, len)
-    }
-
-    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        self.front.extents(offset, len)
-    }
-
-    fn cache_info(&self) -> Option<CacheInfo> {
-        self.front.cache_info()
-    }
-
-    fn finish(&self) -> Result<()> {
-        self.front.finish()
     }
 }
 
@@ -527,6 +433,7 @@ mod tests {
     use super::*;
     use crate::backend::MemoryBackend;
     use crate::filters::fault::{Fault, FaultInjector, Op, Rule};
+    use crate::filters::Front;
     use std::time::{Duration, Instant};
 
     const MIB: u64 = 1 << 20;
@@ -553,7 +460,7 @@ mod tests {
     #[test]
     fn a_sequential_reader_is_served_from_the_buffer() {
         let inner = patterned(8 * MIB);
-        let p = Prefetch::new(inner.clone(), PrefetchConfig::default());
+        let p = Front::whole(Prefetch::new(inner.clone(), PrefetchConfig::default()));
         let (mut got, mut want) = ([0u8; 4096], [0u8; 4096]);
         for i in 0..8 * MIB / K4 {
             if i == STREAM {
@@ -574,7 +481,7 @@ mod tests {
     #[test]
     fn reads_at_hand_are_hits_only_and_misses_leave_no_trace() {
         let inner = patterned(8 * MIB);
-        let p = Prefetch::new(inner.clone(), PrefetchConfig::default());
+        let p = Front::whole(Prefetch::new(inner.clone(), PrefetchConfig::default()));
         let (mut got, mut want) = ([0u8; 4096], [0u8; 4096]);
         // Nothing buffered: no answer, and nothing seen (the detector finds no stream in
         // reads that never reached it).
@@ -599,7 +506,7 @@ mod tests {
 
     #[test]
     fn random_reads_are_not_read_ahead() {
-        let p = Prefetch::new(Arc::new(MemoryBackend::new(4 << 30)), PrefetchConfig::default());
+        let p = Front::whole(Prefetch::new(Arc::new(MemoryBackend::new(4 << 30)), PrefetchConfig::default()));
         let mut rng = crate::testing::conformance::Rng::new(9);
         let mut buf = [0u8; 4096];
         for _ in 0..5000 {
@@ -612,7 +519,7 @@ mod tests {
     #[test]
     fn cache_requests_fill_the_buffer() {
         let inner = patterned(4 * MIB);
-        let p = Prefetch::new(inner.clone(), PrefetchConfig::default());
+        let p = Front::whole(Prefetch::new(inner.clone(), PrefetchConfig::default()));
         p.cache(MIB + 100, MIB).unwrap();
         // All of it: chunks land in any order, so "1 MiB held" could be the wrong four.
         wait_until("the cached range", || p.shared.state.lock().unwrap().in_flight.is_empty());
@@ -625,8 +532,10 @@ mod tests {
         }
         assert!(p.stats().buffer.hits >= MIB / K4);
         // Never more than the bound, however much is asked for.
-        let small =
-            Prefetch::new(patterned(4 * MIB), PrefetchConfig { size: CHUNK * 2, ..Default::default() });
+        let small = Front::whole(Prefetch::new(
+            patterned(4 * MIB),
+            PrefetchConfig { size: CHUNK * 2, ..Default::default() },
+        ));
         small.cache(0, 4 * MIB).unwrap();
         wait_until("the jobs", || small.shared.state.lock().unwrap().in_flight.is_empty());
         assert!(small.stats().held <= 2 * CHUNK);
@@ -636,7 +545,7 @@ mod tests {
     fn a_stream_whose_read_ahead_goes_unread_gets_a_smaller_window() {
         // Room for two chunks: stream B's read-ahead evicts stream A's, which A never read.
         let cfg = PrefetchConfig { size: 2 * CHUNK, ..PrefetchConfig::default() };
-        let p = Prefetch::new(patterned(8 * MIB), cfg);
+        let p = Front::whole(Prefetch::new(patterned(8 * MIB), cfg));
         let idle = || p.shared.state.lock().unwrap().in_flight.is_empty();
         let window_below = |limit: u64| {
             let st = p.shared.state.lock().unwrap();
@@ -658,7 +567,7 @@ mod tests {
 
     #[test]
     fn large_reads_pass_through() {
-        let p = Prefetch::new(patterned(8 * MIB), PrefetchConfig::default());
+        let p = Front::whole(Prefetch::new(patterned(8 * MIB), PrefetchConfig::default()));
         let mut buf = vec![0u8; 1 << 20];
         for i in 0..8 {
             p.read(&mut buf, i << 20).unwrap();
@@ -669,11 +578,11 @@ mod tests {
     /// A stream's read-ahead with chunk 1's read done but answered 300 ms late: returned once
     /// that read has begun below (and its fill has taken its generation), and 20 ms more for
     /// the memory read itself, with the answer still about 280 ms away.
-    fn late_chunk_1() -> Prefetch {
+    fn late_chunk_1() -> Front<Prefetch> {
         let mem = patterned(4 * MIB);
         let late = Rule::new(Op::Read, Fault::Late(Duration::from_millis(300))).at(CHUNK, CHUNK).times(1);
         let faults = Arc::new(FaultInjector::new(mem, vec![late]));
-        let p = Prefetch::new(faults.clone(), PrefetchConfig::default());
+        let p = Front::whole(Prefetch::new(faults.clone(), PrefetchConfig::default()));
         let mut buf = [0u8; 4096];
         for i in 0..STREAM {
             p.read(&mut buf, i * K4).unwrap();
@@ -715,7 +624,7 @@ mod tests {
     fn cache_requests_together_queue_at_most_the_buffer() {
         let slow = Rule::new(Op::Read, Fault::Slow(Duration::from_millis(20)));
         let inner = Arc::new(FaultInjector::new(patterned(8 * MIB), vec![slow]));
-        let p = Prefetch::new(inner, PrefetchConfig { size: 2 * CHUNK, ..Default::default() });
+        let p = Front::whole(Prefetch::new(inner, PrefetchConfig { size: 2 * CHUNK, ..Default::default() }));
         for i in 0..16 {
             p.cache(i * 2 * CHUNK, 2 * CHUNK).unwrap();
             assert!(p.shared.state.lock().unwrap().in_flight.len() <= 2, "request {i}");

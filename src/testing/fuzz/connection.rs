@@ -23,9 +23,10 @@ use std::time::Duration;
 
 use super::Input;
 use crate::backend::{Backend, MemoryBackend};
-use crate::filters::coalesce::{Coalesce, CoalesceConfig};
+use crate::filters::coalesce::CoalesceConfig;
 use crate::filters::fault::{FaultInjector, Rule};
-use crate::filters::prefetch::{Prefetch, PrefetchConfig};
+use crate::filters::prefetch::PrefetchConfig;
+use crate::filters::{self, StackConfig};
 use crate::proto::handshake::*;
 use crate::proto::*;
 use crate::server::{Export, Server};
@@ -52,7 +53,7 @@ pub enum Stack {
 
 struct Built {
     mem: Arc<MemoryBackend>,
-    coalesce: Option<Arc<Coalesce>>,
+    filters: Arc<filters::Stack>,
     server: Arc<Server>,
 }
 
@@ -68,29 +69,16 @@ fn build(stack: Stack, busy_coalesce: bool, faults: Vec<Rule>) -> Built {
     } else {
         CoalesceConfig { threads: 2, ..Default::default() }
     };
-    let pcfg = PrefetchConfig { threads: 1, ..Default::default() };
-    let coalesce = matches!(stack, Stack::Coalesce | Stack::PrefetchCoalesce)
-        .then(|| Arc::new(Coalesce::new(below.clone(), ccfg)));
-    let prefetch = matches!(stack, Stack::Prefetch | Stack::PrefetchCoalesce).then(|| {
-        let ra: Arc<dyn Backend> = match &coalesce {
-            Some(c) => Arc::new(c.front(below.clone())),
-            None => below.clone(),
-        };
-        Arc::new(Prefetch::new(ra, pcfg))
-    });
-    let (c, p) = (coalesce.clone(), prefetch);
-    let open = move || -> crate::Result<Arc<dyn Backend>> {
-        let mut b = below.clone();
-        if let Some(c) = &c {
-            b = Arc::new(c.front(b));
-        }
-        Ok(match &p {
-            Some(p) => Arc::new(p.front(b)),
-            None => b,
-        })
+    let cfg = StackConfig {
+        read_only: false,
+        prefetch: matches!(stack, Stack::Prefetch | Stack::PrefetchCoalesce)
+            .then_some(PrefetchConfig { threads: 1, ..Default::default() }),
+        coalesce: matches!(stack, Stack::Coalesce | Stack::PrefetchCoalesce).then_some(ccfg),
     };
-    let export = Export::new("", None, true, open).unwrap();
-    Built { mem, coalesce, server: Arc::new(Server::new(export, 2, 4)) }
+    let filters = Arc::new(filters::Stack::new(cfg, move |_| Ok(below.clone())).unwrap());
+    let f = filters.clone();
+    let export = Export::new("", None, true, move || f.open()).unwrap();
+    Built { mem, filters, server: Arc::new(Server::new(export, 2, 4)) }
 }
 
 /// What was negotiated, as the client sees it.
@@ -167,8 +155,8 @@ fn run_faulty(stack: Stack, setup: u8, inp: &mut Input, faults: Vec<Rule>) {
     let b = built.server.export.open().unwrap();
     check_image(&*b, &cl.model, &format!("{stack:?}: through a new connection"));
     b.finish().unwrap();
-    if let Some(c) = &built.coalesce {
-        c.finish().unwrap();
+    if built.filters.coalesce().is_some() {
+        built.filters.finish().unwrap();
         check_image(&*built.mem, &cl.model, &format!("{stack:?}: below coalesce after write-back"));
     }
 }
