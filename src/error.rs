@@ -1,9 +1,9 @@
 //! One error type for the whole library: a kind, the failing operation with its context
 //! (what, where, how much) and the underlying source.
 //!
-//! The kind is what callers branch on (and what the NBD server maps to an errno); the context is
-//! what a user needs to act on the message. Only the binary turns errors into text and exit
-//! codes.
+//! The kind is what callers branch on (and what the NBD server maps to an errno,
+//! `proto::errno`); the context is what a user needs to act on the message. Only the binary
+//! turns errors into text and exit codes.
 
 use std::fmt;
 use std::io;
@@ -47,19 +47,6 @@ impl ErrorKind {
                 io::ErrorKind::Interrupted => ErrorKind::Interrupted,
                 _ => ErrorKind::Io,
             },
-        }
-    }
-
-    /// The errno an NBD server answers with for this kind (the spec's list: EPERM, EIO, ENOMEM,
-    /// EINVAL, ENOSPC, EOVERFLOW, ENOTSUP, ESHUTDOWN).
-    pub fn errno(self) -> i32 {
-        match self {
-            ErrorKind::Io | ErrorKind::UnexpectedEof | ErrorKind::NotFound => libc::EIO,
-            ErrorKind::NoSpace => libc::ENOSPC,
-            ErrorKind::InvalidInput => libc::EINVAL,
-            ErrorKind::Permission => libc::EPERM,
-            ErrorKind::NotSupported => libc::EOPNOTSUPP,
-            ErrorKind::Interrupted => libc::ESHUTDOWN,
         }
     }
 }
@@ -183,8 +170,9 @@ mod tests {
 
     #[test]
     fn kinds_map_to_nbd_errnos() {
-        assert_eq!(ErrorKind::from_io(&io::Error::from_raw_os_error(libc::EROFS)).errno(), libc::EPERM);
-        assert_eq!(ErrorKind::from_io(&io::Error::from_raw_os_error(libc::EIO)).errno(), libc::EIO);
-        assert_eq!(ErrorKind::Interrupted.errno(), libc::ESHUTDOWN);
+        use crate::proto::{errno, EIO, EPERM, ESHUTDOWN};
+        assert_eq!(errno(ErrorKind::from_io(&io::Error::from_raw_os_error(libc::EROFS))), EPERM);
+        assert_eq!(errno(ErrorKind::from_io(&io::Error::from_raw_os_error(libc::EIO))), EIO);
+        assert_eq!(errno(ErrorKind::Interrupted), ESHUTDOWN);
     }
 }

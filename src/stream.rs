@@ -1,6 +1,6 @@
 //! The byte stream an NBD connection runs over, for the server and the client alike.
 //! Negotiation uses it whole; transmission splits it into a reading half and a writing half.
-//! TLS (STARTTLS, a later issue) will be one more implementation of [`Stream`].
+//! TCP and Unix sockets implement it here; TLS (STARTTLS) is one more implementation, [`crate::tls::TlsStream`], over either.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
