@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use clap::Args;
 use lightfoot::copy::endpoint::{open_destination, open_source, parse_endpoints, parse_size, DestOptions};
-use lightfoot::copy::{copy, CopyOptions, Endpoint, Opened, Progress};
+use lightfoot::copy::plan::Asked;
+use lightfoot::copy::{copy, Endpoint, Opened, Plan, Progress};
 use lightfoot::io::inspect::{open_for_inspection, residency};
 use lightfoot::io::{CacheMode, CacheStat, Fadvise, Mechanism};
 
@@ -235,27 +236,14 @@ pub fn run(args: CopyArgs) -> i32 {
             return 2;
         }
     };
-    // One export on both sides (however the URIs are spelt): the destination's up-front
-    // zeroing would wipe the source. Different addresses of one server cannot be told apart.
-    {
-        use lightfoot::backend::nbd::Target::Uri;
-        if let (Endpoint::Nbd(Uri(a)), Endpoint::Nbd(Uri(b))) = (&src_ep, &dst_ep) {
-            if a.address == b.address && a.export == b.export {
-                eprintln!("lightfoot: copy {dst_ep}: source and destination are the same export");
-                return 1;
-            }
+    let asked =
+        Asked { workers: args.workers, request_size: args.request_size, connections: args.connections };
+    let plan = match Plan::new(&src_ep, &dst_ep, asked) {
+        Ok(p) => p,
+        Err(e) => {
+            super::report(&e);
+            return 1;
         }
-    }
-    let nbd = |ep: &Endpoint| matches!(ep, Endpoint::Nbd(_));
-    // NBD: many small requests in flight. Servers pay per request for large buffers (qemu-nbd
-    // used twice the CPU for 1-4 MiB requests as for 256 KiB ones, docs/benchmarks.md), and
-    // round trips hide behind each other.
-    let over_nbd = nbd(&src_ep) || nbd(&dst_ep);
-    let workers = args.workers.unwrap_or(if over_nbd { 16 } else { 2 });
-    let request_size = args.request_size.unwrap_or(if over_nbd { 256 << 10 } else { 4 << 20 });
-    let connections = |ep: &Endpoint| {
-        let captive = matches!(ep, Endpoint::Nbd(lightfoot::backend::nbd::Target::Captive(_)));
-        args.connections.unwrap_or(if captive { 1 } else { 4 }) as usize
     };
     let _ = ctrlc::set_handler(|| {
         if CANCEL.swap(true, Ordering::SeqCst) {
@@ -266,14 +254,11 @@ pub fn run(args: CopyArgs) -> i32 {
             lightfoot::backend::nbd::interrupt_all();
         });
     });
-    // Many requests in flight: neutral reads of local files use O_DIRECT, as the server's do.
-    // With 16 workers reading 256 KiB each, DONTCACHE's readahead ran past the spill guard and
-    // left 78-97 MiB of a 4 GiB source cached (docs/benchmarks.md).
-    let tuning = args.mechanisms.tuning(args.fadvise, workers >= 8);
+    let tuning = args.mechanisms.tuning(args.fadvise, plan.many_in_flight);
 
     let src_before = cached_now(&src_ep);
     let dst_before = cached_now(&dst_ep);
-    let src = match open_source(&src_ep, args.cache, &tuning, connections(&src_ep)) {
+    let src = match open_source(&src_ep, args.cache, &tuning, plan.src_connections) {
         Ok(s) => s,
         Err(e) => return open_failed(&e),
     };
@@ -300,23 +285,13 @@ pub fn run(args: CopyArgs) -> i32 {
         preallocate: args.preallocate,
         destination_is_zero: args.destination_is_zero,
         sparse: !args.no_sparse,
-        connections: connections(&dst_ep),
+        connections: plan.dst_connections,
     };
     let dst = match open_destination(&dst_ep, &src, size, args.cache, &tuning, dest_opts) {
         Ok(d) => d,
         Err(e) => return open_failed(&e),
     };
-    let opts = CopyOptions {
-        workers: workers as usize,
-        request_size,
-        destination_is_zero: dst.zeroed,
-        sparse: !args.no_sparse,
-        flush: !args.no_flush,
-        // Many requests in flight over NBD: keep neighbours apart, so the block layer does not
-        // merge them into multi-MiB requests (copy::interleaved). Not with fewer workers,
-        // where local neutral reads use readahead (see `tuning` above).
-        interleave: over_nbd && workers >= 8,
-    };
+    let opts = plan.options(dst.zeroed, !args.no_sparse, !args.no_flush);
     let progress = Arc::new(Progress::default());
     let bar =
         (args.progress && std::io::stderr().is_terminal()).then(|| progress_bar(size, progress.clone()));
@@ -361,8 +336,8 @@ pub fn run(args: CopyArgs) -> i32 {
         seconds,
         mib_per_second: if seconds > 0.0 { bytes as f64 / seconds / 1048576.0 } else { 0.0 },
         cache: args.cache,
-        workers,
-        request_size,
+        workers: plan.workers,
+        request_size: plan.request_size,
         source: Side {
             name: src.backend.name().to_string(),
             mechanism: src_mech,

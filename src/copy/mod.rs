@@ -8,6 +8,8 @@
 //! source of unknown size is read until it ends. With [`CopyOptions::interleave`] the requests
 //! in flight at once are mostly kept from being neighbours ([`interleaved`]).
 //!
+//! [`Plan`] chooses workers, request size, connections and interleaving from the endpoints.
+//!
 //! The engine knows nothing of files or cache policies: those live in the backends. It is
 //! cancelled through a flag (Ctrl-C), and always calls `finish` on both backends so their
 //! cache clean-up runs on success and failure alike.
@@ -20,8 +22,10 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::io::AlignedBuf;
 
 pub mod endpoint;
+pub mod plan;
 
 pub use endpoint::{Endpoint, Opened};
+pub use plan::Plan;
 
 /// Granularity of zero detection in data extents: runs of zero bytes this long (and aligned)
 /// are not written to a destination that already reads as zeroes.
