@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::RwLock;
 
-use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
+use super::{Backend, CacheInfo, Caps, Extent, ZeroFlags};
 use crate::error::Result;
 
 const PAGE: u64 = 64 << 10;
@@ -75,20 +75,7 @@ impl Backend for MemoryBackend {
     }
 
     fn caps(&self) -> Caps {
-        Caps {
-            read_only: false,
-            can_flush: true,
-            can_fua: true,
-            can_trim: true,
-            can_zero: true,
-            can_fast_zero: true,
-            can_extents: true,
-            sequential: false,
-            growable: false,
-            rotational: false,
-            block: BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 },
-            alloc_unit: Some(PAGE as u32),
-        }
+        Caps { alloc_unit: Some(PAGE as u32), ..Caps::in_memory() }
     }
 
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {

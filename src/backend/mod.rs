@@ -88,6 +88,27 @@ pub struct Caps {
     pub alloc_unit: Option<u32>,
 }
 
+impl Caps {
+    /// A store whose bytes are in memory (memory, `null:`, the tests' power-loss device):
+    /// writable, fixed in size, every operation supported and quick, real extents.
+    pub fn in_memory() -> Caps {
+        Caps {
+            read_only: false,
+            can_flush: true,
+            can_fua: true,
+            can_trim: true,
+            can_zero: true,
+            can_fast_zero: true,
+            can_extents: true,
+            sequential: false,
+            growable: false,
+            rotational: false,
+            block: BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 },
+            alloc_unit: None,
+        }
+    }
+}
+
 /// Page-cache footprint of a backend's file, where it has one.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CacheInfo {

@@ -1,7 +1,7 @@
 //! `null:`: reads zeroes, discards writes. As a copy destination it measures the source side
 //! alone; `null:SIZE` gives it a size (default: as large as anything it is asked to take).
 
-use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
+use super::{Backend, CacheInfo, Caps, Extent, ZeroFlags};
 use crate::error::Result;
 
 pub struct NullBackend {
@@ -33,20 +33,7 @@ impl Backend for NullBackend {
     }
 
     fn caps(&self) -> Caps {
-        Caps {
-            read_only: false,
-            can_flush: true,
-            can_fua: true,
-            can_trim: true,
-            can_zero: true,
-            can_fast_zero: true,
-            can_extents: true,
-            sequential: false,
-            growable: false,
-            rotational: false,
-            block: BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 },
-            alloc_unit: None,
-        }
+        Caps::in_memory()
     }
 
     fn read(&self, buf: &mut [u8], _offset: u64) -> Result<usize> {

@@ -416,21 +416,20 @@ fn print_stats(server: &Server, stack: &Stack, json: bool) {
         return;
     }
     let cache = snap.cache.map(super::human::bytes).unwrap_or_else(|| "not visible".into());
+    let row = |cells: [&str; 7]| {
+        let [command, requests, errors, bytes, p50, p90, p99] = cells;
+        format!("{command:<13} {requests:>10} {errors:>7} {bytes:>11} {p50:>9} {p90:>9} {p99:>9}\n")
+    };
     let mut t = format!(
-        "lightfoot serve: {:.1} s, {} connections, page cache {cache}\n{:<13} {:>10} {:>7} {:>11} {:>9} {:>9} {:>9}\n",
-        snap.seconds, snap.connections, "command", "requests", "errors", "bytes", "p50 µs", "p90 µs", "p99 µs"
+        "lightfoot serve: {:.1} s, {} connections, page cache {cache}\n",
+        snap.seconds, snap.connections
     );
+    t += &row(["command", "requests", "errors", "bytes", "p50 µs", "p90 µs", "p99 µs"]);
     for c in snap.commands.iter().filter(|c| c.requests > 0) {
-        t += &format!(
-            "{:<13} {:>10} {:>7} {:>11} {:>9} {:>9} {:>9}\n",
-            c.command,
-            c.requests,
-            c.errors,
-            super::human::bytes(c.bytes),
-            c.p50_us,
-            c.p90_us,
-            c.p99_us
-        );
+        let counts = [c.requests, c.errors].map(|n| n.to_string());
+        let times = [c.p50_us, c.p90_us, c.p99_us].map(|n| n.to_string());
+        let bytes = super::human::bytes(c.bytes);
+        t += &row([c.command, &counts[0], &counts[1], &bytes, &times[0], &times[1], &times[2]]);
     }
     if snap.reads_merged > 0 {
         t += &format!("{} reads merged into the backend read before them\n", snap.reads_merged);

@@ -6,142 +6,134 @@
 //! range) makes it durable, and [`PowerLoss::power_loss`] returns only the durable image.
 //! Trims read back as zeroes.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::backend::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
+use crate::backend::{Backend, CacheInfo, Caps, Extent, MemoryBackend, ZeroFlags};
 use crate::error::Result;
-
-struct Images {
-    /// What reads return: every completed write.
-    current: Vec<u8>,
-    /// What survives a power loss.
-    durable: Vec<u8>,
-}
 
 pub struct PowerLoss {
     name: String,
-    images: Mutex<Images>,
-    flushes: std::sync::atomic::AtomicU64,
+    /// What reads return: every completed write.
+    current: MemoryBackend,
+    /// What survives a power loss. Its lock is held across every change of `current` too, so
+    /// that a FUA request makes durable exactly its own bytes.
+    durable: Mutex<Vec<u8>>,
+    flushes: AtomicU64,
 }
 
 impl PowerLoss {
     /// A device of `size` bytes of zeroes, all of it durable.
     pub fn new(size: u64) -> PowerLoss {
-        let zeroes = vec![0u8; size as usize];
         PowerLoss {
             name: format!("powerloss:{size}"),
-            images: Mutex::new(Images { current: zeroes.clone(), durable: zeroes }),
+            current: MemoryBackend::new(size),
+            durable: Mutex::new(vec![0u8; size as usize]),
             flushes: Default::default(),
         }
     }
 
     /// Cuts the power: returns what survived, and from now on the device holds only that.
     pub fn power_loss(&self) -> Vec<u8> {
-        let mut im = self.images.lock().unwrap();
-        im.current = im.durable.clone();
-        im.durable.clone()
+        let durable = self.durable.lock().unwrap();
+        self.current.write(&durable, 0, false).expect("memory");
+        durable.clone()
     }
 
     /// Flushes seen so far.
     pub fn flushes(&self) -> u64 {
-        self.flushes.load(std::sync::atomic::Ordering::SeqCst)
+        self.flushes.load(Ordering::SeqCst)
     }
 
-    fn change(&self, offset: u64, len: u64, fua: bool, f: impl FnOnce(&mut [u8])) {
-        let (o, n) = (offset as usize, len as usize);
-        let mut im = self.images.lock().unwrap();
-        f(&mut im.current[o..o + n]);
+    /// Carries out `change` on the current image; with `fua`, its range is durable on return.
+    fn change(
+        &self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        change: impl FnOnce(&MemoryBackend) -> Result<()>,
+    ) -> Result<()> {
+        let mut durable = self.durable.lock().unwrap();
+        change(&self.current)?;
         if fua {
-            let Images { current, durable } = &mut *im;
-            durable[o..o + n].copy_from_slice(&current[o..o + n]);
+            let (o, n) = (offset as usize, len as usize);
+            self.current.read(&mut durable[o..o + n], offset)?;
         }
+        Ok(())
     }
 }
 
+/// A memory backend as far as reads go; writes, zeroes and trims are volatile until a flush or
+/// their own FUA.
 impl Backend for PowerLoss {
     fn name(&self) -> &str {
         &self.name
     }
 
     fn size(&self) -> Option<u64> {
-        Some(self.images.lock().unwrap().current.len() as u64)
+        self.current.size()
     }
 
     fn caps(&self) -> Caps {
-        Caps {
-            read_only: false,
-            can_flush: true,
-            can_fua: true,
-            can_trim: true,
-            can_zero: true,
-            can_fast_zero: true,
-            can_extents: false,
-            sequential: false,
-            growable: false,
-            rotational: false,
-            block: BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 },
-            alloc_unit: None,
-        }
+        self.current.caps()
     }
 
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        let o = offset as usize;
-        buf.copy_from_slice(&self.images.lock().unwrap().current[o..o + buf.len()]);
-        Ok(buf.len())
+        self.current.read(buf, offset)
     }
 
     fn read_at_hand(&self, buf: &mut [u8], offset: u64) -> Option<Result<usize>> {
-        Some(self.read(buf, offset))
+        self.current.read_at_hand(buf, offset)
     }
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        self.change(offset, buf.len() as u64, fua, |d| d.copy_from_slice(buf));
-        Ok(())
+        self.change(offset, buf.len() as u64, fua, |m| m.write(buf, offset, false))
     }
 
-    /// In memory, as reads are.
-    fn write_at_hand(&self, buf: &[u8], offset: u64) -> Option<Result<()>> {
-        Some(self.write(buf, offset, false))
+    /// A device: writes wait for it.
+    fn write_at_hand(&self, _buf: &[u8], _offset: u64) -> Option<Result<()>> {
+        None
     }
 
+    /// A device keeps no pages: merged or not, a write is a write.
     fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.write(buf, offset, fua)
     }
 
-    fn will_write(&self, _offset: u64, _len: u64) {}
-
-    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.change(offset, len, flags.fua, |d| d.fill(0));
-        Ok(())
+    fn will_write(&self, offset: u64, len: u64) {
+        self.current.will_write(offset, len)
     }
 
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        self.change(offset, len, flags.fua, |m| m.zero(offset, len, ZeroFlags { fua: false, ..flags }))
+    }
+
+    /// Trimmed bytes read back as zeroes (the memory backend's holes).
     fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
-        self.change(offset, len, fua, |d| d.fill(0));
-        Ok(())
+        self.change(offset, len, fua, |m| m.trim(offset, len, false))
     }
 
     fn flush(&self) -> Result<()> {
-        self.flushes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let mut im = self.images.lock().unwrap();
-        let Images { current, durable } = &mut *im;
-        durable.copy_from_slice(current);
+        self.flushes.fetch_add(1, Ordering::SeqCst);
+        let mut durable = self.durable.lock().unwrap();
+        self.current.read(&mut durable, 0)?;
         Ok(())
     }
 
-    fn cache(&self, _offset: u64, _len: u64) -> Result<()> {
-        Ok(())
+    fn cache(&self, offset: u64, len: u64) -> Result<()> {
+        self.current.cache(offset, len)
     }
 
-    fn extents(&self, _offset: u64, len: u64) -> Result<Vec<Extent>> {
-        Ok(vec![Extent::data(len)])
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.current.extents(offset, len)
     }
 
     fn cache_info(&self) -> Option<CacheInfo> {
-        None
+        self.current.cache_info()
     }
 
     fn finish(&self) -> Result<()> {
-        Ok(())
+        self.current.finish()
     }
 }
 
