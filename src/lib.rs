@@ -15,8 +15,9 @@
 //!   byte streams (TCP, Unix) NBD runs over, and [`tls`] the TLS one over them (STARTTLS).
 //! - [`error`]: one error type with a kind, the operation and its context.
 //!
-//! [`testing`] holds the conformance suite every backend and filter stack must pass, an
-//! in-memory duplex stream, and the fuzz harnesses ([`testing::fuzz`], docs/fuzzing.md).
+//! `testing` (tests and fuzz targets only: the `testing` feature) holds the conformance suite
+//! every backend and filter stack must pass, the fault injector, an in-memory duplex stream,
+//! and the fuzz harnesses (docs/fuzzing.md).
 //! The binary (`src/main.rs`, `src/cli/`) is the only place that prints and exits.
 
 pub mod backend;
@@ -27,6 +28,7 @@ pub mod io;
 pub mod proto;
 pub mod server;
 pub mod stream;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod tls;
 

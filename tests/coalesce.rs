@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use lightfoot::backend::{Backend, Extent, MemoryBackend, NbdBackend, ZeroFlags};
 use lightfoot::filters::coalesce::{Coalesce, CoalesceConfig};
-use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
 use lightfoot::filters::prefetch::PrefetchConfig;
 use lightfoot::filters::{Filter, Front, Stack, StackConfig};
 use lightfoot::testing::conformance::{Expect, Model, Rng};
+use lightfoot::testing::fault::{Fault, FaultInjector, Op, Rule};
 use lightfoot::testing::powerloss::PowerLoss;
 use lightfoot::ErrorKind;
 

@@ -20,9 +20,10 @@ use std::time::Duration;
 use lightfoot::backend::{Backend, FileBackend, MemoryBackend, NbdBackend, NullBackend};
 use lightfoot::filters::coalesce::CoalesceConfig;
 use lightfoot::filters::prefetch::PrefetchConfig;
-use lightfoot::filters::{FaultInjector, Stack, StackConfig};
+use lightfoot::filters::{Stack, StackConfig};
 use lightfoot::io::{CacheMode, OpenOptions, ReadMech, Tuning, WriteMech};
 use lightfoot::testing::conformance::{run, run_parallel, Expect};
+use lightfoot::testing::fault::FaultInjector;
 
 /// Not a multiple of any block size, so the last block is partial.
 const SIZE: u64 = (3 << 20) + 4097;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use lightfoot::backend::{Backend, MemoryBackend, NbdBackend};
-use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
+use lightfoot::testing::fault::{Fault, FaultInjector, Op, Rule};
 use lightfoot::ErrorKind;
 
 const SIZE: u64 = 8 * MIB;

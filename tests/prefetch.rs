@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lightfoot::backend::{Backend, MemoryBackend, ZeroFlags};
-use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
 use lightfoot::filters::prefetch::{Prefetch, PrefetchConfig};
 use lightfoot::filters::Front;
 use lightfoot::testing::conformance::{Expect, Model, Rng};
+use lightfoot::testing::fault::{Fault, FaultInjector, Op, Rule};
 
 const SIZE: u64 = 8 << 20;
 const K4: u64 = 4096;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use common::*;
 use lightfoot::backend::{Backend, MemoryBackend};
-use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
+use lightfoot::testing::fault::{Fault, FaultInjector, Op, Rule};
 use lightfoot::ErrorKind;
 
 /// Serves `rules` over one memory store shared by all connections; runs `script` with $URI.

@@ -262,7 +262,7 @@ fn export_name_option_and_unknown_export() {
 #[test]
 fn adjacent_reads_are_merged_and_errors_stay_per_request() {
     use lightfoot::backend::{Backend, MemoryBackend};
-    use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
+    use lightfoot::testing::fault::{Fault, FaultInjector, Op, Rule};
     use std::sync::Arc;
 
     let store = Arc::new(MemoryBackend::new(4 * MIB));
@@ -350,7 +350,7 @@ fn merged_reads_stop_at_4_mib() {
 #[test]
 fn a_connection_holds_a_bounded_amount_of_request_data() {
     use lightfoot::backend::{Backend, MemoryBackend};
-    use lightfoot::filters::fault::{Fault, FaultInjector, Op, Rule};
+    use lightfoot::testing::fault::{Fault, FaultInjector, Op, Rule};
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Arc;
 

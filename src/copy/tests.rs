@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use super::*;
 use crate::backend::{Backend, CacheInfo, Caps, Extent, MemoryBackend};
-use crate::filters::fault::{Fault, FaultInjector, Op, Rule};
 use crate::testing::conformance::Rng;
+use crate::testing::fault::{Fault, FaultInjector, Op, Rule};
 
 const SIZE: u64 = (20 << 20) + 12345;
 

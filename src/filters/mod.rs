@@ -3,7 +3,6 @@
 //!
 //! - [`prefetch`]: multi-stream read-ahead into a bounded buffer (`serve --prefetch`).
 //! - [`coalesce`]: safe write coalescing of small scattered writes (`serve --coalesce`).
-//! - [`fault`]: injects errors, short and slow operations (tests only).
 //! - [`Stack`]: the filters `serve` stacks over an export, in their order, with the backends
 //!   they open and a front per connection. The CLI, the tests and the fuzz targets all build
 //!   their stacks here.
@@ -23,11 +22,9 @@
 //! backend, for a single user (and the unit tests).
 
 pub mod coalesce;
-pub mod fault;
 pub mod prefetch;
 pub mod stack;
 
-pub use fault::FaultInjector;
 pub use stack::{Stack, StackConfig};
 
 use std::sync::Arc;

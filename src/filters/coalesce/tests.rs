@@ -2,8 +2,8 @@
 
 use super::*;
 use crate::backend::{CacheInfo, MemoryBackend};
-use crate::filters::fault::{Fault, FaultInjector, Op, Rule};
 use crate::filters::Front;
+use crate::testing::fault::{Fault, FaultInjector, Op, Rule};
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;

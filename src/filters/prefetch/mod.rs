@@ -432,8 +432,8 @@ impl Drop for Prefetch {
 mod tests {
     use super::*;
     use crate::backend::MemoryBackend;
-    use crate::filters::fault::{Fault, FaultInjector, Op, Rule};
     use crate::filters::Front;
+    use crate::testing::fault::{Fault, FaultInjector, Op, Rule};
     use std::time::{Duration, Instant};
 
     const MIB: u64 = 1 << 20;

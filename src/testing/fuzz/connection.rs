@@ -24,7 +24,6 @@ use std::time::Duration;
 use super::Input;
 use crate::backend::{Backend, MemoryBackend};
 use crate::filters::coalesce::CoalesceConfig;
-use crate::filters::fault::{FaultInjector, Rule};
 use crate::filters::prefetch::PrefetchConfig;
 use crate::filters::{self, StackConfig};
 use crate::proto::handshake::*;
@@ -32,6 +31,7 @@ use crate::proto::*;
 use crate::server::{Export, Server};
 use crate::testing::conformance::{Expect, Model, Rng};
 use crate::testing::duplex::{pair, Duplex};
+use crate::testing::fault::{FaultInjector, Rule};
 
 /// Not a multiple of any block size: the last block is partial.
 const SIZE: u64 = (1 << 20) + 4097;
@@ -640,7 +640,7 @@ impl Client {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::filters::fault::{Fault, Op};
+    use crate::testing::fault::{Fault, Op};
 
     /// Setup byte, RNG seed, then: WRITE 16 KiB at 12 KiB, READ it back, TRIM, WRITE_ZEROES,
     /// FLUSH, BLOCK_STATUS, CACHE, a burst of 8 READs.
