@@ -437,7 +437,7 @@ fn a_handshake_that_takes_too_long_is_cut() {
 #[test]
 fn handshake_limits() {
     use lightfoot::proto::handshake::MAX_STRING;
-    use lightfoot::server::negotiate::MAX_OPTIONS;
+    use lightfoot::server::handshake::MAX_OPTIONS;
     let (_d, s) = setup();
     let mut c = connect(&s.sock);
     for _ in 0..MAX_OPTIONS {
@@ -481,7 +481,7 @@ fn handshake_limits() {
 /// (no error reply exists), the connection is closed.
 #[test]
 fn oversized_option_data_is_skipped() {
-    use lightfoot::server::negotiate::{MAX_OPTION_DISCARD, MAX_OPTION_LEN};
+    use lightfoot::server::handshake::{MAX_OPTION_DISCARD, MAX_OPTION_LEN};
     let (_d, s) = setup();
     let mut c = connect(&s.sock);
     for option in [4242, OPT_GO, OPT_LIST] {

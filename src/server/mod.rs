@@ -2,7 +2,7 @@
 //!
 //! - [`Server`] holds the export and the shared state (shutdown flag, connection count) and
 //!   runs the accept loop ([`Server::serve`]); each connection gets a thread.
-//! - [`negotiate`]: the fixed newstyle handshake, over any [`crate::stream::Stream`]; with
+//! - [`handshake`]: the fixed newstyle handshake, over any [`crate::stream::Stream`]; with
 //!   [`Server::with_tls`], STARTTLS turns the connection into a [`crate::tls::TlsStream`].
 //! - [`transmission`]: requests read and validated ([`validate`]) by one thread, carried out
 //!   by `threads` workers against the connection's own backend, replies out of order.
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use crate::backend::{Backend, Caps};
 use crate::proto::*;
 
-pub mod negotiate;
+pub mod handshake;
 pub mod stats;
 pub mod transmission;
 pub mod validate;
@@ -457,9 +457,9 @@ impl Server {
     /// [`Server::reap_handshakes`]) until the client has chosen its export. The closer taken
     /// at accept shuts the socket under any TLS session, so the deadline covers STARTTLS too.
     fn connection_numbered(&self, s: Box<dyn crate::stream::Stream>, id: Option<u64>) -> io::Result<()> {
-        let (agreed, backend, s) = match negotiate::negotiate(self, s)? {
-            negotiate::Outcome::Go(a, b, s) => (a, b, s),
-            negotiate::Outcome::Close => return Ok(()),
+        let (agreed, backend, s) = match handshake::negotiate(self, s)? {
+            handshake::Outcome::Go(a, b, s) => (a, b, s),
+            handshake::Outcome::Close => return Ok(()),
         };
         if let Some(id) = id {
             self.handshakes.lock().unwrap().remove(&id);

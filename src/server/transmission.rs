@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
-use super::negotiate::{Agreed, BASE_ALLOCATION_ID};
+use super::handshake::{Agreed, BASE_ALLOCATION_ID};
 use super::validate::{check, Limits, Verdict};
 use super::Server;
 use crate::backend::{Backend, ZeroFlags};

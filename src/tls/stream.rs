@@ -37,7 +37,7 @@ const MAX_WRITE: usize = (256 << 10) + 64;
 /// What rustls queues before `writer()` accepts less: enough for one [`MAX_WRITE`] sealed.
 const SESSION_BUFFER: usize = 512 << 10;
 
-struct Shared {
+struct Tls {
     /// Encryption and decryption state. Held for CPU work only.
     session: Mutex<Connection>,
     /// The socket's writing half. Taken before `session`, and held until the records sealed
@@ -45,7 +45,7 @@ struct Shared {
     out: Mutex<Box<dyn Write + Send>>,
 }
 
-impl Shared {
+impl Tls {
     /// Seals what the session has queued and sends it; `out` is the held write lock.
     fn send_queued(&self, out: &mut dyn Write, scratch: &mut Vec<u8>) -> io::Result<()> {
         scratch.clear();
@@ -91,7 +91,7 @@ impl TlsStream {
         plain.flush()?;
         let plain_closer = plain.closer()?;
         let (r, w) = plain.split()?;
-        let shared = Arc::new(Shared { session: Mutex::new(session), out: Mutex::new(w) });
+        let shared = Arc::new(Tls { session: Mutex::new(session), out: Mutex::new(w) });
         // Closing from outside (server shutdown) only shuts the socket down: sending a
         // close_notify there could block on a peer that stopped reading.
         let closer: Arc<dyn Fn() + Send + Sync> = Arc::from(plain_closer);
@@ -143,7 +143,7 @@ impl Stream for TlsStream {
 }
 
 struct TlsReader {
-    shared: Arc<Shared>,
+    shared: Arc<Tls>,
     sock: Box<dyn Read + Send>,
     /// Ciphertext received and not yet handed to the session: `buf[start..end]`.
     buf: Box<[u8]>,
@@ -236,7 +236,7 @@ impl Read for TlsReader {
 }
 
 struct TlsWriter {
-    shared: Arc<Shared>,
+    shared: Arc<Tls>,
     /// Sealed records on their way out, reused.
     scratch: Vec<u8>,
 }

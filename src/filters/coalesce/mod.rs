@@ -167,14 +167,14 @@ struct Counters {
 
 type Stripe = RwLock<HashMap<u64, Block>>;
 
-struct Shared {
+struct HeldWrites {
     inner: Arc<dyn Backend>,
     cfg: CoalesceConfig,
     /// The size of the layer below: write-back never reads or writes past it.
     size: u64,
     stripes: Vec<Stripe>,
     /// Dirty bytes held, over all stripes, and room taken by writes on their way in
-    /// ([`Shared::reserve`]). Decremented only after the bytes are below.
+    /// ([`HeldWrites::reserve`]). Decremented only after the bytes are below.
     held: AtomicU64,
     /// The most `held` has been.
     peak: AtomicU64,
@@ -191,7 +191,7 @@ struct Shared {
     /// Hands FLUSH write-backs to the helper threads; `None` once stopped.
     helpers: Mutex<Option<std::sync::mpsc::Sender<Arc<writeback::Job>>>>,
     /// Blocks a writer has moved past, for the background thread to write back now rather
-    /// than at the next FLUSH (see [`Shared::passed`]).
+    /// than at the next FLUSH (see [`HeldWrites::passed`]).
     passed: Mutex<Vec<u64>>,
     /// Ranges known to read as zeroes below (holes when the filter started, not written since).
     zeroes: Mutex<zeroes::Zeroes>,
@@ -200,7 +200,7 @@ struct Shared {
 /// The write-coalescing filter: a [`Filter`] over a [`Backend`] of its own, which every change
 /// of data goes through.
 pub struct Coalesce {
-    shared: Arc<Shared>,
+    shared: Arc<HeldWrites>,
     /// The background thread and the write-back helpers.
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     finished: AtomicBool,
@@ -218,7 +218,7 @@ impl Coalesce {
         );
         let size = inner.size().unwrap_or(0);
         let zeroes = zeroes::Zeroes::of(&*inner, size);
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(HeldWrites {
             inner,
             cfg,
             size,
@@ -312,7 +312,7 @@ impl Coalesce {
         let locks = if wait { sh.read_locks(offset, len) } else { sh.try_read_locks(offset, len)? };
         let dirty = sh.dirty_in(&locks, offset, len);
         let bs = sh.cfg.block;
-        let block = |b: u64| &locks.map(Shared::stripe_of(b))[&b];
+        let block = |b: u64| &locks.map(HeldWrites::stripe_of(b))[&b];
         // Entirely dirty: nothing to read from below.
         let covered = sh.block_of(offset + len - 1) - sh.block_of(offset) + 1 == dirty.len() as u64
             && dirty.iter().all(|(b, r)| block(*b).covers(r.start, r.len() as u32));
@@ -357,7 +357,7 @@ impl Coalesce {
     }
 
     /// Copies `buf` into the dirty map under `locks` (the stripes of its blocks). Its room,
-    /// `room` ([`Self::charge`]), was taken beforehand ([`Shared::reserve`]); what it did not
+    /// `room` ([`Self::charge`]), was taken beforehand ([`HeldWrites::reserve`]); what it did not
     /// add (it overwrote held bytes, or joined runs) is given back.
     fn absorb(
         &self,
@@ -375,7 +375,7 @@ impl Coalesce {
             let b = sh.block_of(at);
             let n = ((b + 1) * bs).min(offset + len) - at;
             let piece = &buf[(at - offset) as usize..(at - offset + n) as usize];
-            let map = locks.get(Shared::stripe_of(b));
+            let map = locks.get(HeldWrites::stripe_of(b));
             let entered = !map.contains_key(&b);
             added += map.entry(b).or_insert_with(|| Block::new(now)).write((at - b * bs) as u32, piece);
             if entered && b > 0 {
@@ -411,7 +411,7 @@ impl Coalesce {
         if fua {
             // Durable before the reply: write back the blocks it touched, with FUA.
             for b in sh.block_of(offset)..=sh.block_of(offset + len - 1) {
-                let map = locks.get(Shared::stripe_of(b));
+                let map = locks.get(HeldWrites::stripe_of(b));
                 let block = map.get_mut(&b).expect("just written");
                 sh.write_back(b, block, true)?;
                 map.remove(&b);
@@ -437,7 +437,7 @@ impl Coalesce {
         let dirty = sh.dirty_in(&locks, offset, len);
         let mut dropped = 0;
         for (b, r) in dirty {
-            let map = locks.get(Shared::stripe_of(b));
+            let map = locks.get(HeldWrites::stripe_of(b));
             let blk = map.get_mut(&b).expect("dirty block");
             dropped += blk.discard(r.start, r.len() as u32);
             if blk.is_empty() {
@@ -607,7 +607,7 @@ impl Filter for Coalesce {
         let (lo, hi) = (offset / unit * unit, (offset + total).div_ceil(unit) * unit);
         let dirty = sh.dirty_in(&locks, lo, hi.min(sh.size) - lo);
         for (b, r) in dirty {
-            let blk = &locks.map(Shared::stripe_of(b))[&b];
+            let blk = &locks.map(HeldWrites::stripe_of(b))[&b];
             for d in blk.ranges().filter(|d| d.start < r.end && r.start < d.end) {
                 // Whole units: clients read in aligned pieces, and qemu rounds an unaligned
                 // extent so that a hole's status covers the dirty bytes sharing its 512-byte

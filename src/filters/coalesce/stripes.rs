@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::sync::{RwLockReadGuard, RwLockWriteGuard};
 
 use super::dirty::Block;
-use super::Shared;
+use super::HeldWrites;
 
 /// Lock stripes. More than the server's threads times a few connections, so two requests
 /// rarely meet on one stripe unless they touch the same block.
@@ -33,7 +33,7 @@ impl<G: std::ops::Deref<Target = HashMap<u64, Block>>> Locked<G> {
     }
 }
 
-impl Shared {
+impl HeldWrites {
     pub(super) fn block_of(&self, offset: u64) -> u64 {
         offset / self.cfg.block
     }

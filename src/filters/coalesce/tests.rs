@@ -319,7 +319,7 @@ fn concurrent_flushes_each_flush_below() {
 fn a_flush_writes_back_other_blocks_while_a_stripe_is_busy() {
     let mem = full(MIB);
     let (a, b) = (0u64, 5u64);
-    assert_ne!(Shared::stripe_of(a), Shared::stripe_of(b));
+    assert_ne!(HeldWrites::stripe_of(a), HeldWrites::stripe_of(b));
     let slow = Rule::new(Op::Write, Fault::Slow(Duration::from_secs(2))).at(a * 64 * K, 64 * K);
     let c =
         Arc::new(Front::whole(Coalesce::new(Arc::new(FaultInjector::new(mem.clone(), vec![slow])), cfg())));
@@ -330,7 +330,7 @@ fn a_flush_writes_back_other_blocks_while_a_stripe_is_busy() {
         std::thread::spawn(move || c.shared.write_back_one(a).unwrap())
     };
     let t = Instant::now();
-    while c.shared.stripes[Shared::stripe_of(a)].try_read().is_ok() {
+    while c.shared.stripes[HeldWrites::stripe_of(a)].try_read().is_ok() {
         assert!(t.elapsed() < Duration::from_secs(10), "the write-back never took its stripe");
         std::thread::yield_now();
     }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::dirty::{self, Block};
 use super::stripes::Locked;
-use super::Shared;
+use super::HeldWrites;
 
 /// Blocks a write-back thread takes at a time: neighbours, so the file sees runs of
 /// ascending offsets.
@@ -31,7 +31,7 @@ pub(super) struct Job {
 }
 
 impl Job {
-    fn work(&self, sh: &Shared) {
+    fn work(&self, sh: &HeldWrites) {
         loop {
             let i = self.next.fetch_add(BATCH, SeqCst);
             if i >= self.keys.len() {
@@ -47,7 +47,7 @@ impl Job {
 }
 use crate::error::{Error, ErrorKind, Result};
 
-impl Shared {
+impl HeldWrites {
     pub(super) fn latched(&self) -> Option<(ErrorKind, String)> {
         self.latch.lock().unwrap().clone()
     }

@@ -3,7 +3,7 @@
 //! gaps of a block from below; where the whole range is known zeroes it fills them with
 //! zeroes without reading.
 //!
-//! Why it stays true: every write the filter sends down goes through `Shared::write_below`,
+//! Why it stays true: every write the filter sends down goes through `HeldWrites::write_below`,
 //! which forgets its range first (also when the write fails); zeroes and trims make bytes read
 //! as zero or leave them as they were, so they never make a known-zero range wrong; and the
 //! filter is the only writer of the export (a server's connections all write through it).

@@ -53,7 +53,7 @@ pub struct ChainId(pub u64);
 
 /// What one read turned out to be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Verdict {
+pub struct Observation {
     pub chain: ChainId,
     /// The chain is a stream: prefetching past `frontier` is worthwhile.
     pub stream: bool,
@@ -123,7 +123,7 @@ impl Detector {
     }
 
     /// Records a read of `[offset, offset+len)` and says which chain it belongs to.
-    pub fn observe(&mut self, offset: u64, len: u64) -> Verdict {
+    pub fn observe(&mut self, offset: u64, len: u64) -> Observation {
         debug_assert!(len > 0);
         self.seq += 1;
         let end = offset.saturating_add(len);
@@ -178,7 +178,12 @@ impl Detector {
             self.order.retain(|k| live.contains_key(k));
         }
         let c = &self.chains[&id];
-        Verdict { chain: ChainId(id), stream: c.is_stream(&self.cfg), frontier: c.frontier, became_stream }
+        Observation {
+            chain: ChainId(id),
+            stream: c.is_stream(&self.cfg),
+            frontier: c.frontier,
+            became_stream,
+        }
     }
 
     /// Drops the oldest read still in the history (and its chain, if it was the last).
@@ -231,7 +236,7 @@ mod tests {
     fn a_stream_takes_three_links_and_64_kib() {
         // 4 KiB reads: the 16th reaches 64 KiB.
         let mut d = detector();
-        let v: Vec<Verdict> = (0..20).map(|i| d.observe(i * K4, K4)).collect();
+        let v: Vec<Observation> = (0..20).map(|i| d.observe(i * K4, K4)).collect();
         assert!(v[..15].iter().all(|x| !x.stream), "{v:?}");
         assert!(v[15].stream && v[15].became_stream);
         assert!(v[16..].iter().all(|x| x.stream && !x.became_stream && x.chain == v[0].chain));
@@ -239,7 +244,7 @@ mod tests {
         assert_eq!(d.streams_found(), 1);
         // 64 KiB reads: the third.
         let mut d = detector();
-        let v: Vec<Verdict> = (0..3).map(|i| d.observe(i << 16, 1 << 16)).collect();
+        let v: Vec<Observation> = (0..3).map(|i| d.observe(i << 16, 1 << 16)).collect();
         assert!(!v[0].stream && !v[1].stream && v[2].became_stream);
     }
 

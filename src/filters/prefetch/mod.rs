@@ -33,7 +33,7 @@
 pub mod buffer;
 pub mod detect;
 
-pub use detect::{DetectConfig, Detector, Verdict};
+pub use detect::{DetectConfig, Detector, Observation};
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc;
@@ -126,7 +126,7 @@ struct Job {
     owner: Option<ChainId>,
 }
 
-struct Shared {
+struct ReadAhead {
     /// Set when the filter stops: queued read-ahead is skipped.
     stopping: std::sync::atomic::AtomicBool,
     inner: Arc<dyn Backend>,
@@ -137,7 +137,7 @@ struct Shared {
 
 /// The prefetch filter: a [`Filter`] over a [`Backend`] of its own, for read-ahead.
 pub struct Prefetch {
-    shared: Arc<Shared>,
+    shared: Arc<ReadAhead>,
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     workers: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
@@ -155,7 +155,7 @@ impl Prefetch {
             cache_jobs: 0,
         };
         let shared =
-            Arc::new(Shared { stopping: Default::default(), inner, cfg, size, state: Mutex::new(state) });
+            Arc::new(ReadAhead { stopping: Default::default(), inner, cfg, size, state: Mutex::new(state) });
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         let workers = (0..cfg.threads.max(1))
@@ -206,7 +206,7 @@ impl Prefetch {
     }
 }
 
-impl Shared {
+impl ReadAhead {
     /// The read-ahead a read of a stream calls for.
     fn plan(&self, st: &mut State, chain: ChainId, frontier: u64, hit: bool) -> Vec<Job> {
         let cfg = &self.cfg;

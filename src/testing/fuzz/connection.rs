@@ -581,7 +581,7 @@ impl Client {
                         );
                         assert_eq!(
                             be32(&payload[0..4]),
-                            crate::server::negotiate::BASE_ALLOCATION_ID,
+                            crate::server::handshake::BASE_ALLOCATION_ID,
                             "{what}: context id"
                         );
                         let n = (payload.len() - 4) / 8;

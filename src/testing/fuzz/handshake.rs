@@ -23,7 +23,7 @@ use super::Input;
 use crate::backend::{Backend, MemoryBackend};
 use crate::proto::handshake::*;
 use crate::proto::*;
-use crate::server::negotiate::{
+use crate::server::handshake::{
     negotiate, Outcome, BASE_ALLOCATION_ID, MAX_OPTIONS, MAX_OPTION_DISCARD, MAX_OPTION_LEN,
 };
 use crate::server::{Export, Server};
