@@ -8,6 +8,7 @@
 use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// What went wrong, independent of where.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -157,6 +158,45 @@ impl std::error::Error for Error {
     }
 }
 
+/// The first write error that may have lost acknowledged data, kept so that every later flush
+/// and FUA request fails with it. The kernel reports a writeback error once per open file
+/// description, and a write-back of held bytes fails long after their writes were answered:
+/// whoever answered the writes keeps the latch. Three do:
+///
+/// - `io::PolicyFile`, one latch for every open of a file in a job: a failed `fdatasync`, or a
+///   writeback error that write-behind found;
+/// - `server::Export`: a failed FLUSH or FUA request on any connection (each connection has a
+///   file of its own, and the kernel told only that one);
+/// - `--coalesce`: a failed write-back of held bytes, acknowledged to clients but not below.
+#[derive(Debug, Default)]
+pub struct WriteLatch(Mutex<Option<(ErrorKind, String)>>);
+
+impl WriteLatch {
+    /// Keeps `err` if nothing is latched yet; true if it was kept.
+    pub fn set(&self, err: &Error) -> bool {
+        let mut slot = self.0.lock().unwrap();
+        let first = slot.is_none();
+        if first {
+            *slot = Some((err.kind(), err.to_string()));
+        }
+        first
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.0.lock().unwrap().is_some()
+    }
+
+    /// Fails `op` on `name` with the latched error's kind, if one is latched.
+    pub fn check(&self, op: &'static str, name: impl AsRef<Path>) -> Result<()> {
+        match &*self.0.lock().unwrap() {
+            None => Ok(()),
+            Some((kind, first)) => Err(Error::new(*kind, op)
+                .path(name)
+                .detail(format!("an earlier write failed ({first}); data may be lost"))),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,6 +206,20 @@ mod tests {
         let e = Error::io("write", io::Error::from_raw_os_error(libc::ENOSPC)).path("/tmp/x").at(4096, 512);
         assert_eq!(e.kind(), ErrorKind::NoSpace);
         assert_eq!(e.to_string(), "write /tmp/x at offset 4096 (length 512): no space left on device");
+    }
+
+    #[test]
+    fn a_latch_keeps_the_first_error_and_its_kind() {
+        let l = WriteLatch::default();
+        assert!(l.check("flush", "f").is_ok() && !l.is_set());
+        assert!(l.set(&Error::io("write", io::Error::from_raw_os_error(libc::ENOSPC)).path("f")));
+        assert!(!l.set(&Error::io("write", io::Error::from_raw_os_error(libc::EIO)).path("f")));
+        let e = l.check("flush", "f").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NoSpace);
+        assert_eq!(
+            e.to_string(),
+            "flush f: an earlier write failed (write f: no space left on device); data may be lost"
+        );
     }
 
     #[test]

@@ -15,7 +15,7 @@ use super::evict::{self, EvictBehind};
 use super::policy::{choose, CacheMode, Choice, Fadvise, Probe, ReadMech, Tuning, WriteMech};
 use super::sys::{self, Advice, AlignedBuf, CacheStat};
 use super::writebehind::WriteBehind;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result, WriteLatch};
 
 /// Most bytes of blocks the evict-behind tracker holds before evicting the least recently
 /// used (readers that never finish a block, readahead spill): the neutral footprint bound.
@@ -27,29 +27,6 @@ pub struct OpenOptions {
     pub write: bool,
     pub create: bool,
     pub truncate: bool,
-}
-
-/// A write error seen by writeback or a flush, kept so that no later flush reports success
-/// for data that was lost (the kernel reports such an error only once per open file).
-#[derive(Debug, Default)]
-pub struct WriteLatch(Mutex<Option<String>>);
-
-impl WriteLatch {
-    pub fn set(&self, err: &Error) {
-        let mut slot = self.0.lock().unwrap();
-        if slot.is_none() {
-            *slot = Some(err.to_string());
-        }
-    }
-
-    pub fn check(&self, path: &Path) -> Result<()> {
-        match &*self.0.lock().unwrap() {
-            None => Ok(()),
-            Some(first) => Err(Error::new(ErrorKind::Io, "flush")
-                .path(path)
-                .detail(format!("an earlier write failed ({first}); data may be lost"))),
-        }
-    }
 }
 
 /// Writes smaller than this are made without RWF_DONTCACHE in neutral mode, and write-behind
@@ -818,7 +795,7 @@ impl PolicyFile {
             self.shared.latch.set(&e);
             return Err(e);
         }
-        self.shared.latch.check(&self.path)?;
+        self.shared.latch.check("flush", &self.path)?;
         // Everything is clean now: evicting the windows costs nothing and keeps the footprint
         // low between flushes.
         if let Err(e) = self.write_behind.drain(self.fd()) {

@@ -28,6 +28,6 @@ pub(crate) fn spread(x: u64, bits: u32) -> usize {
     (x.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - bits)) as usize
 }
 
-pub use file::{Mechanism, OpenOptions, PolicyFile, Shared, WriteLatch};
+pub use file::{Mechanism, OpenOptions, PolicyFile, Shared};
 pub use policy::{CacheMode, Fadvise, ReadMech, Tuning, WriteMech};
 pub use sys::{AlignedBuf, CacheStat};

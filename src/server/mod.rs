@@ -43,7 +43,7 @@ pub struct Export {
     /// write, a writeback error), on any connection: every later flush and FUA request fails
     /// with it. Kept here, not per connection, because the kernel reports a writeback error
     /// only once per open file, and each connection has its own.
-    pub latch: crate::io::WriteLatch,
+    pub latch: crate::error::WriteLatch,
     open: Opener,
 }
 

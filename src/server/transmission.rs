@@ -353,7 +353,7 @@ struct Conn<'a> {
     writer: &'a Mutex<Box<dyn Write + Send>>,
     /// A reply could not be written: the client is gone.
     broken: &'a AtomicBool,
-    latch: &'a crate::io::WriteLatch,
+    latch: &'a crate::error::WriteLatch,
     budget: &'a Budget,
 }
 
@@ -408,10 +408,7 @@ impl Conn<'_> {
         // A flush or FUA request promises durability: not after a write error was latched.
         let durable =
             req.cmd == CMD_FLUSH || (fua && matches!(req.cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES));
-        let res =
-            res.and_then(
-                |()| if durable { self.latch.check(std::path::Path::new(b.name())) } else { Ok(()) },
-            );
+        let res = res.and_then(|()| if durable { self.latch.check("flush", b.name()) } else { Ok(()) });
         if let Err(e) = &res {
             if e.kind() == crate::ErrorKind::Io && (durable || matches!(e.op(), "writeback" | "flush")) {
                 self.latch.set(e);

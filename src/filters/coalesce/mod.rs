@@ -59,7 +59,7 @@ use std::time::{Duration, Instant};
 
 use super::Filter;
 use crate::backend::{Backend, Caps, Extent, ZeroFlags};
-use crate::error::{ErrorKind, Result};
+use crate::error::{Result, WriteLatch};
 use dirty::Block;
 use stripes::STRIPES;
 
@@ -178,8 +178,8 @@ struct HeldWrites {
     held: AtomicU64,
     /// The most `held` has been.
     peak: AtomicU64,
-    /// The first write-back error: (kind, message). Never cleared.
-    latch: Mutex<Option<(ErrorKind, String)>>,
+    /// The first write-back error. Never cleared.
+    latch: WriteLatch,
     counters: Counters,
     /// Set by `finish`: the background thread ends, writers over the bound write back
     /// themselves.
@@ -225,7 +225,7 @@ impl Coalesce {
             stripes: (0..STRIPES).map(|_| RwLock::new(HashMap::new())).collect(),
             held: AtomicU64::new(0),
             peak: AtomicU64::new(0),
-            latch: Mutex::new(None),
+            latch: WriteLatch::default(),
             counters: Counters::default(),
             stopping: AtomicBool::new(false),
             signal: Mutex::new(()),

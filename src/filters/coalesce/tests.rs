@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::backend::{CacheInfo, MemoryBackend};
+use crate::error::ErrorKind;
 use crate::filters::Front;
 use crate::testing::fault::{Fault, FaultInjector, Op, Rule};
 use std::time::{Duration, Instant};

@@ -45,29 +45,18 @@ impl Job {
         }
     }
 }
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 
 impl HeldWrites {
-    pub(super) fn latched(&self) -> Option<(ErrorKind, String)> {
-        self.latch.lock().unwrap().clone()
-    }
-
     /// Fails with the latched write-back error, if any: for FLUSH and FUA.
     pub(super) fn check_latch(&self, op: &'static str) -> Result<()> {
-        match self.latched() {
-            None => Ok(()),
-            Some((kind, first)) => Err(Error::new(kind, op)
-                .path(self.inner.name())
-                .detail(format!("an earlier write-back failed ({first}); data may be lost"))),
-        }
+        self.latch.check(op, self.inner.name())
     }
 
     pub(super) fn set_latch(&self, e: &Error) {
         self.counters.errors.fetch_add(1, SeqCst);
-        let mut l = self.latch.lock().unwrap();
-        if l.is_none() {
+        if self.latch.set(e) {
             tracing::warn!("coalesce: write-back failed: {e}");
-            *l = Some((e.kind(), e.to_string()));
         }
     }
 
@@ -378,7 +367,7 @@ impl HeldWrites {
     /// writers go straight down instead of waiting (see [`Self::wait_for_room`]); they are
     /// retried at the next FLUSH or once too old.
     fn under_pressure(&self) -> bool {
-        self.held.load(SeqCst) > self.low_mark() && self.latched().is_none()
+        self.held.load(SeqCst) > self.low_mark() && !self.latch.is_set()
     }
 
     /// The background thread: wakes when a writer is over the bound, and when a block may have
@@ -467,7 +456,7 @@ impl HeldWrites {
             if self.reserve(len) {
                 return true;
             }
-            if self.latched().is_some() {
+            if self.latch.is_set() {
                 return false;
             }
             if self.stopping.load(SeqCst) {
