@@ -75,15 +75,8 @@ impl FileBackend {
 
     /// Sets the size of a regular file (a copy destination is truncated to its source size).
     pub fn set_len(&self, len: u64) -> Result<()> {
-        self.file
-            .file()
-            .set_len(len)
-            .map_err(|e| Error::io("truncate", e).path(self.file.path()).at(0, len))?;
-        if len > self.size.load(Ordering::Relaxed) {
-            self.file.made_holes();
-        }
+        self.file.set_len(len).map_err(|e| Error::io("truncate", e).path(self.file.path()).at(0, len))?;
         self.size.store(len, Ordering::Relaxed);
-        self.file.known_data().forget(len, u64::MAX);
         Ok(())
     }
 
@@ -94,9 +87,7 @@ impl FileBackend {
         if len == 0 {
             return Ok(true);
         }
-        // Unwritten extents, which need no read before a write either: like holes.
-        self.file.made_holes();
-        match sys::fallocate(self.file.fd(), 0, 0, len) {
+        match self.file.allocate(len) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => return Ok(false),
             Err(e) => return Err(Error::io("preallocate", e).path(self.file.path()).at(0, len)),
@@ -218,18 +209,9 @@ impl Backend for FileBackend {
             super::write_zeroes(self, end, offset + len - end, false)?;
             sys::block_zeroout(fd, start, end - start)
         } else if flags.may_trim {
-            self.file.made_holes();
-            self.file
-                .change_in_place(offset, len, || {
-                    sys::fallocate(fd, sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE, offset, len)
-                })
-                .inspect(|()| self.file.known_data().forget(offset, len))
+            self.file.punch_hole(offset, len)
         } else {
-            // Unwritten extents: like holes, they need no read before a write into them.
-            self.file.made_holes();
-            self.file.change_in_place(offset, len, || {
-                sys::fallocate(fd, sys::FALLOC_ZERO_RANGE | sys::FALLOC_KEEP_SIZE, offset, len)
-            })
+            self.file.zero_range(offset, len)
         };
         match res {
             Ok(()) => self.fua(flags.fua),
@@ -262,12 +244,7 @@ impl Backend for FileBackend {
             }
             sys::block_discard(fd, start, end - start)
         } else {
-            self.file.made_holes();
-            self.file
-                .change_in_place(offset, len, || {
-                    sys::fallocate(fd, sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE, offset, len)
-                })
-                .inspect(|()| self.file.known_data().forget(offset, len))
+            self.file.punch_hole(offset, len)
         };
         match res {
             // Trimming is advisory: where it is unsupported the data simply stays.

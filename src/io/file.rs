@@ -649,12 +649,7 @@ impl PolicyFile {
     /// write's (a direct small write into one must not race the kernel's buffered zeroing,
     /// see [`Shared::page_locks`]), and handed to write-behind afterwards, which writes and
     /// evicts them with the job's other buffered writes.
-    pub fn change_in_place(
-        &self,
-        offset: u64,
-        len: u64,
-        op: impl FnOnce() -> io::Result<()>,
-    ) -> io::Result<()> {
+    fn change_in_place(&self, offset: u64, len: u64, op: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
         self.touch(offset, len);
         let mech = self.write_mech();
         // The kernel zeroes partial filesystem blocks through the cache, in whole pages.
@@ -726,9 +721,45 @@ impl PolicyFile {
         matches!(sys::cached_pages(self.fd(), start, end - start), Ok(0))
     }
 
+    /// Deallocates `[offset, offset+len)` of a regular file (`FALLOC_FL_PUNCH_HOLE`), which
+    /// then reads as zeroes.
+    pub fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.made_holes();
+        let flags = sys::FALLOC_PUNCH_HOLE | sys::FALLOC_KEEP_SIZE;
+        self.change_in_place(offset, len, || sys::fallocate(self.fd(), flags, offset, len))?;
+        self.known_data().forget(offset, len);
+        Ok(())
+    }
+
+    /// Zeroes `[offset, offset+len)` of a regular file as unwritten extents
+    /// (`FALLOC_FL_ZERO_RANGE`): like holes, they need no read before a write into them.
+    pub fn zero_range(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.made_holes();
+        let flags = sys::FALLOC_ZERO_RANGE | sys::FALLOC_KEEP_SIZE;
+        self.change_in_place(offset, len, || sys::fallocate(self.fd(), flags, offset, len))
+    }
+
+    /// Allocates `[0, len)` of a regular file as unwritten extents (`--preallocate`), which
+    /// need no read before a write either: like holes.
+    pub fn allocate(&self, len: u64) -> io::Result<()> {
+        self.made_holes();
+        sys::fallocate(self.fd(), 0, 0, len)
+    }
+
+    /// Sets the size of a regular file; bytes past the old end are a hole.
+    pub fn set_len(&self, len: u64) -> io::Result<()> {
+        let grows = self.file.metadata()?.len() < len;
+        self.file.set_len(len)?;
+        if grows {
+            self.made_holes();
+        }
+        self.known_data().forget(len, u64::MAX);
+        Ok(())
+    }
+
     /// Says that the file may have holes from now on (a zero or trim, a file extended or
     /// preallocated): small writes stay buffered.
-    pub fn made_holes(&self) {
+    fn made_holes(&self) {
         self.shared.holes.store(true, Ordering::Relaxed);
     }
 
