@@ -99,15 +99,19 @@ struct Nbdkit(std::process::Child, String);
 impl Nbdkit {
     fn start(dir: &Path) -> Nbdkit {
         common::need("nbdkit", "nbdkit");
-        let sock =
-            dir.join(format!("nbdkit-{}.sock", STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (sock, pid) = (dir.join(format!("nbdkit-{n}.sock")), dir.join(format!("nbdkit-{n}.pid")));
         let child = std::process::Command::new("nbdkit")
             .args(["-f", "-U"])
             .arg(&sock)
+            .arg("-P")
+            .arg(&pid)
             .args(["memory", &SIZE.to_string()])
             .spawn()
             .expect("start nbdkit");
-        assert!(common::within(10, || sock.exists()), "nbdkit did not listen on {}", sock.display());
+        // The pid file, not the socket: nbdkit writes it once it accepts connections, and
+        // the socket file exists a moment before (a connect then is refused).
+        assert!(common::within(10, || pid.exists()), "nbdkit did not start on {}", sock.display());
         Nbdkit(child, format!("nbd+unix:///?socket={}", sock.display()))
     }
 }
@@ -195,7 +199,7 @@ impl Fixture {
 
 /// Each open is the file opened again, sharing the export's latch and locks, as in `serve`.
 fn reopen(path: std::path::PathBuf, mode: CacheMode) -> Opener {
-    let shared = Arc::new(lightfoot::io::Shared::default());
+    let shared = Arc::new(lightfoot::io::FileJob::default());
     Arc::new(move |write| {
         let opts = OpenOptions { write, create: false, truncate: false };
         Ok(Arc::new(FileBackend::open_shared(&path, opts, mode, &Tuning::default(), shared.clone())?))

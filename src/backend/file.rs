@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
 use crate::error::{Error, ErrorKind, Result};
-use crate::io::{sys, CacheMode, OpenOptions, PolicyFile, Shared, Tuning};
+use crate::io::{sys, CacheMode, FileJob, OpenOptions, PolicyFile, Tuning};
 
 /// Extents reported by one call at most; callers ask again for the rest.
 const MAX_EXTENTS: usize = 1024;
@@ -38,7 +38,7 @@ impl FileBackend {
         opts: OpenOptions,
         mode: CacheMode,
         tuning: &Tuning,
-        shared: std::sync::Arc<Shared>,
+        shared: std::sync::Arc<FileJob>,
     ) -> Result<FileBackend> {
         let file = PolicyFile::open_shared(path, opts, mode, tuning, shared)?;
         let size = file.size()?;

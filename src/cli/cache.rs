@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 use lightfoot::copy::endpoint::parse_size;
-use lightfoot::io::inspect::{evict, open_for_inspection, residency, Residency};
+use lightfoot::io::residency::{self, Residency};
 
 use super::human;
 
@@ -103,7 +103,7 @@ fn stat(a: StatArgs) -> i32 {
     let mut rows = Vec::new();
     let mut status = 0;
     for path in &a.files {
-        let r = open_for_inspection(path).and_then(|f| residency(&f, path, off, len));
+        let r = residency::open(path).and_then(|f| residency::measure(&f, path, off, len));
         match r {
             Ok(r) => rows.push(StatRow {
                 file: path.display().to_string(),
@@ -143,7 +143,7 @@ fn stat(a: StatArgs) -> i32 {
         let share = if r.pages > 0 { 100.0 * r.stat.cached as f64 / r.pages as f64 } else { 0.0 };
         let cached = format!("{} ({share:.1}%)", page(r.stat.cached));
         let na = |n: u64| {
-            if r.source == lightfoot::io::inspect::Source::Mincore {
+            if r.source == residency::Source::Mincore {
                 "?".to_string()
             } else {
                 page(n)
@@ -176,7 +176,7 @@ fn evict_files(a: EvictArgs) -> i32 {
     let mut status = 0;
     let mut rows = Vec::new();
     for path in &a.files {
-        let f = match open_for_inspection(path) {
+        let f = match residency::open(path) {
             Ok(f) => f,
             Err(e) => {
                 status = 1;
@@ -190,9 +190,9 @@ fn evict_files(a: EvictArgs) -> i32 {
                 continue;
             }
         };
-        let before = residency(&f, path, off, len).ok().map(|r| r.cached_bytes());
-        let res = evict(&f, path, off, len, a.sync);
-        let after = residency(&f, path, off, len).ok().map(|r| r.cached_bytes());
+        let before = residency::measure(&f, path, off, len).ok().map(|r| r.cached_bytes());
+        let res = residency::evict(&f, path, off, len, a.sync);
+        let after = residency::measure(&f, path, off, len).ok().map(|r| r.cached_bytes());
         let error = res.as_ref().err().map(|e| e.to_string());
         match &res {
             Err(e) => {

@@ -9,7 +9,7 @@ use clap::Args;
 use lightfoot::copy::endpoint::{open_destination, open_source, parse_endpoints, parse_size, DestOptions};
 use lightfoot::copy::plan::Asked;
 use lightfoot::copy::{copy, Endpoint, Opened, Plan, Progress};
-use lightfoot::io::inspect::{open_for_inspection, residency};
+use lightfoot::io::residency;
 use lightfoot::io::{CacheMode, CacheStat, Fadvise, Mechanism};
 
 use super::parse_enum;
@@ -211,9 +211,9 @@ struct Summary {
 
 fn cached_now(ep: &Endpoint) -> Option<u64> {
     let Endpoint::Path(p) = ep else { return None };
-    // Regular files and block devices only (open_for_inspection refuses the rest unopened).
-    let f = open_for_inspection(p).ok()?;
-    residency(&f, p, 0, None).ok().map(|r| r.cached_bytes())
+    // Regular files and block devices only (residency::open refuses the rest unopened).
+    let f = residency::open(p).ok()?;
+    residency::measure(&f, p, 0, None).ok().map(|r| r.cached_bytes())
 }
 
 fn cached_of(opened: &Opened) -> (Option<u64>, Option<CacheStat>, Option<Mechanism>) {

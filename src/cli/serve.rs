@@ -9,7 +9,7 @@ use lightfoot::copy::endpoint::parse_size;
 use lightfoot::filters::coalesce::CoalesceConfig;
 use lightfoot::filters::prefetch::PrefetchConfig;
 use lightfoot::filters::{Stack, StackConfig};
-use lightfoot::io::{CacheMode, Fadvise, OpenOptions, Shared};
+use lightfoot::io::{CacheMode, Fadvise, FileJob, OpenOptions};
 use lightfoot::server::{Export, Listener, Server};
 use lightfoot::tls::ServerTls;
 
@@ -221,7 +221,7 @@ pub fn run(a: ServeArgs) -> i32 {
         },
     };
     let tuning = a.mechanisms.tuning(a.fadvise, true);
-    let shared = Arc::new(Shared::default());
+    let shared = Arc::new(FileJob::default());
     let (path, mode) = (a.file.clone(), a.cache);
     let coalesce = CoalesceConfig {
         size: a.coalesce_size,

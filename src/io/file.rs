@@ -40,9 +40,9 @@ pub const SMALL_WRITE: usize = 64 << 10;
 /// The page size the page-granular decisions assume (the kernel's on x86-64 and most arm64).
 const PAGE: u64 = 4096;
 
-/// [`Shared::page_locks`]: 2^6 of them.
+/// [`FileJob::page_locks`]: 2^6 of them.
 const PAGE_LOCK_BITS: u32 = 6;
-/// [`Shared::rmw_locks`], held over the read-modify-write of an unaligned `O_DIRECT` write: 2^6.
+/// [`FileJob::rmw_locks`], held over the read-modify-write of an unaligned `O_DIRECT` write: 2^6.
 const RMW_LOCK_BITS: u32 = 6;
 
 /// The pages a write of `[offset, offset+len)` covers only in part: the first and the last,
@@ -67,7 +67,7 @@ fn partial_units(offset: u64, len: u64, unit: u64) -> [Option<u64>; 2] {
 /// that serialise read-modify-write of a block (a server opens one fd per connection; these
 /// must still be one per export), the locks of pages written in part, and the last data
 /// extent found.
-pub struct Shared {
+pub struct FileJob {
     latch: WriteLatch,
     rmw_locks: Vec<Mutex<()>>,
     /// Held over a neutral-mode write of part of a page, buffered or direct
@@ -91,9 +91,9 @@ pub struct Shared {
     dontcache_probe: OnceLock<(bool, Option<String>)>,
 }
 
-impl Default for Shared {
-    fn default() -> Shared {
-        Shared {
+impl Default for FileJob {
+    fn default() -> FileJob {
+        FileJob {
             latch: WriteLatch::default(),
             rmw_locks: (0..1 << RMW_LOCK_BITS).map(|_| Mutex::new(())).collect(),
             page_locks: (0..1 << PAGE_LOCK_BITS).map(|_| Mutex::new(())).collect(),
@@ -169,7 +169,7 @@ pub struct PolicyFile {
     /// refuses one (EINVAL).
     direct_small: AtomicBool,
     write_behind: WriteBehind,
-    shared: Arc<Shared>,
+    shared: Arc<FileJob>,
     notes: Mutex<Vec<String>>,
     /// Lowest and highest byte touched (for `drop` mode's final eviction).
     touched_lo: AtomicU64,
@@ -204,7 +204,7 @@ impl PolicyFile {
         opts: OpenOptions,
         mode: CacheMode,
         tuning: &Tuning,
-        shared: Arc<Shared>,
+        shared: Arc<FileJob>,
     ) -> Result<PolicyFile> {
         let open_err = |e: io::Error| Error::io("open", e).path(path);
         let file = std::fs::OpenOptions::new()
@@ -584,7 +584,7 @@ impl PolicyFile {
             // evicted by write-behind (see [`SMALL_WRITE`]); merged ones do not.
             let small = mech == WriteMech::DontCache && buf.len() < SMALL_WRITE && !merged;
             // Every write through the cache that covers part of a page holds the page's lock
-            // in neutral mode, where small writes may go direct (see [`Shared::page_locks`]).
+            // in neutral mode, where small writes may go direct (see [`FileJob::page_locks`]).
             let pages = if self.mode == CacheMode::Neutral && mech != WriteMech::Direct {
                 partial_pages(offset, len)
             } else {
@@ -647,7 +647,7 @@ impl PolicyFile {
     /// of it in the cache: 16 unaligned trims and zeroes left 32 pages cached. So those edge
     /// pages are classified first (cached before the job: left alone), locked like a partial
     /// write's (a direct small write into one must not race the kernel's buffered zeroing,
-    /// see [`Shared::page_locks`]), and handed to write-behind afterwards, which writes and
+    /// see [`FileJob::page_locks`]), and handed to write-behind afterwards, which writes and
     /// evicts them with the job's other buffered writes.
     fn change_in_place(&self, offset: u64, len: u64, op: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
         self.touch(offset, len);
@@ -683,7 +683,7 @@ impl PolicyFile {
         Ok(())
     }
 
-    /// The locks of `pages` (see [`Shared::page_locks`]), taken in index order.
+    /// The locks of `pages` (see [`FileJob::page_locks`]), taken in index order.
     fn lock_pages(&self, pages: [Option<u64>; 2]) -> Vec<std::sync::MutexGuard<'_, ()>> {
         let mut idx: Vec<usize> =
             pages.iter().flatten().map(|p| super::spread(p / PAGE, PAGE_LOCK_BITS)).collect();
@@ -698,7 +698,7 @@ impl PolicyFile {
     /// synchronously and under the inode's lock: for 1 KiB writes over a written, uncached
     /// file that made the plain server 2-3x slower than qemu-nbd `--cache=none`
     /// (docs/benchmarks.md). Direct when the write is aligned for O_DIRECT and
-    /// - the file has no holes ([`Shared::holes`]): a page in a hole needs no read, while a
+    /// - the file has no holes ([`FileJob::holes`]): a page in a hole needs no read, while a
     ///   direct write of part of an unallocated block makes ext4 zero the rest and wait;
     /// - and no page of the write is cached, whole or in part (one cachestat): a cached page
     ///   needs no read, and must stay cached, while a direct write drops every cached page of
@@ -975,10 +975,10 @@ mod probe_tests {
         let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
         let path = dir.path().join("f");
         std::fs::write(&path, vec![1u8; 1 << 20]).unwrap();
-        let shared: Arc<Shared> = Arc::default();
+        let shared: Arc<FileJob> = Arc::default();
         let opts = OpenOptions { write: true, create: false, truncate: false };
-        // Read system calls of one open, with `shared` or (None) a `Shared` of its own.
-        let reads_of_open = |shared: Option<&Arc<Shared>>| {
+        // Read system calls of one open, with `shared` or (None) a `FileJob` of its own.
+        let reads_of_open = |shared: Option<&Arc<FileJob>>| {
             let before = reads();
             let shared = shared.cloned().unwrap_or_default();
             let f =
@@ -988,7 +988,7 @@ mod probe_tests {
             n
         };
         let open = || reads_of_open(Some(&shared));
-        // Opens of files with their own `Shared` each probe.
+        // Opens of files with their own `FileJob` each probe.
         let (first, second, third, own) = (open(), open(), open(), reads_of_open(None));
         assert!(shared.dontcache_probe.get().is_some());
         assert_eq!((first - second, second, own), (1, third, first), "read system calls per open");

@@ -6,7 +6,8 @@
 //! - [`PolicyFile`]: a file or block device whose reads and writes follow the chosen
 //!   mechanism, with runtime fallbacks and a latched write error.
 //! - [`evict`] and [`writebehind`]: the two eviction engines for buffered reads and writes.
-//! - [`inspect`]: residency figures and eviction on request (`lightfoot cache`).
+//! - [`residency`]: what a file has in the page cache, and eviction on request
+//!   (`lightfoot cache`).
 //!
 //! Data flow of a neutral copy on Linux 6.14+: reads `preadv2(RWF_DONTCACHE)` with readahead
 //! off; writes buffered, then `sync_file_range` windows evicted a few windows behind;
@@ -15,8 +16,8 @@
 
 pub mod evict;
 pub mod file;
-pub mod inspect;
 pub mod policy;
+pub mod residency;
 pub mod sys;
 pub mod writebehind;
 
@@ -28,6 +29,6 @@ pub(crate) fn spread(x: u64, bits: u32) -> usize {
     (x.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - bits)) as usize
 }
 
-pub use file::{Mechanism, OpenOptions, PolicyFile, Shared};
+pub use file::{FileJob, Mechanism, OpenOptions, PolicyFile};
 pub use policy::{CacheMode, Fadvise, ReadMech, Tuning, WriteMech};
 pub use sys::{AlignedBuf, CacheStat};

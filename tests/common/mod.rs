@@ -6,7 +6,7 @@ pub mod certs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use lightfoot::io::inspect::{open_for_inspection, residency};
+use lightfoot::io::residency;
 
 pub const MIB: u64 = 1 << 20;
 
@@ -136,15 +136,15 @@ pub fn random_file(path: &Path, size: u64) {
 }
 
 pub fn evict(path: &Path) {
-    let f = open_for_inspection(path).unwrap();
-    lightfoot::io::inspect::evict(&f, path, 0, None, true).unwrap();
+    let f = residency::open(path).unwrap();
+    residency::evict(&f, path, 0, None, true).unwrap();
     assert_eq!(cached(path, 0, None), 0, "could not evict {}", path.display());
 }
 
 /// Bytes of `[off, off+len)` in the page cache.
 pub fn cached(path: &Path, off: u64, len: Option<u64>) -> u64 {
-    let f = open_for_inspection(path).unwrap();
-    residency(&f, path, off, len).unwrap().cached_bytes()
+    let f = residency::open(path).unwrap();
+    residency::measure(&f, path, off, len).unwrap().cached_bytes()
 }
 
 /// Brings exactly `[off, off+len)` into the cache: buffered reads with readahead off, so

@@ -43,7 +43,7 @@ impl Residency {
 /// cache says nothing about the data under it (ext4 keeps directory blocks in the device's
 /// cache), and opening a FIFO would wake the program at its other end and then leave it (it
 /// could read an empty pipe and finish, or be killed by SIGPIPE); a tape device would rewind.
-pub fn open_for_inspection(path: &Path) -> Result<File> {
+pub fn open(path: &Path) -> Result<File> {
     let kind = std::fs::metadata(path).map_err(|e| Error::io("open", e).path(path))?.file_type();
     if kind.is_dir() {
         return Err(Error::new(ErrorKind::InvalidInput, "open")
@@ -72,7 +72,7 @@ pub fn file_size(file: &File, path: &Path) -> Result<u64> {
 }
 
 /// Residency of `[offset, offset+len)` (`len == None`: to the end).
-pub fn residency(file: &File, path: &Path, offset: u64, len: Option<u64>) -> Result<Residency> {
+pub fn measure(file: &File, path: &Path, offset: u64, len: Option<u64>) -> Result<Residency> {
     let size = file_size(file, path)?;
     let offset = offset.min(size);
     let len = len.unwrap_or(size - offset).min(size - offset);
