@@ -50,7 +50,7 @@
 # deep; for the fio read workloads it runs the same jobs with psync instead of NBD. Write
 # workloads are not run for it. It is a reference, not a bound: fio's buffers are in 4 KiB
 # pages, so each of its reads reaches virtio-blk as requests of at most 254 pages, where
-# lightfoot's huge-page buffers make whole 4 MiB requests (src/io/sys.rs, AlignedBuf).
+# lightfoot's huge-page buffers make whole 4 MiB requests (src/io/sys/mem.rs, AlignedBuf).
 #
 # Output: one table per workload on stdout and in DIR/table.md, every run in
 # DIR/results.csv, client and server output in DIR/logs/. Tools that are not installed are

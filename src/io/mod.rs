@@ -1,7 +1,9 @@
 //! The io layer: everything that talks to the kernel about files and the page cache.
 //!
 //! - [`sys`]: the system calls (preadv2/pwritev2 with RWF_DONTCACHE, cachestat,
-//!   sync_file_range, fadvise, fallocate, block-device ioctls), the crate's only `unsafe`.
+//!   sync_file_range, fadvise, fallocate, block-device ioctls), the crate's only `unsafe`: so
+//!   it also holds the few calls of the layers above that `std` lacks (cancellable connects,
+//!   keepalive, socket activation, signals, directory locks). One file per topic.
 //! - [`policy`]: `--cache=MODE` and the choice of mechanism per file ([`policy::choose`]).
 //! - [`PolicyFile`]: a file or block device whose reads and writes follow the chosen
 //!   mechanism, with runtime fallbacks and a latched write error.

@@ -1,0 +1,132 @@
+//! Reads, writes and metadata of regular files: `preadv2`/`pwritev2` with per-call flags,
+//! `fdatasync`, `fallocate`, `SEEK_DATA`/`SEEK_HOLE`, the filesystem's block size and O_DIRECT
+//! alignment, `access(W_OK)` and `renameat2(RENAME_NOREPLACE)`.
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+use super::{check, retry};
+
+/// `RWF_DONTCACHE` (Linux 6.14): drop the pages a read or write brought in once done.
+pub const RWF_DONTCACHE: i32 = 0x80;
+/// `RWF_DSYNC`: this write is durable when the call returns (our FUA).
+pub const RWF_DSYNC: i32 = 0x2;
+
+/// `preadv2` of one buffer with `flags`; returns the bytes read (0 at end of file).
+pub fn pread(fd: BorrowedFd, buf: &mut [u8], offset: u64, flags: i32) -> io::Result<usize> {
+    let iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    retry(|| {
+        // SAFETY: `iov` points into `buf`, which is exclusively borrowed for the whole call.
+        let ret = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
+        check(ret as libc::c_long)
+    })
+}
+
+/// `pwritev2` of one buffer with `flags`; returns the bytes written.
+pub fn pwrite(fd: BorrowedFd, buf: &[u8], offset: u64, flags: i32) -> io::Result<usize> {
+    let iov = libc::iovec { iov_base: buf.as_ptr() as *mut _, iov_len: buf.len() };
+    retry(|| {
+        // SAFETY: `iov` points into `buf`, borrowed for the whole call; the kernel only reads it.
+        let ret = unsafe { libc::pwritev2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
+        check(ret as libc::c_long)
+    })
+}
+
+/// `fdatasync`.
+pub fn fdatasync(fd: BorrowedFd) -> io::Result<()> {
+    retry(|| {
+        // SAFETY: plain syscall on a borrowed fd.
+        let ret = unsafe { libc::fdatasync(fd.as_raw_fd()) };
+        check(ret as libc::c_long).map(drop)
+    })
+}
+
+/// The filesystem's block size (`fstatfs` `f_bsize`): its unit of allocation for the
+/// filesystems lightfoot serves from (ext4, XFS, btrfs), whose holes come in whole blocks.
+pub fn fs_block_size(fd: BorrowedFd) -> io::Result<u64> {
+    // SAFETY: statfs is plain data; all zeroes is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: plain system call; `st` outlives it.
+    if unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.f_bsize as u64)
+}
+
+/// `fallocate` modes used here.
+pub const FALLOC_KEEP_SIZE: i32 = libc::FALLOC_FL_KEEP_SIZE;
+pub const FALLOC_PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE;
+pub const FALLOC_ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE;
+
+pub fn fallocate(fd: BorrowedFd, mode: i32, offset: u64, len: u64) -> io::Result<()> {
+    retry(|| {
+        // SAFETY: plain syscall on a borrowed fd.
+        let ret = unsafe { libc::fallocate(fd.as_raw_fd(), mode, offset as libc::off_t, len as libc::off_t) };
+        check(ret as libc::c_long).map(drop)
+    })
+}
+
+/// Where `lseek(SEEK_DATA / SEEK_HOLE)` lands; `None` when there is no more data (ENXIO).
+pub fn seek_data(fd: BorrowedFd, offset: u64) -> io::Result<Option<u64>> {
+    seek(fd, offset, libc::SEEK_DATA)
+}
+
+pub fn seek_hole(fd: BorrowedFd, offset: u64) -> io::Result<Option<u64>> {
+    seek(fd, offset, libc::SEEK_HOLE)
+}
+
+fn seek(fd: BorrowedFd, offset: u64, whence: i32) -> io::Result<Option<u64>> {
+    // SAFETY: plain syscall on a borrowed fd. The file position it moves is never used for
+    // I/O: all reads and writes are positional.
+    let ret = unsafe { libc::lseek(fd.as_raw_fd(), offset as libc::off_t, whence) };
+    if ret < 0 {
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::ENXIO) {
+            return Ok(None);
+        }
+        return Err(err);
+    }
+    Ok(Some(ret as u64))
+}
+
+/// O_DIRECT alignment from `statx(STATX_DIOALIGN)`: (memory, offset), or None where the kernel
+/// or filesystem does not say.
+pub fn dio_alignment(fd: BorrowedFd) -> Option<(u32, u32)> {
+    const STATX_DIOALIGN: u32 = 0x2000;
+    // SAFETY: statx fills the zero-initialised struct; the empty path with AT_EMPTY_PATH means
+    // "this fd".
+    unsafe {
+        let mut stx: libc::statx = std::mem::zeroed();
+        let ret = libc::statx(fd.as_raw_fd(), c"".as_ptr(), libc::AT_EMPTY_PATH, STATX_DIOALIGN, &mut stx);
+        if ret != 0 || stx.stx_mask & STATX_DIOALIGN == 0 || stx.stx_dio_offset_align == 0 {
+            return None;
+        }
+        Some((stx.stx_dio_mem_align, stx.stx_dio_offset_align))
+    }
+}
+
+/// Whether the calling user may write the file at `path` (`access(W_OK)` with the real ids).
+pub fn can_write(path: &std::ffi::CStr) -> bool {
+    // SAFETY: `path` is a valid NUL-terminated string for the call.
+    unsafe { libc::access(path.as_ptr(), libc::W_OK) == 0 }
+}
+
+/// `rename(from, to)` that fails with `EEXIST` instead of replacing `to` (renameat2
+/// `RENAME_NOREPLACE`; `EINVAL` where the filesystem does not support it).
+pub fn rename_noreplace(from: &std::path::Path, to: &std::path::Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &std::path::Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+    };
+    let (f, t) = (c(from)?, c(to)?);
+    // SAFETY: two NUL-terminated paths that outlive the call.
+    let r = unsafe {
+        libc::renameat2(libc::AT_FDCWD, f.as_ptr(), libc::AT_FDCWD, t.as_ptr(), libc::RENAME_NOREPLACE)
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

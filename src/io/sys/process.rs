@@ -1,0 +1,85 @@
+//! This process and its children: exit with the parent, signals (SIGUSR1; a child's process
+//! group), the effective user id, and directory locks between lightfoot processes.
+
+use std::io;
+use std::os::fd::AsRawFd;
+
+use super::check;
+
+/// Asks the kernel to send SIGTERM to this process when its parent exits
+/// (`PR_SET_PDEATHSIG`, for `--exit-with-parent`). Returns false if the parent is already gone.
+pub fn exit_with_parent() -> io::Result<bool> {
+    // SAFETY: prctl with integer arguments only.
+    let ret = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) };
+    check(ret as libc::c_long)?;
+    // The parent may have exited before the call: then we were reparented already.
+    // SAFETY: getppid has no memory effects.
+    Ok(unsafe { libc::getppid() } != 1)
+}
+
+/// Sends `sig` to the process group a child leads (spawned with `process_group(0)`): the
+/// child and whatever it started (a wrapper script's server, a forked daemon) that stayed in
+/// its group.
+pub fn signal_group(child: &std::process::Child, sig: libc::c_int) -> io::Result<()> {
+    // SAFETY: kill with integer arguments. The group id is our child's pid; the kernel does
+    // not hand out a pid again while a process group of that id still has members, and once
+    // it has none the call fails with ESRCH.
+    check(unsafe { libc::kill(-(child.id() as libc::pid_t), sig) } as libc::c_long).map(drop)
+}
+
+static USR1: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_usr1(_: libc::c_int) {
+    USR1.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Installs a SIGUSR1 handler that only sets a flag (read with [`take_sigusr1`]).
+pub fn catch_sigusr1() -> io::Result<()> {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe; the
+    // sigaction struct is fully initialised before the call.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_usr1 as *const () as libc::sighandler_t;
+        sa.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut sa.sa_mask);
+        check(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()) as libc::c_long)?;
+    }
+    Ok(())
+}
+
+/// True once after each SIGUSR1.
+pub fn take_sigusr1() -> bool {
+    USR1.swap(false, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The effective user id (TLS clients look for certificates in root's or the user's place).
+pub fn euid() -> u32 {
+    // SAFETY: geteuid takes no arguments, touches no memory and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// An exclusive `flock` on a directory, held until dropped: serialises lightfoot processes
+/// that change the same directory entries (replacing a stale socket file). Gives up with
+/// `TimedOut` after `wait`: lightfoot holds it for microseconds, so a lock held longer is
+/// someone else's, and waiting for it for ever would hang the start.
+pub fn lock_dir(dir: &std::path::Path, wait: std::time::Duration) -> io::Result<std::fs::File> {
+    let f = std::fs::File::open(dir)?;
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        // SAFETY: plain system call on an fd we own.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(f);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => {}
+            Some(libc::EWOULDBLOCK) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Some(libc::EWOULDBLOCK) => {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "held by another process"))
+            }
+            _ => return Err(e),
+        }
+    }
+}
