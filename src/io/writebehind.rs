@@ -345,7 +345,7 @@ fn windows(offset: u64, len: u64) -> std::ops::Range<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::{AsFd, AsRawFd};
+    use std::os::fd::AsFd;
 
     fn queued(wb: &WriteBehind) -> (Vec<u64>, Vec<u64>) {
         let inner = wb.inner.lock().unwrap();
@@ -423,29 +423,17 @@ mod tests {
         Some(f)
     }
 
-    /// Maps the page at `at` (DONTNEED leaves mapped pages alone: it stands in for a page a
-    /// write or a DONTCACHE completion holds for a moment); returns its address.
-    fn map_page(f: &std::fs::File, at: u64) -> usize {
-        // SAFETY: a fresh shared read-only mapping of one page of a file the test owns, read
-        // only through the volatile read of its first byte here; unmapped by `unmap_page`.
-        let map = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                4096,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                f.as_raw_fd(),
-                at as libc::off_t,
-            )
-        };
-        assert_ne!(map, libc::MAP_FAILED);
-        assert_eq!(unsafe { std::ptr::read_volatile(map as *const u8) }, 3);
-        map as usize
+    /// Maps the page at `at` and reads it in (DONTNEED leaves mapped pages alone: it stands in
+    /// for a page a write or a DONTCACHE completion holds for a moment).
+    fn map_page(f: &std::fs::File, at: u64) -> sys::FileMapping {
+        let map = sys::FileMapping::new(f.as_fd(), at, 4096).unwrap();
+        assert_eq!(map.read_byte(0), 3);
+        map
     }
 
     /// A write of one page into window 1 through a fresh tracker, and that page mapped:
     /// (file, tracker, its offset, the mapping).
-    fn held_page() -> Option<(std::fs::File, WriteBehind, u64, usize)> {
+    fn held_page() -> Option<(std::fs::File, WriteBehind, u64, sys::FileMapping)> {
         let f = evictable_tempfile()?;
         let wb = WriteBehind::new(false, Default::default());
         let at = WINDOW + 8192;
@@ -453,11 +441,6 @@ mod tests {
         wb.after_write(f.as_fd(), at, 4096, true).unwrap();
         let map = map_page(&f, at);
         Some((f, wb, at, map))
-    }
-
-    fn unmap_page(map: usize) {
-        // SAFETY: a mapping made by `map_page`, not used after this.
-        assert_eq!(unsafe { libc::munmap(map as *mut libc::c_void, 4096) }, 0);
     }
 
     /// A window whose pages outlive the eviction is queued again, first in line, and evicted
@@ -472,7 +455,7 @@ mod tests {
         std::os::unix::fs::FileExt::write_all_at(&f, &[4u8; 4096], 4096).unwrap();
         wb.after_write(f.as_fd(), 4096, 4096, true).unwrap();
         assert_eq!(queued(&wb), (vec![1, 0], vec![]));
-        unmap_page(map);
+        drop(map); // unmaps the page
         wb.drain(f.as_fd()).unwrap();
         assert_eq!(sys::cached_pages(f.as_fd(), 0, 2 * WINDOW).unwrap(), 0, "pages left after the drain");
         assert_eq!(queued(&wb), (vec![], vec![]));
@@ -494,7 +477,7 @@ mod tests {
                 {
                     std::thread::yield_now();
                 }
-                unmap_page(map);
+                drop(map); // unmaps the page
             });
             wb.drain_at_end(f.as_fd()).unwrap();
         });

@@ -5,7 +5,7 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 use super::block::block_size_bytes;
-use super::mem::page_size;
+use super::mem::{page_size, FileMapping};
 use super::{check, retry};
 
 const SYS_CACHESTAT: libc::c_long = 451;
@@ -145,29 +145,7 @@ pub fn mincore_cached_pages(fd: BorrowedFd, offset: u64, len: u64) -> io::Result
     let mut at = start;
     while at < end {
         let n = piece.min(end - at) as usize;
-        // SAFETY: a fresh read-only shared mapping of the fd; unmapped below; never dereferenced.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                n,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                at as libc::off_t,
-            )
-        };
-        if addr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let mut vec = vec![0u8; n.div_ceil(page as usize)];
-        // SAFETY: `addr` maps `n` bytes; `vec` has one byte per page of it.
-        let ret = unsafe { libc::mincore(addr, n, vec.as_mut_ptr()) };
-        let err = io::Error::last_os_error();
-        // SAFETY: unmapping exactly what was mapped above.
-        unsafe { libc::munmap(addr, n) };
-        if ret != 0 {
-            return Err(err);
-        }
+        let vec = FileMapping::new(fd, at, n)?.residency()?;
         cached += vec.iter().filter(|&&b| b & 1 != 0).count() as u64;
         at += n as u64;
     }

@@ -1,4 +1,8 @@
-//! Memory: the page size, and buffers aligned for O_DIRECT (huge pages for large ones).
+//! Memory: the page size, buffers aligned for O_DIRECT (huge pages for large ones), and
+//! read-only mappings of a file.
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 /// A heap buffer aligned for O_DIRECT (4 KiB covers every logical block size we meet).
 ///
@@ -100,6 +104,69 @@ impl std::ops::DerefMut for AlignedBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
         // SAFETY: as above, and &mut self guarantees exclusivity.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+/// A read-only shared mapping of part of a file, unmapped when dropped: for `mincore`, and
+/// for tests that hold a page of a file mapped. Its bytes are never lent out as a slice: the
+/// file may change under the mapping (a write through another fd), which memory behind a
+/// `&[u8]` must not do; [`FileMapping::read_byte`] reads one byte at a time instead.
+pub struct FileMapping {
+    addr: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: a mapping belongs to the process, not to a thread: it may be read and unmapped from
+// any thread, and this value owns it exclusively.
+unsafe impl Send for FileMapping {}
+
+impl FileMapping {
+    /// Maps `len` bytes (more than 0) of `fd` from `offset` (a multiple of the page size).
+    pub fn new(fd: BorrowedFd, offset: u64, len: usize) -> io::Result<FileMapping> {
+        // SAFETY: a fresh read-only shared mapping at an address the kernel chooses, so it
+        // overlaps no memory of ours; owned by the value returned, whose drop unmaps it.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                offset as libc::off_t,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(FileMapping { addr, len })
+    }
+
+    /// Which pages of the mapping are in the page cache (`mincore`): bit 0 of one byte per
+    /// page.
+    pub fn residency(&self) -> io::Result<Vec<u8>> {
+        let mut vec = vec![0u8; self.len.div_ceil(page_size())];
+        // SAFETY: `addr` maps `len` bytes; `vec` has one byte per page of it.
+        let ret = unsafe { libc::mincore(self.addr, self.len, vec.as_mut_ptr()) };
+        if ret != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(vec)
+    }
+
+    /// Byte `i` of the mapping, read through it (faulting its page in).
+    pub fn read_byte(&self, i: usize) -> u8 {
+        assert!(i < self.len, "byte {i} of a mapping of {}", self.len);
+        // SAFETY: `i` is inside the live, readable mapping. A volatile read through a raw
+        // pointer: no reference to bytes the file may change. (A page past the end of the file
+        // raises SIGBUS, which ends the process, not undefined behaviour.)
+        unsafe { std::ptr::read_volatile(self.addr.cast::<u8>().add(i)) }
+    }
+}
+
+impl Drop for FileMapping {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly what `new` mapped, once; nothing borrows from it.
+        unsafe { libc::munmap(self.addr, self.len) };
     }
 }
 

@@ -13,8 +13,8 @@
 //! - `cache.rs`: the page cache of a file: [`cachestat`] (or `mincore` before Linux 6.5),
 //!   [`fadvise`], [`sync_file_range`].
 //! - `block.rs`: block-device ioctls (size, logical block size, zero-out, discard).
-//! - `mem.rs`: [`AlignedBuf`], the O_DIRECT buffer (huge pages for large ones), and the page
-//!   size.
+//! - `mem.rs`: [`AlignedBuf`], the O_DIRECT buffer (huge pages for large ones), the page size,
+//!   and [`FileMapping`], a read-only mapping of a file.
 //! - `net.rs`: connects a flag can cancel ([`tcp_connect`], [`unix_connect`]), TCP keepalive,
 //!   and both ends of systemd socket activation.
 //! - `process.rs`: `--exit-with-parent`, signals (SIGUSR1, a child's process group), the
@@ -38,7 +38,7 @@ pub use file::{
     can_write, dio_alignment, fallocate, fdatasync, fs_block_size, pread, pwrite, rename_noreplace,
     seek_data, seek_hole, FALLOC_KEEP_SIZE, FALLOC_PUNCH_HOLE, FALLOC_ZERO_RANGE, RWF_DONTCACHE, RWF_DSYNC,
 };
-pub use mem::{page_size, AlignedBuf, BUF_ALIGN, HUGE_BUF_MIN};
+pub use mem::{page_size, AlignedBuf, FileMapping, BUF_ALIGN, HUGE_BUF_MIN};
 pub use net::{
     activate_socket, keepalive_times, socket_activation, tcp_connect, tcp_keepalive, unix_connect,
     unix_connect_nonblocking, KEEPALIVE_COUNT, KEEPALIVE_IDLE, KEEPALIVE_INTERVAL,
