@@ -20,6 +20,11 @@
 //! and the fuzz harnesses (docs/fuzzing.md).
 //! The binary (`src/main.rs`, `src/cli/`) is the only place that prints and exits.
 
+// `unsafe` lives in `io::sys` alone (it allows `unsafe_code`, nothing else may), and every
+// block there says what makes it sound in a `// SAFETY:` comment.
+#![deny(unsafe_code)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod backend;
 pub mod copy;
 pub mod error;

@@ -157,8 +157,9 @@ pub fn mincore_cached_pages(fd: BorrowedFd, offset: u64, len: u64) -> io::Result
 /// file, which cannot be cached, shows who answers. False if the file cannot be mapped.
 pub fn mincore_is_truthful(fd: BorrowedFd) -> bool {
     let page = page_size() as u64;
-    // SAFETY: fstat fills a plain struct.
+    // SAFETY: stat is plain data; all zeroes is a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes one stat into `st`, which outlives the call, about a borrowed fd.
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
         return false;
     }

@@ -182,8 +182,9 @@ fn connect_cancellable(
             _ => return Err(e),
         }
     }
-    // SAFETY: plain fcntl calls on an owned descriptor.
+    // SAFETY: F_GETFL on a descriptor we own: integers in and out, no memory passed.
     let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    // SAFETY: F_SETFL on a descriptor we own: integers in and out, no memory passed.
     if flags < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -292,8 +293,10 @@ pub fn socket_activation() -> Option<(std::os::fd::OwnedFd, i32)> {
     // SAFETY: systemd passed fd 3 to us and nothing else in the process owns it; taking it
     // once (the variables are removed) keeps it owned exactly once.
     let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(3) };
-    // SAFETY: removing environment variables before any other thread reads them (called at
-    // start-up, before threads are spawned).
+    // SAFETY: changing the environment races with any other thread reading it. This runs at
+    // start-up on the main thread, before the server listens: the only other threads then are
+    // the idle workers of `--coalesce` and `--prefetch`, which do not read the environment
+    // (lightfoot reads it on the main thread, or on connections, none of which exist yet).
     unsafe {
         std::env::remove_var("LISTEN_PID");
         std::env::remove_var("LISTEN_FDS");
