@@ -2,6 +2,10 @@
 //! nbdkit, by URI and as captive servers. Contents are compared byte for byte; holes must stay
 //! holes; server failures and bad endpoints must fail cleanly.
 
+// A test crate of its own, outside the library's `deny(unsafe_code)`: it calls libc where std
+// has no way (marked at each call); each `unsafe` block says why it is sound.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 mod common;
 
 use std::path::Path;
@@ -266,6 +270,9 @@ fn a_captive_server_that_dies_is_named_with_how_it_ended() {
     let server = server.unwrap();
     // Reads take 2 s each: the copy is under way and far from done.
     std::thread::sleep(Duration::from_millis(800));
+    // libc's kill: the server is the copy's child, not ours, so no `Child` of ours can kill it.
+    // SAFETY: kill takes integers and touches no memory of ours; `server` is the captive
+    // server's pid, still a child of the running copy.
     assert_eq!(unsafe { libc::kill(server, libc::SIGKILL) }, 0);
     let out = copy.wait_with_output().unwrap();
     fails_with(
@@ -580,6 +587,9 @@ fn ctrl_c_ends_a_tcp_connect_that_waits() {
     use std::os::fd::AsRawFd;
     let dir = scratch();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    // libc's listen: std listens with a backlog of 128 and cannot change it; listening again
+    // sets it to 0.
+    // SAFETY: integer arguments only, on a socket `listener` owns and keeps open.
     assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
     let addr = listener.local_addr().unwrap();
     let _queued = std::net::TcpStream::connect(addr).unwrap();
@@ -603,6 +613,9 @@ fn ctrl_c_ends_a_unix_connect_that_waits() {
     let dir = scratch();
     let sock = dir.path().join("full.sock");
     let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    // libc's listen: std listens with a backlog of 128 and cannot change it; listening again
+    // sets it to 0.
+    // SAFETY: integer arguments only, on a socket `listener` owns and keeps open.
     assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
     let _queued = std::os::unix::net::UnixStream::connect(&sock).unwrap();
     let full = lightfoot::io::sys::unix_connect_nonblocking(&sock);
