@@ -21,7 +21,8 @@
 //! The binary (`src/main.rs`, `src/cli/`) is the only place that prints and exits.
 
 // `unsafe` lives in `io::sys` alone (it allows `unsafe_code`, nothing else may), and every
-// block there says what makes it sound in a `// SAFETY:` comment.
+// block there says what makes it sound in a `// SAFETY:` comment. tests/unsafe_rule.rs fails
+// if these lines go or another module allows `unsafe_code` back.
 #![deny(unsafe_code)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
