@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod cache;
 mod copy;
+mod generate;
 mod human;
 mod serve;
 
@@ -45,6 +46,11 @@ pub const EXIT_INTERRUPTED: i32 = 130;
 pub const EXIT_BROKEN_PIPE: i32 = 141;
 
 pub fn run() -> i32 {
+    // `lightfoot __generate …` (man pages and completions, for `make install`) is not part of
+    // `Cli`, so neither --help nor the completions offer it (generate.rs says why).
+    if std::env::args_os().nth(1).is_some_and(|a| a == generate::COMMAND) {
+        return generate::run(std::env::args_os().skip(1));
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Copy(args) => copy::run(args),
