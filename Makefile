@@ -3,13 +3,52 @@
 #   make test   installs what the tests need (Debian packages), then runs every test
 CARGO ?= cargo
 
-.PHONY: build demo test deps lint bench fuzz clean
+.PHONY: build demo test deps lint bench fuzz clean install uninstall
 
 build:
 	$(CARGO) build --release
 
 demo: build
 	./scripts/demo.sh
+
+# `make install` (after `make`): the binary, its man pages and its bash, zsh and fish
+# completions under $(DESTDIR)$(PREFIX), the completions where Debian's shells look for them.
+# It never builds: run as root, cargo would leave root-owned files in target/ and ~/.cargo.
+# The pages and completions come from the installed binary itself (`lightfoot __generate`,
+# src/cli/generate.rs), so they describe exactly its flags and are never checked in to drift.
+PREFIX ?= /usr/local
+BIN ?= $(or $(CARGO_TARGET_DIR),target)/release/lightfoot
+bindir = $(DESTDIR)$(PREFIX)/bin
+man1dir = $(DESTDIR)$(PREFIX)/share/man/man1
+bashdir = $(DESTDIR)$(PREFIX)/share/bash-completion/completions
+zshdir = $(DESTDIR)$(PREFIX)/share/zsh/vendor-completions
+fishdir = $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d
+
+# The sources are those cargo built the binary from (its dep-info, BIN.d): src/ also holds
+# unit-test files that never reach the binary, and touching one does not make cargo rebuild it.
+# Not Cargo.toml either: cargo rebuilds only when what it says changes, not for its date.
+# The pages' date (date= below): the day the binary was built, or SOURCE_DATE_EPOCH's
+# (reproducible builds).
+install:
+	@test -x "$(BIN)" || { echo "make install: $(BIN) is missing: run \`make\` first" >&2; exit 1; }
+	@sources=$$(sed 's/^[^:]*://' "$(BIN).d" 2>/dev/null) || sources=$$(find src -type f); \
+	for f in $$sources; do \
+		if [ "$$f" -nt "$(BIN)" ]; then \
+			echo "make install: $(BIN) is older than $$f: run \`make\` first" >&2; exit 1; \
+		fi; \
+	done
+	umask 022 && \
+	install -d "$(bindir)" "$(man1dir)" "$(bashdir)" "$(zshdir)" "$(fishdir)" && \
+	install -m 755 "$(BIN)" "$(bindir)/lightfoot" && \
+	date=$$(date -u -d "@$${SOURCE_DATE_EPOCH:-$$(stat -c %Y "$(BIN)")}" +%F) && \
+	"$(BIN)" __generate man --date "$$date" "$(man1dir)" && \
+	"$(BIN)" __generate completion bash > "$(bashdir)/lightfoot" && \
+	"$(BIN)" __generate completion zsh > "$(zshdir)/_lightfoot" && \
+	"$(BIN)" __generate completion fish > "$(fishdir)/lightfoot.fish"
+
+uninstall:
+	rm -f "$(bindir)/lightfoot" "$(man1dir)"/lightfoot.1 "$(man1dir)"/lightfoot-*.1 \
+		"$(bashdir)/lightfoot" "$(zshdir)/_lightfoot" "$(fishdir)/lightfoot.fish"
 
 deps:
 	./scripts/install-deps.sh
