@@ -82,6 +82,7 @@ fn man_pages(dir: &Path, date: &str) -> std::io::Result<()> {
     for cmd in &commands {
         let mut page = Vec::new();
         render(cmd, &names, date, &mut page)?;
+        let page = one_preamble(&String::from_utf8_lossy(&page));
         let path = dir.join(format!("{}.1", page_name(cmd)));
         std::fs::write(&path, page)
             .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
@@ -115,6 +116,11 @@ fn render(cmd: &Command, pages: &[&str], date: &str, w: &mut dyn Write) -> std::
         .source(format!("lightfoot {version}"))
         .manual("lightfoot manual");
     man.render_title(w)?;
+    // Neither hyphenated nor justified: a hyphen added to cachestat(2) or
+    // LIGHTFOOT_NO_DONTCACHE would be copied with it, and justified synopses spread apart.
+    let mut layout = Roff::default();
+    layout.control("nh", []).control("ad", ["l"]);
+    layout.to_writer(w)?;
     man.render_name_section(w)?;
     man.render_synopsis_section(w)?;
     man.render_description_section(w)?;
@@ -127,6 +133,24 @@ fn render(cmd: &Command, pages: &[&str], date: &str, w: &mut dyn Write) -> std::
     details(cmd, w)?;
     man.render_version_section(w)?;
     see_also(name, pages, w)
+}
+
+/// Each of clap_mangen's sections comes with the roff crate's preamble (two lines defining
+/// the apostrophe string `Aq`): the page keeps the first.
+fn one_preamble(page: &str) -> String {
+    let mut definitions = 0;
+    let mut out = String::with_capacity(page.len());
+    for line in page.lines() {
+        if line.contains(" .ds Aq ") {
+            definitions += 1;
+            if definitions > 2 {
+                continue;
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
 }
 
 /// The text after the options (`after_long_help`): paragraphs stay paragraphs, prose is
@@ -160,8 +184,6 @@ fn details(cmd: &Command, w: &mut dyn Write) -> std::io::Result<()> {
 fn see_also(name: &str, pages: &[&str], w: &mut dyn Write) -> std::io::Result<()> {
     let mut roff = Roff::default();
     roff.control("SH", ["SEE ALSO"]);
-    // No hyphenation from here to the end: "light-foot-cache(1)" is not a name to look up.
-    roff.control("nh", []);
     let others: Vec<&str> = pages.iter().copied().filter(|p| *p != name).collect();
     for (i, page) in others.iter().enumerate() {
         let sep = if i + 1 < others.len() { "(1)," } else { "(1)" };
