@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests and benchmarks need on a fresh Debian machine: the NBD peers and
 # tools the interop tests and benchmarks run against, openssl (the TLS tests make their
-# certificates with it) and iproute2 (a keepalive test cuts a network namespace's link).
+# certificates with it), iproute2 (a keepalive test cuts a network namespace's link), and
+# mandoc and man-db (tests/install.rs lints and renders the man pages make install writes).
 # Does nothing when all are present.
 set -euo pipefail
 need=()
@@ -17,6 +18,8 @@ command -v setpriv   >/dev/null || need+=(util-linux)
 command -v openssl   >/dev/null || need+=(openssl)
 command -v mksquashfs >/dev/null || need+=(squashfs-tools)
 command -v ip >/dev/null && command -v ss >/dev/null || need+=(iproute2)
+command -v mandoc    >/dev/null || need+=(mandoc)
+command -v man       >/dev/null || need+=(man-db)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi
