@@ -18,11 +18,12 @@ demo: build
 # src/cli/generate.rs), so they describe exactly its flags and are never checked in to drift.
 PREFIX ?= /usr/local
 BIN ?= $(or $(CARGO_TARGET_DIR),target)/release/lightfoot
-bindir = $(DESTDIR)$(PREFIX)/bin
-man1dir = $(DESTDIR)$(PREFIX)/share/man/man1
-bashdir = $(DESTDIR)$(PREFIX)/share/bash-completion/completions
-zshdir = $(DESTDIR)$(PREFIX)/share/zsh/vendor-completions
-fishdir = $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d
+# Each directory can be set on the command line too (docs/install.md: zsh and fish).
+bindir = $(PREFIX)/bin
+man1dir = $(PREFIX)/share/man/man1
+bashcompdir = $(PREFIX)/share/bash-completion/completions
+zshcompdir = $(PREFIX)/share/zsh/vendor-completions
+fishcompdir = $(PREFIX)/share/fish/vendor_completions.d
 
 # The sources are those cargo built the binary from (its dep-info, BIN.d): src/ also holds
 # unit-test files that never reach the binary, and touching one does not make cargo rebuild it.
@@ -38,17 +39,20 @@ install:
 		fi; \
 	done
 	umask 022 && \
-	install -d "$(bindir)" "$(man1dir)" "$(bashdir)" "$(zshdir)" "$(fishdir)" && \
-	install -m 755 "$(BIN)" "$(bindir)/lightfoot" && \
+	install -d "$(DESTDIR)$(bindir)" "$(DESTDIR)$(man1dir)" "$(DESTDIR)$(bashcompdir)" \
+		"$(DESTDIR)$(zshcompdir)" "$(DESTDIR)$(fishcompdir)" && \
+	install -m 755 "$(BIN)" "$(DESTDIR)$(bindir)/lightfoot" && \
 	date=$$(date -u -d "@$${SOURCE_DATE_EPOCH:-$$(stat -c %Y "$(BIN)")}" +%F) && \
-	"$(BIN)" __generate man --date "$$date" "$(man1dir)" && \
-	"$(BIN)" __generate completion bash > "$(bashdir)/lightfoot" && \
-	"$(BIN)" __generate completion zsh > "$(zshdir)/_lightfoot" && \
-	"$(BIN)" __generate completion fish > "$(fishdir)/lightfoot.fish"
+	"$(BIN)" __generate man --date "$$date" "$(DESTDIR)$(man1dir)" && \
+	"$(BIN)" __generate completion bash > "$(DESTDIR)$(bashcompdir)/lightfoot" && \
+	"$(BIN)" __generate completion zsh > "$(DESTDIR)$(zshcompdir)/_lightfoot" && \
+	"$(BIN)" __generate completion fish > "$(DESTDIR)$(fishcompdir)/lightfoot.fish"
 
 uninstall:
-	rm -f "$(bindir)/lightfoot" "$(man1dir)"/lightfoot.1 "$(man1dir)"/lightfoot-*.1 \
-		"$(bashdir)/lightfoot" "$(zshdir)/_lightfoot" "$(fishdir)/lightfoot.fish"
+	rm -f "$(DESTDIR)$(bindir)/lightfoot" \
+		"$(DESTDIR)$(man1dir)"/lightfoot.1 "$(DESTDIR)$(man1dir)"/lightfoot-*.1 \
+		"$(DESTDIR)$(bashcompdir)/lightfoot" "$(DESTDIR)$(zshcompdir)/_lightfoot" \
+		"$(DESTDIR)$(fishcompdir)/lightfoot.fish"
 
 deps:
 	./scripts/install-deps.sh
