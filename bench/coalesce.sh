@@ -20,7 +20,7 @@
 # timed rounds run untraced: while a syscall tracepoint is enabled, every syscall of every
 # process on the machine takes the kernel's slow path, and that moved the servers unequally
 # (strided, paired probe runs at < 10 % steal: --coalesce 14 % slower traced, the plain server
-# 10 % faster, medians; see docs/benchmarks.md, 2026-11-24).
+# 10 % faster, medians; see docs/benchmarks/runs/coalesce.md, 2026-11-24).
 #
 # Usage (as root: it drops caches):
 #     bench/coalesce.sh [DIR]
