@@ -225,7 +225,7 @@ fn copy_sized(
 /// 4 GiB of random data was then 1.17-1.29x nbdcopy's time on this VM, whose requests stay
 /// at 260-630 KiB; taken this way requests averaged 260-270 KiB at the device, and the pull
 /// was faster than in order in 15 rounds of 18 (0.91-0.94x nbdcopy in the last two sets);
-/// other transfers level (docs/benchmarks.md, 2026-11-25).
+/// other transfers level (docs/benchmarks/runs/nbd.md, 2026-11-25).
 /// Chunks are still taken from one counter, so a slow request delays nobody. `group` < 2:
 /// in order.
 pub fn interleaved(t: u64, group: u64) -> u64 {

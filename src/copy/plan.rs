@@ -28,7 +28,7 @@ pub struct Plan {
     /// Many requests in flight: neutral reads of local files use O_DIRECT, as the server's do
     /// (`io::Tuning::many_in_flight`). With 16 workers reading 256 KiB each, DONTCACHE's
     /// readahead ran past the spill guard and left 78-97 MiB of a 4 GiB source cached
-    /// (docs/benchmarks.md).
+    /// (docs/benchmarks/runs/nbd.md).
     pub many_in_flight: bool,
 }
 
@@ -49,7 +49,7 @@ impl Plan {
         let nbd = |ep: &Endpoint| matches!(ep, Endpoint::Nbd(_));
         // NBD: many small requests in flight. Servers pay per request for large buffers
         // (qemu-nbd used twice the CPU for 1-4 MiB requests as for 256 KiB ones,
-        // docs/benchmarks.md), and round trips hide behind each other.
+        // docs/benchmarks/runs/nbd.md), and round trips hide behind each other.
         let over_nbd = nbd(src) || nbd(dst);
         let workers = asked.workers.unwrap_or(if over_nbd { 16 } else { 2 });
         let request_size = asked.request_size.unwrap_or(if over_nbd { 256 << 10 } else { 4 << 20 });

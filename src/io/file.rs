@@ -697,7 +697,7 @@ impl PolicyFile {
     /// the cache. Through the cache, the kernel first reads a page that is not cached,
     /// synchronously and under the inode's lock: for 1 KiB writes over a written, uncached
     /// file that made the plain server 2-3x slower than qemu-nbd `--cache=none`
-    /// (docs/benchmarks.md). Direct when the write is aligned for O_DIRECT and
+    /// (docs/benchmarks/runs/coalesce.md). Direct when the write is aligned for O_DIRECT and
     /// - the file has no holes ([`FileJob::holes`]): a page in a hole needs no read, while a
     ///   direct write of part of an unallocated block makes ext4 zero the rest and wait;
     /// - and no page of the write is cached, whole or in part (one cachestat): a cached page

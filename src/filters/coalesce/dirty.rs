@@ -177,7 +177,7 @@ pub struct Run {
 /// 2026-11-25) made FLUSHes slower than writing the ranges separately: 1 KiB random writes
 /// within 64 MiB per job on a fully written file went from 36k to 42k IOPS with this rule,
 /// 4 KiB written every 8 KiB from 39k to 53k, 1 KiB every 4 KiB unchanged (probe runs,
-/// docs/benchmarks.md). Whether a gap is a hole or data no longer matters to the plan, so
+/// docs/benchmarks/runs/coalesce.md). Whether a gap is a hole or data no longer matters to the plan, so
 /// no extent lookup is made for it. A filled run is also widened to whole units (the edge
 /// units hold dirty bytes, so the same argument holds): an aligned write spares the kernel a
 /// read of a partial page.

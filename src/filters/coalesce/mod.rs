@@ -72,7 +72,7 @@ pub struct CoalesceConfig {
     pub age: Duration,
     /// Block size: the most one write-back request spans (`--coalesce-block`). 64 KiB, by
     /// measurement (bench/coalesce.sh, 32 KiB to 256 KiB alternating, 2026-11-25,
-    /// docs/benchmarks.md): with gaps filled only inside written units and every exact range
+    /// docs/benchmarks/runs/coalesce.md): with gaps filled only inside written units and every exact range
     /// hinted, no size in that span differed beyond the noise on any of the four workloads
     /// (strided 1.72-1.84x the plain server, random within 64 MiB 2.43-2.56x, random 1 and
     /// 4 KiB 1.16-1.48x). 64 KiB merges a strided 1-in-4 KiB writer's 16 writes into one
