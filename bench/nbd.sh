@@ -18,6 +18,8 @@
 #     SIZE       size of each source (default 4G)
 #     RUNS       rounds (default 5); each round runs every transfer with both tools
 #     TRANSFERS  which transfers (default: "pull-half pull-rand push-half push-rand")
+#     TOOLS      which tools (default: "lightfoot nbdcopy"; "lightfoot" alone for an A/B of two
+#                lightfoot binaries, bench/ab.sh)
 #     PIECE      data/hole alternation of the half source (default 1M)
 #     SERVER     qemu (default): qemu-nbd -f raw --cache=none --aio=native --discard=unmap,
 #                read-only exports with -e 8 (so it advertises multi-conn);
@@ -54,6 +56,7 @@ SERVER=${SERVER:-qemu}
 VERIFY=${VERIFY:-first}
 QUIET=${QUIET:-10}
 TRANSFERS=${TRANSFERS:-pull-half pull-rand push-half push-rand}
+TOOLS=${TOOLS:-lightfoot nbdcopy}
 DIR=${DIR:-${1:-/work/tmp/bench-nbd}}
 LIGHTFOOT=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
 LIGHTFOOT_ARGS=${LIGHTFOOT_ARGS:-}
@@ -69,6 +72,11 @@ read -r -a TRANSFER_KEYS <<<"${TRANSFERS//,/ }"
 ((${#TRANSFER_KEYS[@]})) || die "TRANSFERS: empty"
 for t in "${TRANSFER_KEYS[@]}"; do
 	[[ $t =~ ^(pull|push)-(half|rand)$ ]] || die "TRANSFERS: unknown $t (pull-half, pull-rand, push-half, push-rand)"
+done
+read -r -a TOOL_KEYS <<<"${TOOLS//,/ }"
+((${#TOOL_KEYS[@]})) || die "TOOLS: empty"
+for t in "${TOOL_KEYS[@]}"; do
+	[[ $t == lightfoot || $t == nbdcopy ]] || die "TOOLS: unknown $t (lightfoot, nbdcopy)"
 done
 [[ -x $LIGHTFOOT ]] || die "no lightfoot binary at $LIGHTFOOT (cargo build --release, or set LIGHTFOOT=)"
 LIGHTFOOT=$(realpath -- "$LIGHTFOOT")
@@ -190,13 +198,11 @@ run() { # ROUND TRANSFER TOOL
 
 for ((r = 1; r <= RUNS; r++)); do
 	for transfer in "${TRANSFER_KEYS[@]}"; do
-		if ((r % 2)); then
-			run "$r" "$transfer" lightfoot
-			run "$r" "$transfer" nbdcopy
-		else
-			run "$r" "$transfer" nbdcopy
-			run "$r" "$transfer" lightfoot
-		fi
+		# The tools in order in odd rounds, in reverse order in even ones.
+		for ((i = 0; i < ${#TOOL_KEYS[@]}; i++)); do
+			j=$((r % 2 ? i : ${#TOOL_KEYS[@]} - 1 - i))
+			run "$r" "$transfer" "${TOOL_KEYS[$j]}"
+		done
 	done
 done
 rm -f -- "$OUT"
