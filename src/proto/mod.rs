@@ -1,6 +1,11 @@
-//! The NBD wire format: constants, request and reply headers, both ways (the server parses
+//! The NBD wire format: constants, requests and replies, both ways (the server parses
 //! requests and encodes replies; the NBD client backend does the opposite). No sockets, no
 //! threads, no policy: `crate::server` and `crate::backend::nbd` move these bytes.
+//!
+//! - here: the constants, the request header ([`Request`]), big-endian field readers.
+//! - [`handshake`]: option haggling: option requests, their data, option replies.
+//! - [`reply`] (its items re-exported here): simple replies and structured reply chunks, with
+//!   their payloads (`OFFSET_DATA`, `OFFSET_HOLE`, `BLOCK_STATUS` descriptors, errors).
 //!
 //! Written from the protocol specification (`../shared/reference/nbd-proto.md`): fixed
 //! newstyle handshake, simple and structured replies, `base:allocation`. Extended headers
@@ -9,6 +14,9 @@
 //! header, nothing else.
 
 pub mod handshake;
+pub mod reply;
+
+pub use reply::*;
 
 /// `NBDMAGIC`, the first 8 bytes the server sends.
 pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
@@ -172,67 +180,6 @@ pub fn encode_request(r: &Request) -> [u8; REQUEST_LEN] {
     b
 }
 
-/// A simple reply header (16 bytes); the data of a successful simple READ follows it.
-pub fn simple_reply(cookie: u64, error: u32) -> [u8; 16] {
-    let mut b = [0u8; 16];
-    b[0..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
-    b[4..8].copy_from_slice(&error.to_be_bytes());
-    b[8..16].copy_from_slice(&cookie.to_be_bytes());
-    b
-}
-
-/// A structured reply chunk header (20 bytes); `len` bytes of payload follow.
-pub fn chunk_header(flags: u16, ty: u16, cookie: u64, len: u32) -> [u8; 20] {
-    let mut b = [0u8; 20];
-    b[0..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
-    b[4..6].copy_from_slice(&flags.to_be_bytes());
-    b[6..8].copy_from_slice(&ty.to_be_bytes());
-    b[8..16].copy_from_slice(&cookie.to_be_bytes());
-    b[16..20].copy_from_slice(&len.to_be_bytes());
-    b
-}
-
-/// An `NBD_REPLY_TYPE_ERROR` chunk (header and payload), always the last of its reply.
-pub fn error_chunk(cookie: u64, error: u32, message: &str) -> Vec<u8> {
-    // At most 4096 bytes, cut at a character boundary (the message is UTF-8).
-    let mut n = message.len().min(4096);
-    while !message.is_char_boundary(n) {
-        n -= 1;
-    }
-    let msg = &message.as_bytes()[..n];
-    let mut out = Vec::with_capacity(26 + msg.len());
-    out.extend_from_slice(&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, 6 + msg.len() as u32));
-    out.extend_from_slice(&error.to_be_bytes());
-    out.extend_from_slice(&(msg.len() as u16).to_be_bytes());
-    out.extend_from_slice(msg);
-    out
-}
-
-/// Parses a simple reply header: `(cookie, error)`, or `None` when the magic is not the
-/// simple reply's (it may be a structured chunk: see [`parse_chunk_header`]).
-pub fn parse_simple_reply(b: &[u8; 16]) -> Option<(u64, u32)> {
-    (be32(&b[0..4]) == SIMPLE_REPLY_MAGIC).then(|| (be64(&b[8..16]), be32(&b[4..8])))
-}
-
-/// A structured reply chunk header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ChunkHeader {
-    pub flags: u16,
-    pub ty: u16,
-    pub cookie: u64,
-    pub len: u32,
-}
-
-/// Parses a structured reply chunk header; `None` when the magic is wrong.
-pub fn parse_chunk_header(b: &[u8; 20]) -> Option<ChunkHeader> {
-    (be32(&b[0..4]) == STRUCTURED_REPLY_MAGIC).then(|| ChunkHeader {
-        flags: be16(&b[4..6]),
-        ty: be16(&b[6..8]),
-        cookie: be64(&b[8..16]),
-        len: be32(&b[16..20]),
-    })
-}
-
 /// An option reply header (20 bytes) for `option`, of `ty`, with `len` bytes of data.
 pub fn option_reply_header(option: u32, ty: u32, len: u32) -> [u8; 20] {
     let mut b = [0u8; 20];
@@ -267,30 +214,5 @@ mod tests {
         let mut bad = encode_request(&r);
         bad[0] ^= 1;
         assert_eq!(parse_request(&bad), None);
-    }
-
-    #[test]
-    fn reply_headers_round_trip() {
-        assert_eq!(parse_simple_reply(&simple_reply(7, EIO)), Some((7, EIO)));
-        let c = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, 9, 12);
-        assert_eq!(
-            parse_chunk_header(&c),
-            Some(ChunkHeader { flags: REPLY_FLAG_DONE, ty: REPLY_TYPE_OFFSET_HOLE, cookie: 9, len: 12 })
-        );
-        assert_eq!(parse_simple_reply(c[..16].try_into().unwrap()), None);
-        assert_eq!(parse_chunk_header(&[0; 20]), None);
-    }
-
-    #[test]
-    fn replies_have_the_spec_layout() {
-        let s = simple_reply(7, EIO);
-        assert_eq!(&s[0..4], &[0x67, 0x44, 0x66, 0x98]);
-        assert_eq!(be32(&s[4..8]), 5);
-        assert_eq!(be64(&s[8..16]), 7);
-        let e = error_chunk(9, EINVAL, "bad");
-        assert_eq!(be16(&e[4..6]), REPLY_FLAG_DONE);
-        assert_eq!(be16(&e[6..8]), REPLY_TYPE_ERROR);
-        assert_eq!(be32(&e[16..20]), 9);
-        assert_eq!(&e[26..], b"bad");
     }
 }

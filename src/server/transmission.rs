@@ -477,10 +477,7 @@ impl Conn<'_> {
         if !self.agreed.structured {
             return simple_reply(req.cookie, 0).to_vec();
         }
-        let mut h =
-            chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, req.cookie, 8 + req.len as u32).to_vec();
-        h.extend_from_slice(&req.offset.to_be_bytes());
-        h
+        data_chunk_header(REPLY_FLAG_DONE, req.cookie, req.offset, req.len as u32).to_vec()
     }
 
     /// Carries out READs merged by the reader: one backend read for all of them when their
@@ -583,24 +580,18 @@ impl Conn<'_> {
                     continue;
                 }
                 let off = req.offset + at as u64;
+                // The chunk that reaches the end of the read is the last.
+                let flags = if at + n == len { REPLY_FLAG_DONE } else { 0 };
                 if e.zero {
-                    let mut h = chunk_header(0, REPLY_TYPE_OFFSET_HOLE, req.cookie, 12).to_vec();
-                    h.extend_from_slice(&off.to_be_bytes());
-                    h.extend_from_slice(&(n as u32).to_be_bytes());
-                    headers.push(h);
+                    headers.push(hole_chunk(flags, req.cookie, off, n as u32).to_vec());
                     pieces.push(None);
                 } else {
                     crate::backend::read_exact(self.backend, &mut buf[at..at + n], off)?;
-                    let mut h = chunk_header(0, REPLY_TYPE_OFFSET_DATA, req.cookie, 8 + n as u32).to_vec();
-                    h.extend_from_slice(&off.to_be_bytes());
-                    headers.push(h);
+                    headers.push(data_chunk_header(flags, req.cookie, off, n as u32).to_vec());
                     pieces.push(Some(at..at + n));
                 }
                 at += n;
             }
-        }
-        if let Some(last) = headers.last_mut() {
-            last[4..6].copy_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
         }
         Ok((headers, pieces))
     }
@@ -611,7 +602,7 @@ impl Conn<'_> {
             Ok(e) => e,
             Err(e) => return self.fail(req, &e),
         };
-        let mut payload = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+        let mut descriptors = Vec::new();
         let mut total = 0u64;
         for e in exts.iter().take(if one { 1 } else { MAX_DESCRIPTORS }) {
             // Descriptor lengths are 32 bits: a longer extent is reported in part.
@@ -619,16 +610,13 @@ impl Conn<'_> {
             if n == 0 {
                 break;
             }
-            let flags = if e.hole { STATE_HOLE } else { 0 } | if e.zero { STATE_ZERO } else { 0 };
-            payload.extend_from_slice(&(n as u32).to_be_bytes());
-            payload.extend_from_slice(&flags.to_be_bytes());
+            descriptors.push(Descriptor::allocation(n as u32, e.hole, e.zero));
             total += n;
             if total >= req.len || n < e.len {
                 break;
             }
         }
-        let h = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, req.cookie, payload.len() as u32);
-        self.send(&[&h, &payload]);
+        self.send(&[&block_status_chunk(REPLY_FLAG_DONE, req.cookie, BASE_ALLOCATION_ID, &descriptors)]);
         true
     }
 }

@@ -93,9 +93,6 @@ const MAX_PIECES: usize = 1 << 16;
 /// The largest block status chunk taken: 2^20 extents, the most the spec lets a server send.
 const MAX_STATUS_CHUNK: u32 = 4 + 8 * (1 << 20);
 
-/// The longest error message the spec allows.
-const MAX_ERROR_MESSAGE: usize = 4096;
-
 impl Answer {
     /// Checks a content chunk `[at, at+n)` of a read of `[offset, offset+len)`: non-empty,
     /// inside the request, overlapping no earlier chunk. Returns where it starts in the
@@ -396,91 +393,73 @@ impl Connection {
             Header::Chunk(c) => c,
         };
         let bad = |what: &str| Err(format!("protocol error: {what}"));
-        let done = c.flags & REPLY_FLAG_DONE != 0;
-        match c.ty {
-            REPLY_TYPE_NONE => {
-                if c.len != 0 || !done {
-                    return bad("a none chunk with a payload or not the last");
-                }
-            }
-            REPLY_TYPE_OFFSET_DATA => {
+        let payload = c.payload().map_err(malformed)?;
+        match payload {
+            Payload::None => {}
+            Payload::Data { len: n } => {
                 let Target::Read(buf) = target else { return bad("data chunk for a request without data") };
-                if c.len < 9 {
-                    return bad("data chunk too short");
-                }
-                let at = read_u64(r).map_err(io)?;
-                let n = u64::from(c.len - 8);
-                let start = answer.place(offset, len, at, n, "data")?;
+                let mut b = [0u8; 8];
+                r.read_exact(&mut b).map_err(io)?;
+                let n = u64::from(n);
+                let start = answer.place(offset, len, parse_data_offset(&b), n, "data")?;
                 r.read_exact(&mut buf[start..start + n as usize]).map_err(io)?;
             }
-            REPLY_TYPE_OFFSET_HOLE => {
+            Payload::Hole => {
                 let Target::Read(buf) = target else { return bad("hole chunk for a request without data") };
-                if c.len != 12 {
-                    return bad("hole chunk of the wrong length");
-                }
-                let at = read_u64(r).map_err(io)?;
-                let n = u64::from(read_u32(r).map_err(io)?);
-                let start = answer.place(offset, len, at, n, "hole")?;
+                let mut b = [0u8; HOLE_PAYLOAD_LEN];
+                r.read_exact(&mut b).map_err(io)?;
+                let hole = parse_hole(&b);
+                let n = u64::from(hole.len);
+                let start = answer.place(offset, len, hole.offset, n, "hole")?;
                 buf[start..start + n as usize].fill(0);
             }
-            REPLY_TYPE_BLOCK_STATUS => {
+            Payload::BlockStatus { len: n } => {
                 let Target::Status(extents) = target else { return bad("block status for another command") };
-                if c.len < 12 || (c.len - 4) % 8 != 0 {
-                    return bad("block status chunk of the wrong length");
-                }
-                if c.len > MAX_STATUS_CHUNK {
+                if n > MAX_STATUS_CHUNK {
                     return bad("block status chunk of more than 2^20 extents");
                 }
-                let mut data = vec![0u8; c.len as usize];
+                let mut data = vec![0u8; n as usize];
                 r.read_exact(&mut data).map_err(io)?;
-                if Some(be32(&data[0..4])) == self.info.allocation {
+                let status = parse_block_status(&data).map_err(malformed)?;
+                if Some(status.context) == self.info.allocation {
                     if answer.status {
                         return bad("two block status chunks for one context");
                     }
                     answer.status = true;
-                    for d in data[4..].chunks_exact(8) {
-                        let (n, flags) = (u64::from(be32(&d[0..4])), be32(&d[4..8]));
-                        if n == 0 {
+                    for d in status.descriptors() {
+                        if d.len == 0 {
                             return bad("an extent of no length");
                         }
-                        extents.push(Extent {
-                            len: n,
-                            hole: flags & STATE_HOLE != 0,
-                            zero: flags & STATE_ZERO != 0,
-                        });
+                        extents.push(Extent { len: u64::from(d.len), hole: d.hole(), zero: d.zero() });
                     }
                 }
             }
-            ty if ty & (1 << 15) != 0 => {
+            Payload::Error => {
                 // Error chunks, known or not: errno, message length, message, then fields of
                 // their own (an offset for ERROR_OFFSET, which we do not need).
-                let fixed = if ty == REPLY_TYPE_ERROR_OFFSET { 14 } else { 6 };
-                if c.len < fixed {
-                    return bad("error chunk too short");
-                }
-                let mut head = [0u8; 6];
-                r.read_exact(&mut head).map_err(io)?;
-                let errno = be32(&head[0..4]);
-                let n = be16(&head[4..6]) as usize;
-                if n > (c.len - fixed) as usize {
-                    return bad("error message longer than its chunk");
-                }
-                let mut msg = vec![0u8; n];
+                let mut b = [0u8; ERROR_HEAD_LEN];
+                r.read_exact(&mut b).map_err(io)?;
+                let head = parse_error_head(&c, &b).map_err(malformed)?;
+                let mut msg = vec![0u8; usize::from(head.message_len)];
                 r.read_exact(&mut msg).map_err(io)?;
-                let rest = u64::from(c.len) - 6 - n as u64;
-                std::io::copy(&mut r.take(rest), &mut std::io::sink()).map_err(io)?;
+                std::io::copy(&mut r.take(u64::from(head.rest)), &mut std::io::sink()).map_err(io)?;
                 msg.truncate(MAX_ERROR_MESSAGE);
                 let msg = String::from_utf8_lossy(&msg).into_owned();
-                answer.error.get_or_insert((if errno == 0 { EIO } else { errno }, msg));
+                let errno = if head.errno == 0 { EIO } else { head.errno };
+                answer.error.get_or_insert((errno, msg));
             }
-            ty => {
+            Payload::Unknown(ty) => {
                 // The spec: a client that meets an unknown or unexpected type that is not an
                 // error chunk must disconnect.
                 return Err(format!("protocol error: reply chunk of unknown type {ty}"));
             }
         }
-        Ok(done)
+        Ok(c.done())
     }
+}
+
+fn malformed(Malformed(what): Malformed) -> String {
+    format!("protocol error: {what}")
 }
 
 fn read_header(r: &mut dyn Read) -> Result<Header, String> {
@@ -494,18 +473,6 @@ fn read_header(r: &mut dyn Read) -> Result<Header, String> {
     }
     r.read_exact(&mut b[16..]).map_err(|e| format!("receiving: {e}"))?;
     parse_chunk_header(&b).map(Header::Chunk).ok_or_else(|| "protocol error: bad reply magic".to_string())
-}
-
-fn read_u64(r: &mut dyn Read) -> std::io::Result<u64> {
-    let mut b = [0u8; 8];
-    r.read_exact(&mut b)?;
-    Ok(u64::from_be_bytes(b))
-}
-
-fn read_u32(r: &mut dyn Read) -> std::io::Result<u32> {
-    let mut b = [0u8; 4];
-    r.read_exact(&mut b)?;
-    Ok(u32::from_be_bytes(b))
 }
 
 /// The error kind and name of an NBD errno.
@@ -557,28 +524,14 @@ mod tests {
     }
 
     fn data_chunk(flags: u16, cookie: u64, at: u64, data: &[u8]) -> Vec<u8> {
-        let mut v = chunk_header(flags, REPLY_TYPE_OFFSET_DATA, cookie, 8 + data.len() as u32).to_vec();
-        v.extend_from_slice(&at.to_be_bytes());
+        let mut v = data_chunk_header(flags, cookie, at, data.len() as u32).to_vec();
         v.extend_from_slice(data);
         v
     }
 
-    fn hole_chunk(flags: u16, cookie: u64, at: u64, n: u32) -> Vec<u8> {
-        let mut v = chunk_header(flags, REPLY_TYPE_OFFSET_HOLE, cookie, 12).to_vec();
-        v.extend_from_slice(&at.to_be_bytes());
-        v.extend_from_slice(&n.to_be_bytes());
-        v
-    }
-
     fn status_chunk(flags: u16, cookie: u64, extents: &[(u32, u32)]) -> Vec<u8> {
-        let mut v =
-            chunk_header(flags, REPLY_TYPE_BLOCK_STATUS, cookie, 4 + 8 * extents.len() as u32).to_vec();
-        v.extend_from_slice(&CONTEXT.to_be_bytes());
-        for (n, f) in extents {
-            v.extend_from_slice(&n.to_be_bytes());
-            v.extend_from_slice(&f.to_be_bytes());
-        }
-        v
+        let descriptors: Vec<_> = extents.iter().map(|&(len, flags)| Descriptor { len, flags }).collect();
+        block_status_chunk(flags, cookie, CONTEXT, &descriptors)
     }
 
     /// A read of `len` at `offset` answered with `reply(cookie)`: the client's result and what
@@ -621,7 +574,7 @@ mod tests {
     fn a_chunk_offset_that_would_wrap_is_refused() {
         let (r, _) = read_with(0, 65536, |c| data_chunk(REPLY_FLAG_DONE, c, u64::MAX - 7, &[0u8; 16]));
         protocol_error(&r, "outside the request");
-        let (r, _) = read_with(0, 65536, |c| hole_chunk(REPLY_FLAG_DONE, c, u64::MAX - 7, 16));
+        let (r, _) = read_with(0, 65536, |c| hole_chunk(REPLY_FLAG_DONE, c, u64::MAX - 7, 16).to_vec());
         protocol_error(&r, "outside the request");
     }
 
@@ -641,7 +594,7 @@ mod tests {
             v
         });
         protocol_error(&r, "overlapping");
-        let (r, _) = read_with(0, 8192, |c| hole_chunk(REPLY_FLAG_DONE, c, 0, 0));
+        let (r, _) = read_with(0, 8192, |c| hole_chunk(REPLY_FLAG_DONE, c, 0, 0).to_vec());
         protocol_error(&r, "no length");
     }
 
