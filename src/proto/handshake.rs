@@ -1,7 +1,76 @@
-//! Option haggling, both ways: the server parses option requests and builds reply payloads;
-//! the client builds requests and parses replies.
+//! The handshake, both ways: the greeting and the client's flags, then option haggling (the
+//! server parses option requests and builds replies; the client builds requests and parses
+//! replies), and the answer to `NBD_OPT_EXPORT_NAME`.
 
 use super::*;
+
+/// Size of the server's greeting.
+pub const GREETING_LEN: usize = 18;
+
+/// What an old-style server sends where a newstyle one sends `IHAVEOPT` (the spec's
+/// `cliserv_magic`).
+pub const OLDSTYLE_MAGIC: u64 = 0x0000_4202_8186_1253;
+
+/// The server's greeting: `NBDMAGIC`, `IHAVEOPT`, the handshake flags (`FLAG_*`).
+pub fn greeting(flags: u16) -> [u8; GREETING_LEN] {
+    let mut b = [0u8; GREETING_LEN];
+    b[0..8].copy_from_slice(&NBDMAGIC.to_be_bytes());
+    b[8..16].copy_from_slice(&IHAVEOPT.to_be_bytes());
+    b[16..18].copy_from_slice(&flags.to_be_bytes());
+    b
+}
+
+/// A greeting, as the client reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Greeting {
+    /// Newstyle negotiation, with these handshake flags (`FLAG_*`).
+    Newstyle { flags: u16 },
+    /// Oldstyle negotiation (no options; the spec's reference server dropped it in 3.10).
+    Oldstyle,
+}
+
+/// `None` when the bytes are not an NBD greeting at all.
+pub fn parse_greeting(b: &[u8; GREETING_LEN]) -> Option<Greeting> {
+    if be64(&b[0..8]) != NBDMAGIC {
+        return None;
+    }
+    match be64(&b[8..16]) {
+        IHAVEOPT => Some(Greeting::Newstyle { flags: be16(&b[16..18]) }),
+        OLDSTYLE_MAGIC => Some(Greeting::Oldstyle),
+        _ => None,
+    }
+}
+
+/// The client's flags (`FLAG_C_*`), its answer to the greeting.
+pub fn client_flags(flags: u32) -> [u8; 4] {
+    flags.to_be_bytes()
+}
+
+pub fn parse_client_flags(b: &[u8; 4]) -> u32 {
+    be32(b)
+}
+
+/// Size of the answer to `NBD_OPT_EXPORT_NAME` without its zeroes: export size and
+/// transmission flags.
+pub const EXPORT_NAME_REPLY_LEN: usize = 10;
+
+/// The zeroes after it, unless the client asked for none (`FLAG_C_NO_ZEROES`).
+pub const EXPORT_NAME_ZEROES: usize = 124;
+
+/// The answer to `NBD_OPT_EXPORT_NAME` (it has no option reply header).
+pub fn export_name_reply(size: u64, flags: u16, no_zeroes: bool) -> Vec<u8> {
+    let zeroes = if no_zeroes { 0 } else { EXPORT_NAME_ZEROES };
+    let mut v = Vec::with_capacity(EXPORT_NAME_REPLY_LEN + zeroes);
+    v.extend_from_slice(&size.to_be_bytes());
+    v.extend_from_slice(&flags.to_be_bytes());
+    v.resize(EXPORT_NAME_REPLY_LEN + zeroes, 0);
+    v
+}
+
+/// The export size and transmission flags (what follows them is reserved).
+pub fn parse_export_name_reply(b: &[u8; EXPORT_NAME_REPLY_LEN]) -> (u64, u16) {
+    (be64(&b[0..8]), be16(&b[8..10]))
+}
 
 /// The 16-byte header of an option request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +169,32 @@ pub fn parse_meta(data: &[u8]) -> Result<MetaRequest, Invalid> {
     let queries = (0..n).map(|_| f.string()).collect::<Result<Vec<_>, _>>()?;
     f.done()?;
     Ok(MetaRequest { export, queries })
+}
+
+/// An option reply header (20 bytes) for `option`, of `ty`, with `len` bytes of data.
+pub fn option_reply_header(option: u32, ty: u32, len: u32) -> [u8; 20] {
+    let mut b = [0u8; 20];
+    b[0..8].copy_from_slice(&REPLY_MAGIC.to_be_bytes());
+    b[8..12].copy_from_slice(&option.to_be_bytes());
+    b[12..16].copy_from_slice(&ty.to_be_bytes());
+    b[16..20].copy_from_slice(&len.to_be_bytes());
+    b
+}
+
+/// An option reply: its header, and the data to send after it. The data of an error reply is
+/// a string, which the spec limits to [`MAX_STRING`] bytes: a longer one (a message echoing a
+/// client's name, which may be as long itself) is cut, at a character boundary.
+pub fn option_reply(option: u32, ty: u32, data: &[u8]) -> ([u8; 20], &[u8]) {
+    let data = if ty & REP_ERR != 0 && data.len() > MAX_STRING {
+        let cut = &data[..MAX_STRING];
+        match std::str::from_utf8(cut) {
+            Ok(_) => cut,
+            Err(e) => &cut[..e.valid_up_to()],
+        }
+    } else {
+        data
+    };
+    (option_reply_header(option, ty, data.len() as u32), data)
 }
 
 /// `NBD_INFO_EXPORT`: size and transmission flags.
@@ -298,5 +393,69 @@ mod tests {
         assert_eq!(parse_option_header(&b), Some(OptionHeader { option: OPT_GO, len: 10 }));
         b[0] = 0;
         assert_eq!(parse_option_header(&b), None);
+    }
+
+    #[test]
+    fn greeting_and_export_name_reply_round_trip() {
+        let g = greeting(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+        assert_eq!(&g[0..8], b"NBDMAGIC");
+        assert_eq!(&g[8..16], b"IHAVEOPT");
+        assert_eq!(&g[16..18], &[0, 3]);
+        assert_eq!(parse_greeting(&g), Some(Greeting::Newstyle { flags: 3 }));
+        let mut old = g;
+        old[8..16].copy_from_slice(&OLDSTYLE_MAGIC.to_be_bytes());
+        assert_eq!(parse_greeting(&old), Some(Greeting::Oldstyle));
+        let mut bad = g;
+        bad[0] = b'X';
+        assert_eq!(parse_greeting(&bad), None);
+        bad = g;
+        bad[15] ^= 1;
+        assert_eq!(parse_greeting(&bad), None);
+
+        let f = client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
+        assert_eq!(f, [0, 0, 0, 3]);
+        assert_eq!(parse_client_flags(&f), 3);
+
+        let r = export_name_reply(1 << 40, 0x1234, false);
+        assert_eq!(r.len(), 134);
+        assert!(r[10..].iter().all(|&b| b == 0));
+        assert_eq!(parse_export_name_reply(r[..10].try_into().unwrap()), (1 << 40, 0x1234));
+        assert_eq!(export_name_reply(1 << 40, 0x1234, true), r[..10]);
+    }
+
+    #[test]
+    fn option_error_strings_are_cut_at_the_spec_limit() {
+        // 4095 bytes, then a 2-byte character across the limit.
+        let long = format!("{}é", "x".repeat(MAX_STRING - 1));
+        let (h, data) = option_reply(OPT_GO, REP_ERR_UNKNOWN, long.as_bytes());
+        assert_eq!(data.len(), MAX_STRING - 1);
+        assert_eq!(parse_option_reply(&h).unwrap().len as usize, MAX_STRING - 1);
+        // Not an error: the data goes whole.
+        let (h, data) = option_reply(OPT_GO, REP_INFO, long.as_bytes());
+        assert_eq!((data.len(), parse_option_reply(&h).unwrap().len as usize), (long.len(), long.len()));
+    }
+
+    /// Whatever the bytes, the option parsers answer `Err`: they never panic.
+    #[test]
+    fn arbitrary_option_data_never_panics() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..20_000 {
+            let mut b = [0u8; 24];
+            b.iter_mut().for_each(|byte| *byte = next() as u8);
+            // Small string and count fields, so that they fit the data now and then.
+            b[0..3].fill(0);
+            b[3] %= 16;
+            let d = &b[..(next() % 25) as usize];
+            let _ = (parse_go(d), parse_meta(d), parse_info(d), parse_meta_context(d));
+            let _ = parse_greeting(b[..GREETING_LEN].try_into().unwrap());
+            let _ = parse_option_reply(b[..20].try_into().unwrap());
+            let _ = parse_option_header(b[..16].try_into().unwrap());
+        }
     }
 }

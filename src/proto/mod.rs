@@ -3,7 +3,8 @@
 //! threads, no policy: `crate::server` and `crate::backend::nbd` move these bytes.
 //!
 //! - here: the constants, the request header ([`Request`]), big-endian field readers.
-//! - [`handshake`]: option haggling: option requests, their data, option replies.
+//! - [`handshake`]: the greeting, the client's flags, option requests, their data and their
+//!   replies, the answer to `NBD_OPT_EXPORT_NAME`.
 //! - [`reply`] (its items re-exported here): simple replies and structured reply chunks, with
 //!   their payloads (`OFFSET_DATA`, `OFFSET_HOLE`, `BLOCK_STATUS` descriptors, errors).
 //!
@@ -177,16 +178,6 @@ pub fn encode_request(r: &Request) -> [u8; REQUEST_LEN] {
     b[8..16].copy_from_slice(&r.cookie.to_be_bytes());
     b[16..24].copy_from_slice(&r.offset.to_be_bytes());
     b[24..28].copy_from_slice(&(r.len as u32).to_be_bytes());
-    b
-}
-
-/// An option reply header (20 bytes) for `option`, of `ty`, with `len` bytes of data.
-pub fn option_reply_header(option: u32, ty: u32, len: u32) -> [u8; 20] {
-    let mut b = [0u8; 20];
-    b[0..8].copy_from_slice(&REPLY_MAGIC.to_be_bytes());
-    b[8..12].copy_from_slice(&option.to_be_bytes());
-    b[12..16].copy_from_slice(&ty.to_be_bytes());
-    b[16..20].copy_from_slice(&len.to_be_bytes());
     b
 }
 

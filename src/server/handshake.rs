@@ -54,18 +54,7 @@ pub enum Outcome {
 }
 
 fn reply(s: &mut dyn Write, option: u32, ty: u32, data: &[u8]) -> io::Result<()> {
-    // An error reply carries a string, which the spec limits to 4096 bytes; a message that
-    // echoes a client's name (up to 4096 bytes itself) is cut, at a character boundary.
-    let data = if ty & (1 << 31) != 0 && data.len() > MAX_STRING {
-        let cut = &data[..MAX_STRING];
-        match std::str::from_utf8(cut) {
-            Ok(_) => cut,
-            Err(e) => &cut[..e.valid_up_to()],
-        }
-    } else {
-        data
-    };
-    let header = option_reply_header(option, ty, data.len() as u32);
+    let (header, data) = option_reply(option, ty, data);
     crate::stream::write_all_vectored(s, &[&header, data])
 }
 
@@ -73,14 +62,10 @@ fn reply(s: &mut dyn Write, option: u32, ty: u32, data: &[u8]) -> io::Result<()>
 /// violation that ends the connection (the caller logs it; other connections are not
 /// affected).
 pub fn negotiate(server: &Server, mut s: Box<dyn Stream>) -> io::Result<Outcome> {
-    let mut greeting = Vec::with_capacity(18);
-    greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
-    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    s.write_all(&greeting)?;
+    s.write_all(&greeting(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES))?;
     let mut flags = [0u8; 4];
     s.read_exact(&mut flags)?;
-    let client_flags = u32::from_be_bytes(flags);
+    let client_flags = parse_client_flags(&flags);
     if client_flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(invalid(format!("unknown client flags {client_flags:#x}")));
     }
@@ -151,13 +136,7 @@ pub fn negotiate(server: &Server, mut s: Box<dyn Stream>) -> io::Result<Outcome>
                     return Err(invalid(format!("unknown export '{name}'")));
                 }
                 let backend = export.open().map_err(|e| invalid(e.to_string()))?;
-                let mut out = Vec::with_capacity(134);
-                out.extend_from_slice(&export.size.to_be_bytes());
-                out.extend_from_slice(&export.flags().to_be_bytes());
-                if !no_zeroes {
-                    out.extend_from_slice(&[0u8; 124]);
-                }
-                s.write_all(&out)?;
+                s.write_all(&export_name_reply(export.size, export.flags(), no_zeroes))?;
                 return Ok(Outcome::Go(agreed, backend, std::mem::replace(s, Box::new(Gone))));
             }
             OPT_ABORT => {

@@ -38,9 +38,6 @@ const MAX_OPTION_REPLY: u32 = 1 << 20;
 /// The spec's default limits when the server gives none: any alignment, 32 MiB payloads.
 pub const DEFAULT_BLOCK: BlockSizes = BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 };
 
-/// Old-style servers send this where newstyle ones send `IHAVEOPT`.
-const OLDSTYLE_MAGIC: u64 = 0x0000_4202_8186_1253;
-
 /// Negotiates `export` over `s`; `who` names the server in errors.
 pub fn negotiate<S: Read + Write + ?Sized>(s: &mut S, export: &str, who: &str) -> Result<ExportInfo> {
     let no_zeroes = greet(s, who)?;
@@ -65,25 +62,21 @@ fn io_error(who: &str) -> impl Fn(std::io::Error) -> Error + '_ {
 pub fn greet<S: Read + Write + ?Sized>(s: &mut S, who: &str) -> Result<bool> {
     let fail = |kind, detail: String| failure(who, kind, detail);
     let io = io_error(who);
-    let mut greeting = [0u8; 18];
+    let mut greeting = [0u8; GREETING_LEN];
     s.read_exact(&mut greeting).map_err(&io)?;
-    if be64(&greeting[0..8]) != NBDMAGIC {
-        return Err(fail(ErrorKind::Io, "not an NBD server (bad greeting)".into()));
-    }
-    match be64(&greeting[8..16]) {
-        IHAVEOPT => {}
-        OLDSTYLE_MAGIC => {
+    let server_flags = match parse_greeting(&greeting) {
+        Some(Greeting::Newstyle { flags }) => flags,
+        Some(Greeting::Oldstyle) => {
             return Err(fail(ErrorKind::NotSupported, "old-style NBD servers are not supported".into()))
         }
-        _ => return Err(fail(ErrorKind::Io, "not an NBD server (bad greeting)".into())),
-    }
-    let server_flags = be16(&greeting[16..18]);
+        None => return Err(fail(ErrorKind::Io, "not an NBD server (bad greeting)".into())),
+    };
     if server_flags & FLAG_FIXED_NEWSTYLE == 0 {
         return Err(fail(ErrorKind::NotSupported, "the server does not speak fixed newstyle NBD".into()));
     }
     let no_zeroes = server_flags & FLAG_NO_ZEROES != 0;
-    let client_flags = FLAG_C_FIXED_NEWSTYLE | if no_zeroes { FLAG_C_NO_ZEROES } else { 0 };
-    s.write_all(&client_flags.to_be_bytes()).map_err(&io)?;
+    let flags = FLAG_C_FIXED_NEWSTYLE | if no_zeroes { FLAG_C_NO_ZEROES } else { 0 };
+    s.write_all(&client_flags(flags)).map_err(&io)?;
     Ok(no_zeroes)
 }
 
@@ -232,15 +225,15 @@ impl<S: Read + Write + ?Sized, F: Fn(std::io::Error) -> Error> Haggle<'_, S, F> 
     /// `NBD_OPT_EXPORT_NAME`: no reply header; the size and flags follow directly.
     fn export_name(&mut self, export: &str, no_zeroes: bool) -> Result<(u64, u16)> {
         self.send(OPT_EXPORT_NAME, export.as_bytes())?;
-        let mut b = [0u8; 10 + 124];
-        let n = if no_zeroes { 10 } else { b.len() };
+        let mut b = [0u8; EXPORT_NAME_REPLY_LEN + EXPORT_NAME_ZEROES];
+        let n = if no_zeroes { EXPORT_NAME_REPLY_LEN } else { b.len() };
         self.s.read_exact(&mut b[..n]).map_err(|e| match e.kind() {
             std::io::ErrorKind::UnexpectedEof => Error::new(ErrorKind::NotFound, "connect")
                 .path(self.who)
                 .detail(format!("the server closed the connection (no export named '{export}'?)")),
             _ => (self.io)(e),
         })?;
-        Ok((be64(&b[0..8]), be16(&b[8..10])))
+        Ok(parse_export_name_reply(b[..EXPORT_NAME_REPLY_LEN].try_into().unwrap()))
     }
 
     fn invalid(&self, e: Invalid) -> Error {
