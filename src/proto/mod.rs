@@ -1,12 +1,17 @@
-//! The NBD wire format: constants, requests and replies, both ways (the server parses
-//! requests and encodes replies; the NBD client backend does the opposite). No sockets, no
-//! threads, no policy: `crate::server` and `crate::backend::nbd` move these bytes.
+//! The NBD wire format, the whole of it and both ways: every byte the server and the NBD
+//! client backend exchange is encoded and decoded here (the server parses requests and
+//! encodes replies; the client does the opposite). No sockets, no threads, no policy:
+//! `crate::server` and `crate::backend::nbd` move these bytes and decide what to send.
+//! Decoders take byte slices or fixed-size arrays and answer `None` or `Err` on malformed
+//! input, never a panic.
 //!
 //! - here: the constants, the request header ([`Request`]), big-endian field readers.
 //! - [`handshake`]: the greeting, the client's flags, option requests, their data and their
 //!   replies, the answer to `NBD_OPT_EXPORT_NAME`.
 //! - [`reply`] (its items re-exported here): simple replies and structured reply chunks, with
 //!   their payloads (`OFFSET_DATA`, `OFFSET_HOLE`, `BLOCK_STATUS` descriptors, errors).
+//!   [`Reply`] frames the replies to one request, simple or structured, as fixed-size
+//!   [`ReplyHeader`]s that go out ahead of the data without the data being copied.
 //!
 //! Written from the protocol specification (`../shared/reference/nbd-proto.md`): fixed
 //! newstyle handshake, simple and structured replies, `base:allocation`. Extended headers

@@ -1,6 +1,7 @@
 //! Transmission replies, both ways: simple replies and structured reply chunks, with the
 //! payloads of `OFFSET_DATA`, `OFFSET_HOLE`, `BLOCK_STATUS` and error chunks. The server
-//! encodes them; the NBD client backend checks and decodes them.
+//! encodes them ([`Reply`] frames the replies to one request, simple or structured); the NBD
+//! client backend checks and decodes them.
 //!
 //! Decoding goes in the steps a reader takes on a socket: the header ([`parse_chunk_header`]),
 //! what the header announces, checked before a byte of payload is read
@@ -277,25 +278,127 @@ fn error_message(message: &str) -> &[u8] {
     &message.as_bytes()[..n]
 }
 
-/// An `NBD_REPLY_TYPE_ERROR` chunk (header and payload), always the last of its reply.
-pub fn error_chunk(cookie: u64, error: u32, message: &str) -> Vec<u8> {
-    let msg = error_message(message);
-    let mut out = Vec::with_capacity(CHUNK_HEADER_LEN + ERROR_HEAD_LEN + msg.len());
-    out.extend_from_slice(&chunk_header(
-        REPLY_FLAG_DONE,
-        REPLY_TYPE_ERROR,
-        cookie,
-        (ERROR_HEAD_LEN + msg.len()) as u32,
-    ));
-    out.extend_from_slice(&error.to_be_bytes());
-    out.extend_from_slice(&(msg.len() as u16).to_be_bytes());
-    out.extend_from_slice(msg);
-    out
+/// The most a reply puts before the bytes its sender holds: an `OFFSET_HOLE` chunk, whole.
+const REPLY_HEADER_MAX: usize = CHUNK_HEADER_LEN + HOLE_PAYLOAD_LEN;
+
+/// What a reply, or one chunk of it, sends before the bytes the sender holds in buffers of
+/// its own (a READ's data, an error message). A value of fixed size: building one allocates
+/// nothing, on the server's hot path.
+#[derive(Clone, Copy)]
+pub struct ReplyHeader {
+    bytes: [u8; REPLY_HEADER_MAX],
+    len: u8,
+}
+
+impl ReplyHeader {
+    fn new(b: &[u8]) -> ReplyHeader {
+        let mut bytes = [0u8; REPLY_HEADER_MAX];
+        bytes[..b.len()].copy_from_slice(b);
+        ReplyHeader { bytes, len: b.len() as u8 }
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+}
+
+impl std::ops::Deref for ReplyHeader {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+impl std::fmt::Debug for ReplyHeader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("ReplyHeader").field(&self.as_bytes()).finish()
+    }
+}
+
+/// The replies to one request, framed as the connection negotiated: simple replies, or
+/// structured reply chunks. Each method yields the [`ReplyHeader`] that goes before what the
+/// sender holds, so that header and data leave together (one `writev`) without the data
+/// being copied.
+#[derive(Debug, Clone, Copy)]
+pub struct Reply {
+    cookie: u64,
+    structured: bool,
+}
+
+impl Reply {
+    /// The reply to the request with `cookie`, in structured chunks or not.
+    pub fn new(cookie: u64, structured: bool) -> Reply {
+        Reply { cookie, structured }
+    }
+
+    /// Success, with nothing more to send: a simple reply, or a `NONE` chunk.
+    pub fn done(&self) -> ReplyHeader {
+        if self.structured {
+            ReplyHeader::new(&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, self.cookie, 0))
+        } else {
+            ReplyHeader::new(&simple_reply(self.cookie, 0))
+        }
+    }
+
+    /// Before `len` bytes of data read at `offset`: a simple reply (the data is then the
+    /// whole READ, and `last` is true), or an `OFFSET_DATA` chunk, the last of the reply if
+    /// `last`.
+    pub fn data(&self, offset: u64, len: u32, last: bool) -> ReplyHeader {
+        if self.structured {
+            ReplyHeader::new(&data_chunk_header(done_flag(last), self.cookie, offset, len))
+        } else {
+            debug_assert!(last, "a simple reply carries the whole READ");
+            ReplyHeader::new(&simple_reply(self.cookie, 0))
+        }
+    }
+
+    /// An `OFFSET_HOLE` chunk: `len` bytes at `offset` read as zeroes (nothing follows it).
+    /// Structured replies only: a simple reply has no way to say it.
+    pub fn hole(&self, offset: u64, len: u32, last: bool) -> ReplyHeader {
+        debug_assert!(self.structured, "a hole in a simple reply");
+        ReplyHeader::new(&hole_chunk(done_flag(last), self.cookie, offset, len))
+    }
+
+    /// An error, which ends the reply: a simple reply, or an `ERROR` chunk followed by the
+    /// message this returns beside it (cut to the spec's limit at a character boundary; empty
+    /// for a simple reply, which has no room for one).
+    pub fn error<'m>(&self, errno: u32, message: &'m str) -> (ReplyHeader, &'m [u8]) {
+        if !self.structured {
+            return (ReplyHeader::new(&simple_reply(self.cookie, errno)), &[]);
+        }
+        let msg = error_message(message);
+        let len = (ERROR_HEAD_LEN + msg.len()) as u32;
+        let mut b = [0u8; CHUNK_HEADER_LEN + ERROR_HEAD_LEN];
+        b[..CHUNK_HEADER_LEN].copy_from_slice(&chunk_header(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_ERROR,
+            self.cookie,
+            len,
+        ));
+        b[20..24].copy_from_slice(&errno.to_be_bytes());
+        b[24..26].copy_from_slice(&(msg.len() as u16).to_be_bytes());
+        (ReplyHeader::new(&b), msg)
+    }
+}
+
+fn done_flag(last: bool) -> u16 {
+    if last {
+        REPLY_FLAG_DONE
+    } else {
+        0
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An error chunk as it goes on the wire: header, then message.
+    fn error_chunk(cookie: u64, errno: u32, message: &str) -> Vec<u8> {
+        let (h, msg) = Reply::new(cookie, true).error(errno, message);
+        [h.as_bytes(), msg].concat()
+    }
 
     fn header(b: &[u8]) -> ChunkHeader {
         parse_chunk_header(b[..CHUNK_HEADER_LEN].try_into().unwrap()).unwrap()
@@ -466,5 +569,27 @@ mod tests {
                 assert!(s.descriptors().count() >= 1);
             }
         }
+    }
+
+    #[test]
+    fn reply_builds_simple_replies_or_chunks() {
+        let simple = Reply::new(7, false);
+        assert_eq!(*simple.done(), simple_reply(7, 0));
+        assert_eq!(*simple.data(4096, 512, true), simple_reply(7, 0));
+        let (h, msg) = simple.error(EIO, "lost");
+        assert_eq!((&*h, msg), (&simple_reply(7, EIO)[..], &b""[..]));
+
+        let chunks = Reply::new(7, true);
+        assert_eq!(*chunks.done(), chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, 7, 0));
+        assert_eq!(*chunks.data(4096, 512, true), data_chunk_header(REPLY_FLAG_DONE, 7, 4096, 512));
+        assert_eq!(*chunks.data(4096, 512, false), data_chunk_header(0, 7, 4096, 512));
+        assert_eq!(*chunks.hole(0, 4096, false), hole_chunk(0, 7, 0, 4096));
+        assert_eq!(*chunks.hole(0, 4096, true), hole_chunk(REPLY_FLAG_DONE, 7, 0, 4096));
+        let (h, msg) = chunks.error(ENOSPC, "full");
+        assert_eq!(msg, b"full");
+        let c = header(&h);
+        assert_eq!((c.cookie, c.done(), c.payload()), (7, true, Ok(Payload::Error)));
+        let head = parse_error_head(&c, h[20..26].try_into().unwrap()).unwrap();
+        assert_eq!(head, ErrorHead { errno: ENOSPC, message_len: 4, rest: 0 });
     }
 }

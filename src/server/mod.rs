@@ -9,7 +9,9 @@
 //! - [`Export`]: what is served, and how to open one backend per connection (one fd each:
 //!   readahead state belongs to the open file; errors and block locks are shared).
 //!
-//! A malformed handshake or garbage on the wire ends that connection only.
+//! Every byte on the wire is encoded and decoded by [`crate::proto`]; this module moves the
+//! bytes and decides what to answer. A malformed handshake or garbage on the wire ends that
+//! connection only.
 
 use std::io;
 use std::net::TcpListener;

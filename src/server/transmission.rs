@@ -1,6 +1,8 @@
 //! The transmission phase of one connection: a reader that parses and validates requests,
 //! a few workers that carry them out in parallel against the connection's backend, and
-//! replies written whole (one `writev`) under a lock, in whatever order they complete.
+//! replies written whole (one `writev`) under a lock, in whatever order they complete. Every
+//! reply is framed by [`Reply`] (simple or structured, as negotiated): its headers are
+//! values on the stack, sent ahead of the data in the worker's buffer without a copy.
 //! Small reads whose bytes the backend has at hand (prefetch hits), and writes it takes
 //! without waiting (`--coalesce`), are carried out by the reader itself: for them the
 //! hand-off to a worker was most of the cost.
@@ -366,16 +368,21 @@ impl Conn<'_> {
         }
     }
 
+    /// How the reply to `req` is framed: in structured chunks for READ and BLOCK_STATUS once
+    /// the client negotiated them (the spec forbids a simple reply to a READ then, and a
+    /// block status reply is a chunk), in simple replies otherwise (the other commands have
+    /// no payload to carry, and every client reads simple replies).
+    fn reply(&self, req: &Request) -> Reply {
+        Reply::new(req.cookie, self.agreed.structured && matches!(req.cmd, CMD_READ | CMD_BLOCK_STATUS))
+    }
+
     fn reply_error(&self, req: &Request, errno: u32, msg: &str) {
-        if self.agreed.structured && matches!(req.cmd, CMD_READ | CMD_BLOCK_STATUS) {
-            self.send(&[&error_chunk(req.cookie, errno, msg)]);
-        } else {
-            self.send(&[&simple_reply(req.cookie, errno)]);
-        }
+        let (header, msg) = self.reply(req).error(errno, msg);
+        self.send(&[&header, msg]);
     }
 
     fn reply_ok(&self, req: &Request) {
-        self.send(&[&simple_reply(req.cookie, 0)]);
+        self.send(&[&self.reply(req).done()]);
     }
 
     /// Carries out a request and replies; false if the reply was an error.
@@ -467,17 +474,14 @@ impl Conn<'_> {
     }
 
     /// The reply to a READ whose bytes are all data: a simple reply, or one `OFFSET_DATA`
-    /// chunk flagged done.
+    /// chunk flagged done, then the data.
     fn send_data(&self, req: &Request, data: &[u8]) {
         self.send(&[&self.data_header(req), data]);
     }
 
     /// What goes before the data of a READ reply that is all data.
-    fn data_header(&self, req: &Request) -> Vec<u8> {
-        if !self.agreed.structured {
-            return simple_reply(req.cookie, 0).to_vec();
-        }
-        data_chunk_header(REPLY_FLAG_DONE, req.cookie, req.offset, req.len as u32).to_vec()
+    fn data_header(&self, req: &Request) -> ReplyHeader {
+        self.reply(req).data(req.offset, req.len as u32, true)
     }
 
     /// Carries out READs merged by the reader: one backend read for all of them when their
@@ -498,10 +502,7 @@ impl Conn<'_> {
                 .extents(start, total as u64)
                 .is_ok_and(|e| e.first().is_some_and(|e| !e.zero && e.len >= total as u64));
         if all_data && crate::backend::read_exact(self.backend, &mut buf[..total], start).is_ok() {
-            let mut headers = Vec::with_capacity(reqs.len());
-            for (req, _) in &reqs {
-                headers.push(self.data_header(req));
-            }
+            let headers: Vec<ReplyHeader> = reqs.iter().map(|(req, _)| self.data_header(req)).collect();
             let mut bufs: Vec<&[u8]> = Vec::with_capacity(reqs.len() * 2);
             for (i, (req, _)) in reqs.iter().enumerate() {
                 let at = (req.offset - start) as usize;
@@ -532,16 +533,17 @@ impl Conn<'_> {
                 Err(e) => self.fail(req, &e),
             };
         }
+        let reply = self.reply(req);
         if len == 0 {
-            self.send(&[&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.cookie, 0)]);
+            self.send(&[&reply.done()]);
             return true;
         }
-        match self.read_chunks(req, buf) {
-            Ok((headers, pieces)) => {
-                let mut bufs: Vec<&[u8]> = Vec::with_capacity(pieces.len() * 2);
-                for (i, p) in pieces.iter().enumerate() {
-                    bufs.push(&headers[i]);
-                    if let Some(r) = p {
+        match self.read_chunks(req, reply, buf) {
+            Ok(chunks) => {
+                let mut bufs: Vec<&[u8]> = Vec::with_capacity(chunks.len() * 2);
+                for (header, data) in &chunks {
+                    bufs.push(header);
+                    if let Some(r) = data {
                         bufs.push(&buf[r.clone()]);
                     }
                 }
@@ -552,17 +554,17 @@ impl Conn<'_> {
         }
     }
 
-    /// Builds the chunks of a structured READ reply: holes as `OFFSET_HOLE`, data as
-    /// `OFFSET_DATA`, the last one flagged done.
-    #[allow(clippy::type_complexity)]
+    /// Reads a structured READ into `buf` and builds its chunks: holes as `OFFSET_HOLE`,
+    /// data as `OFFSET_DATA` (each header with the part of `buf` that follows it), the last
+    /// one flagged done.
     fn read_chunks(
         &self,
         req: &Request,
+        reply: Reply,
         buf: &mut [u8],
-    ) -> crate::Result<(Vec<Vec<u8>>, Vec<Option<std::ops::Range<usize>>>)> {
+    ) -> crate::Result<Vec<(ReplyHeader, Option<std::ops::Range<usize>>)>> {
         let len = req.len as usize;
-        let mut headers = Vec::new();
-        let mut pieces = Vec::new();
+        let mut chunks = Vec::new();
         // Holes are worth a lookup only for large reads: for small ones the extent query
         // (two lseeks on a file) costs more than the zeroes it would save on the wire.
         let can_extents = self.backend.caps().can_extents && len >= HOLE_LOOKUP_MIN;
@@ -581,19 +583,17 @@ impl Conn<'_> {
                 }
                 let off = req.offset + at as u64;
                 // The chunk that reaches the end of the read is the last.
-                let flags = if at + n == len { REPLY_FLAG_DONE } else { 0 };
+                let last = at + n == len;
                 if e.zero {
-                    headers.push(hole_chunk(flags, req.cookie, off, n as u32).to_vec());
-                    pieces.push(None);
+                    chunks.push((reply.hole(off, n as u32, last), None));
                 } else {
                     crate::backend::read_exact(self.backend, &mut buf[at..at + n], off)?;
-                    headers.push(data_chunk_header(flags, req.cookie, off, n as u32).to_vec());
-                    pieces.push(Some(at..at + n));
+                    chunks.push((reply.data(off, n as u32, last), Some(at..at + n)));
                 }
                 at += n;
             }
         }
-        Ok((headers, pieces))
+        Ok(chunks)
     }
 
     fn block_status(&self, req: &Request) -> bool {

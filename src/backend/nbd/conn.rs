@@ -598,6 +598,8 @@ mod tests {
         protocol_error(&r, "no length");
     }
 
+    /// The chunks here break the spec on purpose, which proto's encoders cannot: their
+    /// payloads are written out by hand.
     #[test]
     fn malformed_chunks_hang_up() {
         // An unknown type that is not an error chunk (6: BLOCK_STATUS_EXT, never negotiated).
@@ -644,8 +646,9 @@ mod tests {
             let first = c2.read(&mut buf, 0);
             (first, c2.read(&mut buf, 0))
         });
-        // An unknown error type (bit 15) with a message and a field of its own, then a good
-        // reply to the next request.
+        // An unknown error type (bit 15) with a message and a field of its own (written by
+        // hand: proto encodes only the types lightfoot sends), then a good reply to the next
+        // request.
         let r = request(&mut srv);
         let mut v = chunk_header(REPLY_FLAG_DONE, (1 << 15) | 9, r.cookie, 6 + 5 + 3).to_vec();
         v.extend_from_slice(&ENOSPC.to_be_bytes());

@@ -13,6 +13,9 @@
 //!   for zeroes.
 //! - [`interrupt_all`]: ends every connection of the process (Ctrl-C, when a server stops
 //!   answering).
+//!
+//! Every byte of the protocol is encoded and decoded by [`crate::proto`]; this module reads
+//! and writes the socket and decides what to ask.
 
 mod align;
 pub mod captive;
