@@ -178,11 +178,9 @@ impl Fixture {
             }
             Kind::File(mode) => {
                 let i = self.made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let path = self.dir.path().join(format!("{}-{i}", mode.name()));
-                new_file(self.dir.path(), &format!("{}-{i}", mode.name()), mode, &Tuning::default())
-                    .finish()
-                    .unwrap();
-                reopen(path, mode)
+                let name = format!("{}-{i}", mode.name());
+                new_file(self.dir.path(), &name, mode, &Tuning::default()).finish().unwrap();
+                reopen(self.dir.path().join(name), mode)
             }
             Kind::Loop(mode) => {
                 let dev = std::path::PathBuf::from(&self.device.as_ref().unwrap().dev);

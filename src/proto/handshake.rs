@@ -438,20 +438,14 @@ mod tests {
     /// Whatever the bytes, the option parsers answer `Err`: they never panic.
     #[test]
     fn arbitrary_option_data_never_panics() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rng = crate::testing::conformance::Rng::new(0x9e37_79b9_7f4a_7c15);
         for _ in 0..20_000 {
             let mut b = [0u8; 24];
-            b.iter_mut().for_each(|byte| *byte = next() as u8);
+            rng.fill(&mut b);
             // Small string and count fields, so that they fit the data now and then.
             b[0..3].fill(0);
             b[3] %= 16;
-            let d = &b[..(next() % 25) as usize];
+            let d = &b[..rng.below(25) as usize];
             let _ = (parse_go(d), parse_meta(d), parse_info(d), parse_meta_context(d));
             let _ = parse_greeting(b[..GREETING_LEN].try_into().unwrap());
             let _ = parse_option_reply(b[..20].try_into().unwrap());
