@@ -738,7 +738,10 @@ fn neutral_serving_keeps_the_working_set_with(env: &[(&str, &str)]) {
         // All data: zero and trim requests punch holes, and the kernel drops the pages of a
         // punched range whoever cached them.
         sample(&src, 32 * MIB, 32 * MIB);
-        ok(tool("nbdcopy", "libnbd-bin").args(["--flush", src.to_str().unwrap(), &s.uri()]).output().unwrap());
+        ok(tool("nbdcopy", "libnbd-bin")
+            .args(["--flush", src.to_str().unwrap(), &s.uri()])
+            .output()
+            .unwrap());
         s.stop();
         let kept = cached(&img, ws, Some(ws_len));
         outside = cached(&img, 0, Some(ws - 2 * MIB)) + cached(&img, ws + ws_len + 2 * MIB, None);

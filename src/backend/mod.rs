@@ -109,6 +109,27 @@ impl Caps {
     }
 }
 
+/// The three write hooks of [`Backend`] for a backend whose writes leave this machine or
+/// this process at once (an NBD server, a pipe's reader): no write is at hand (the other
+/// side may be slow), nothing tells merged writes apart (they are [`Backend::write`]), and
+/// there are no pages of ours to prepare. Written out in each `impl` by name rather than as
+/// default bodies in the trait, so that a backend which has a cache of its own cannot
+/// inherit them unnoticed.
+macro_rules! writes_leave_at_once {
+    () => {
+        fn write_at_hand(&self, _buf: &[u8], _offset: u64) -> Option<$crate::error::Result<()>> {
+            None
+        }
+
+        fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> $crate::error::Result<()> {
+            self.write(buf, offset, fua)
+        }
+
+        fn will_write(&self, _offset: u64, _len: u64) {}
+    };
+}
+pub(crate) use writes_leave_at_once;
+
 /// Page-cache footprint of a backend's file, where it has one.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CacheInfo {

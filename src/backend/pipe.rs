@@ -120,17 +120,8 @@ impl Backend for PipeBackend {
         Ok(())
     }
 
-    /// A pipe's reader may be slow: never at hand.
-    fn write_at_hand(&self, _buf: &[u8], _offset: u64) -> Option<Result<()>> {
-        None
-    }
-
-    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        self.write(buf, offset, fua)
-    }
-
-    /// No page cache between lightfoot and the pipe.
-    fn will_write(&self, _offset: u64, _len: u64) {}
+    // A pipe's reader may be slow, and no page cache stands between lightfoot and the pipe.
+    super::writes_leave_at_once!();
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         if flags.fast {

@@ -446,18 +446,9 @@ impl Backend for NbdBackend {
         }
     }
 
-    /// A round trip to the server: never at hand.
-    fn write_at_hand(&self, _buf: &[u8], _offset: u64) -> Option<Result<()>> {
-        None
-    }
-
-    /// The server's cache is the server's business: NBD has no way to say a write was merged.
-    fn write_merged(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        self.write(buf, offset, fua)
-    }
-
-    /// The pages are the server's: nothing to prepare here.
-    fn will_write(&self, _offset: u64, _len: u64) {}
+    // A round trip to the server; its cache is the server's business (NBD has no way to say
+    // a write was merged).
+    super::writes_leave_at_once!();
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         if flags.fast && !self.caps().can_fast_zero {
