@@ -60,6 +60,7 @@ deps:
 # Release mode: the integration tests copy tens of MiB, and the cache behaviour under test
 # is the one users get.
 test: deps
+	./scripts/build-seaweedfs.sh >/dev/null
 	$(CARGO) build --release --all-targets
 	$(CARGO) test --release -- --test-threads=2
 

@@ -2,7 +2,9 @@
 # Installs what the tests and benchmarks need on a fresh Debian machine: the NBD peers and
 # tools the interop tests and benchmarks run against, openssl (the TLS tests make their
 # certificates with it), iproute2 (a keepalive test cuts a network namespace's link), and
-# mandoc and man-db (tests/install.rs lints and renders the man pages make install writes).
+# mandoc and man-db (tests/install.rs lints and renders the man pages make install writes),
+# nbdkit's S3 plugin. SeaweedFS, the store tests/s3.rs starts, is built from Go by
+# scripts/build-seaweedfs.sh (`make test` runs it).
 # Does nothing when all are present.
 set -euo pipefail
 need=()
@@ -20,6 +22,9 @@ command -v mksquashfs >/dev/null || need+=(squashfs-tools)
 command -v ip >/dev/null && command -v ss >/dev/null || need+=(iproute2)
 command -v mandoc    >/dev/null || need+=(mandoc)
 command -v man       >/dev/null || need+=(man-db)
+# nbdkit's S3 plugin (Python, boto3): tests/s3.rs checks image compatibility with it.
+[ -e /usr/lib/x86_64-linux-gnu/nbdkit/plugins/nbdkit-S3-plugin ] || need+=(nbdkit-plugin-python)
+/usr/bin/python3 -c 'import boto3' 2>/dev/null || need+=(python3-boto3)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

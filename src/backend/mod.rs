@@ -17,12 +17,14 @@ pub mod memory;
 pub mod nbd;
 pub mod null;
 pub mod pipe;
+pub mod s3;
 
 pub use file::FileBackend;
 pub use memory::MemoryBackend;
 pub use nbd::NbdBackend;
 pub use null::NullBackend;
 pub use pipe::PipeBackend;
+pub use s3::S3Backend;
 
 /// One run of an extent map: `len` bytes that are data, or read as zero, or are unallocated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

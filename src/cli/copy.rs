@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
+use lightfoot::backend::s3::S3Options;
 use lightfoot::copy::endpoint::{open_destination, open_source, parse_endpoints, parse_size, DestOptions};
 use lightfoot::copy::plan::Asked;
 use lightfoot::copy::{copy, Endpoint, Opened, Plan, Progress};
@@ -84,8 +85,9 @@ overrides -v. See docs/copy.md and docs/cache-policy.md.";
 )]
 pub struct CopyArgs {
     /// SRC then DST. Source: a file, a block device, `-` (standard input), `null:SIZE`, an NBD
-    /// URI or `[ CMD ARGS ]`. Destination: a file (created or truncated), a block device, `-`
-    /// (standard output), `null:`, an NBD URI or `[ CMD ARGS ]`.
+    /// URI, `[ CMD ARGS ]` or `s3://BUCKET/KEY`. Destination: a file (created or truncated), a
+    /// block device, `-` (standard output), `null:`, an NBD URI, `[ CMD ARGS ]` or
+    /// `s3://BUCKET/KEY` with --object-size.
     #[arg(value_name = "ENDPOINT", num_args = 2.., required = true)]
     endpoints: Vec<String>,
 
@@ -143,6 +145,16 @@ pub struct CopyArgs {
 
     #[command(flatten)]
     mechanisms: super::MechanismArgs,
+
+    /// An s3:// DST is written as block objects of this size, named KEY/%016x as nbdkit's S3
+    /// plugin names them (a missing object reads as zeroes); an s3:// SRC with no manifest
+    /// (one nbdkit made) is read as one, with --size. See docs/object-storage.md.
+    #[arg(long, value_name = "SIZE", help_heading = "Object storage", value_parser = super::parse_object_size)]
+    object_size: Option<u64>,
+
+    /// The size of an s3:// SRC block image that has no manifest (nbdkit's size=).
+    #[arg(long, value_name = "SIZE", help_heading = "Object storage", value_parser = parse_size, requires = "object_size")]
+    size: Option<u64>,
 
     /// Readahead advice for SRC: normal, sequential or random (default: normal, or random
     /// where readahead would defeat the mechanism: evict-behind, or DONTCACHE without
@@ -236,8 +248,13 @@ pub fn run(args: CopyArgs) -> i32 {
             return 2;
         }
     };
-    let asked =
-        Asked { workers: args.workers, request_size: args.request_size, connections: args.connections };
+    // Requests of whole objects into an s3:// block image: a piece of one would be read,
+    // patched and written back by the next request again.
+    let request_size = args.request_size.or_else(|| {
+        let o = args.object_size? as usize;
+        (o > 8 << 20).then_some(o.min(256 << 20))
+    });
+    let asked = Asked { workers: args.workers, request_size, connections: args.connections };
     let plan = match Plan::new(&src_ep, &dst_ep, asked) {
         Ok(p) => p,
         Err(e) => {
@@ -258,7 +275,8 @@ pub fn run(args: CopyArgs) -> i32 {
 
     let src_before = cached_now(&src_ep);
     let dst_before = cached_now(&dst_ep);
-    let src = match open_source(&src_ep, args.cache, &tuning, plan.src_connections) {
+    let s3 = S3Options { size: args.size, object_size: args.object_size, ..S3Options::default() };
+    let src = match open_source(&src_ep, args.cache, &tuning, plan.src_connections, &s3) {
         Ok(s) => s,
         Err(e) => return open_failed(&e),
     };
@@ -286,6 +304,7 @@ pub fn run(args: CopyArgs) -> i32 {
         destination_is_zero: args.destination_is_zero,
         sparse: !args.no_sparse,
         connections: plan.dst_connections,
+        s3,
     };
     let dst = match open_destination(&dst_ep, &src, size, args.cache, &tuning, dest_opts) {
         Ok(d) => d,

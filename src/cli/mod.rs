@@ -122,3 +122,12 @@ impl MechanismArgs {
 pub fn report(err: &dyn std::fmt::Display) {
     eprintln!("lightfoot: {err}");
 }
+
+/// `--object-size`: the bytes of each block object of an s3:// image.
+fn parse_object_size(s: &str) -> Result<u64, String> {
+    let n = lightfoot::copy::endpoint::parse_size(s)?;
+    if !(512..=1 << 30).contains(&n) {
+        return Err(format!("object size must be between 512 and 1G, not {s}"));
+    }
+    Ok(n)
+}

@@ -4,7 +4,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
-use lightfoot::backend::{Backend, FileBackend};
+use lightfoot::backend::s3::{S3Options, S3Uri};
+use lightfoot::backend::{Backend, FileBackend, S3Backend};
 use lightfoot::copy::endpoint::parse_size;
 use lightfoot::filters::coalesce::CoalesceConfig;
 use lightfoot::filters::prefetch::PrefetchConfig;
@@ -60,9 +61,21 @@ docs/serve.md and docs/cache-policy.md.";
 #[derive(Args)]
 #[command(after_long_help = AFTER_HELP)]
 pub struct ServeArgs {
-    /// The file or block device to export.
+    /// The file or block device to export, or an image in object storage (s3://BUCKET/KEY:
+    /// see --object-size and docs/object-storage.md).
     #[arg(value_name = "FILE")]
     file: PathBuf,
+
+    /// Serve s3://BUCKET/KEY as block objects of this size, KEY/%016x, as nbdkit's S3 plugin
+    /// lays them out (a missing object reads as zeroes); with --size for a new image or one
+    /// nbdkit made. lightfoot records both in KEY/lightfoot.json, so later opens need neither.
+    /// Without it, an s3:// image is KEY itself, served read-only.
+    #[arg(long, value_name = "SIZE", help_heading = "Object storage", value_parser = super::parse_object_size)]
+    object_size: Option<u64>,
+
+    /// The size of an s3:// block image (a multiple of --object-size; nbdkit's size=).
+    #[arg(long, value_name = "SIZE", help_heading = "Object storage", value_parser = parse_size, requires = "object_size")]
+    size: Option<u64>,
 
     /// Listen on this Unix socket instead of TCP. The file appears only once the server
     /// accepts connections (waiting for it to exist is enough); a stale socket file is
@@ -240,9 +253,42 @@ pub fn run(a: ServeArgs) -> i32 {
         prefetch: a.prefetch.then_some(prefetch),
         coalesce: a.coalesce.then_some(coalesce),
     };
+    let s3 = match path.to_str().filter(|p| S3Uri::is_s3(p)) {
+        None if a.object_size.is_some() => {
+            super::report(&"--object-size and --size are for s3:// images");
+            return 2;
+        }
+        None => None,
+        Some(uri) => {
+            let uri: S3Uri = match uri.parse() {
+                Ok(u) => u,
+                Err(e) => {
+                    super::report(&e);
+                    return 2;
+                }
+            };
+            let opts = S3Options {
+                writable: !a.read_only,
+                size: a.size,
+                object_size: a.object_size,
+                ..S3Options::default()
+            };
+            match S3Backend::open(&uri, &opts) {
+                Ok(b) => Some(Arc::new(b)),
+                Err(e) => {
+                    super::report(&e);
+                    return 1;
+                }
+            }
+        }
+    };
     // Every open is a file of its own (readahead state and writeback errors are per open
-    // file), sharing the export's error latch and block locks.
+    // file), sharing the export's error latch and block locks. An image in object storage is
+    // one backend for all: its object locks and map of objects are shared.
     let open = move |write: bool| -> lightfoot::Result<Arc<dyn Backend>> {
+        if let Some(b) = &s3 {
+            return Ok(b.clone());
+        }
         let opts = OpenOptions { write, create: false, truncate: false };
         Ok(Arc::new(FileBackend::open_shared(&path, opts, mode, &tuning, shared.clone())?))
     };

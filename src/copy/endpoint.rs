@@ -1,6 +1,7 @@
 //! What the user names on the command line, opened as a backend: a file or block device path,
 //! `-` (standard input or output), `null:[SIZE]`, an NBD URI or a captive NBD server
-//! (`[ CMD ARGS ]`, given as separate arguments: see [`parse_endpoints`]).
+//! (`[ CMD ARGS ]`, given as separate arguments: see [`parse_endpoints`]), or an image in
+//! object storage (`s3://BUCKET/KEY`).
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
@@ -8,7 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::backend::nbd::{Target, Uri};
-use crate::backend::{Backend, FileBackend, NbdBackend, NullBackend, PipeBackend, ZeroFlags};
+use crate::backend::s3::{S3Options, S3Uri};
+use crate::backend::{Backend, FileBackend, NbdBackend, NullBackend, PipeBackend, S3Backend, ZeroFlags};
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::{CacheMode, OpenOptions, Tuning};
 
@@ -21,6 +23,8 @@ pub enum Endpoint {
     Null(Option<u64>),
     /// An NBD URI or a captive server.
     Nbd(Target),
+    /// `s3://BUCKET/KEY`
+    S3(S3Uri),
 }
 
 impl std::fmt::Display for Endpoint {
@@ -31,6 +35,7 @@ impl std::fmt::Display for Endpoint {
             Endpoint::Null(None) => f.write_str("null:"),
             Endpoint::Null(Some(n)) => write!(f, "null:{n}"),
             Endpoint::Nbd(t) => write!(f, "{t}"),
+            Endpoint::S3(u) => write!(f, "{u}"),
         }
     }
 }
@@ -83,6 +88,9 @@ impl std::str::FromStr for Endpoint {
         if Uri::is_nbd(s) {
             return s.parse().map(|u| Endpoint::Nbd(Target::Uri(u)));
         }
+        if S3Uri::is_s3(s) {
+            return s.parse().map(Endpoint::S3);
+        }
         Ok(Endpoint::Path(PathBuf::from(s)))
     }
 }
@@ -111,6 +119,8 @@ pub struct Opened {
     pub file: Option<Arc<FileBackend>>,
     /// The same backend when it is an NBD server (to say how a captive server ended).
     pub nbd: Option<Arc<NbdBackend>>,
+    /// The same backend when it is in object storage (for its request counts).
+    pub s3: Option<Arc<S3Backend>>,
     /// The destination file did not exist before the job.
     pub created: bool,
     /// The destination reads as zeroes where not written.
@@ -135,12 +145,17 @@ pub fn identity(meta: &std::fs::Metadata) -> (u64, u64) {
 
 impl Opened {
     fn plain(backend: Arc<dyn Backend>, zeroed: bool) -> Opened {
-        Opened { backend, file: None, nbd: None, created: false, zeroed, id: None, _claim: None }
+        Opened { backend, file: None, nbd: None, s3: None, created: false, zeroed, id: None, _claim: None }
     }
 
     fn nbd(backend: NbdBackend, zeroed: bool) -> Opened {
         let nbd = Arc::new(backend);
         Opened { nbd: Some(nbd.clone()), ..Opened::plain(nbd, zeroed) }
+    }
+
+    fn s3(backend: S3Backend, zeroed: bool) -> Opened {
+        let s3 = Arc::new(backend);
+        Opened { s3: Some(s3.clone()), ..Opened::plain(s3, zeroed) }
     }
 
     fn file(file: FileBackend, created: bool, zeroed: bool) -> Result<Opened> {
@@ -151,6 +166,7 @@ impl Opened {
             backend: file.clone(),
             file: Some(file),
             nbd: None,
+            s3: None,
             created,
             zeroed,
             id: Some(identity(&meta)),
@@ -203,9 +219,19 @@ impl Opened {
     }
 }
 
-/// Opens the source. `connections` is for NBD servers that advertise multi-conn.
-pub fn open_source(ep: &Endpoint, mode: CacheMode, tuning: &Tuning, connections: usize) -> Result<Opened> {
+/// Opens the source. `connections` is for NBD servers that advertise multi-conn; `s3`
+/// gives the geometry of an `s3://` block image that has no manifest (one nbdkit made).
+pub fn open_source(
+    ep: &Endpoint,
+    mode: CacheMode,
+    tuning: &Tuning,
+    connections: usize,
+    s3: &S3Options,
+) -> Result<Opened> {
     match ep {
+        Endpoint::S3(u) => {
+            Ok(Opened::s3(S3Backend::open(u, &S3Options { writable: false, ..s3.clone() })?, false))
+        }
         Endpoint::Nbd(t) => Ok(Opened::nbd(NbdBackend::open(t, connections)?.keeping_extents(), false)),
         Endpoint::Stdio => {
             let mut o = Opened::plain(Arc::new(PipeBackend::stdin()?), false);
@@ -243,7 +269,7 @@ pub fn open_source(ep: &Endpoint, mode: CacheMode, tuning: &Tuning, connections:
 }
 
 /// How to prepare a destination.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct DestOptions {
     /// Allocate the whole destination file before copying (`--preallocate`).
     pub preallocate: bool,
@@ -255,6 +281,36 @@ pub struct DestOptions {
     pub sparse: bool,
     /// Connections to an NBD server that advertises multi-conn.
     pub connections: usize,
+    /// How an `s3://` destination is laid out (`--object-size`).
+    pub s3: S3Options,
+}
+
+/// An `s3://` destination: block objects of `--object-size` (a new image reads as zeroes, so
+/// holes are skipped; in an existing one they are zeroed, which deletes whole objects, unless
+/// `--destination-is-zero`).
+fn open_s3_destination(u: &S3Uri, size: Option<u64>, opts: &DestOptions) -> Result<Opened> {
+    let Some(object_size) = opts.s3.object_size else {
+        return Err(Error::new(ErrorKind::NotSupported, "open")
+            .path(u.to_string())
+            .detail("copying into one object is not built yet: give --object-size to write a block image"));
+    };
+    let Some(size) = size else {
+        return Err(Error::new(ErrorKind::InvalidInput, "open")
+            .path(u.to_string())
+            .detail("a block image needs the source's size in advance (a pipe has none)"));
+    };
+    if !size.is_multiple_of(object_size) {
+        return Err(Error::new(ErrorKind::InvalidInput, "open").path(u.to_string()).detail(format!(
+            "the source's size ({size}) is not a multiple of --object-size ({object_size}): \
+             a block image holds whole objects"
+        )));
+    }
+    let b = S3Backend::open(
+        u,
+        &S3Options { writable: true, size: Some(size), object_size: Some(object_size), ..opts.s3.clone() },
+    )?;
+    let zeroed = opts.destination_is_zero || b.is_empty();
+    Ok(Opened::s3(b, zeroed))
 }
 
 /// Opens the destination. A regular file is created or truncated to `size` (so it reads as
@@ -271,6 +327,7 @@ pub fn open_destination(
     match ep {
         Endpoint::Stdio => Ok(Opened::plain(Arc::new(PipeBackend::stdout()?), false)),
         Endpoint::Null(n) => Ok(Opened::plain(Arc::new(NullBackend::new(*n)), true)),
+        Endpoint::S3(u) => open_s3_destination(u, size, &opts),
         Endpoint::Nbd(t) => {
             let b = NbdBackend::open(t, opts.connections)?;
             let zeroed = prepare_nbd_destination(&b, size, opts)?;

@@ -51,8 +51,23 @@ impl Plan {
         // (qemu-nbd used twice the CPU for 1-4 MiB requests as for 256 KiB ones,
         // docs/benchmarks/runs/nbd.md), and round trips hide behind each other.
         let over_nbd = nbd(src) || nbd(dst);
-        let workers = asked.workers.unwrap_or(if over_nbd { 16 } else { 2 });
-        let request_size = asked.request_size.unwrap_or(if over_nbd { 256 << 10 } else { 4 << 20 });
+        // Object storage: each request fans out into one request per object (up to
+        // backend::s3's limit in flight), so fewer, larger requests keep as many in flight.
+        let over_s3 = matches!(src, Endpoint::S3(_)) || matches!(dst, Endpoint::S3(_));
+        let workers = asked.workers.unwrap_or(if over_nbd {
+            16
+        } else if over_s3 {
+            8
+        } else {
+            2
+        });
+        let request_size = asked.request_size.unwrap_or(if over_nbd {
+            256 << 10
+        } else if over_s3 {
+            8 << 20
+        } else {
+            4 << 20
+        });
         // A captive server is started for this copy alone: one connection; a server of the
         // user's, 4 where it advertises multi-conn.
         let connections = |ep: &Endpoint| {

@@ -1,0 +1,603 @@
+//! Disk images in object storage (`s3://BUCKET/KEY`), in one of two layouts:
+//!
+//! - **One object** (`KEY` is the image): read-only, with range GETs pinned to the ETag seen
+//!   at open (`If-Match`), so an image replaced underneath fails loudly instead of serving a
+//!   mix of two.
+//! - **Block objects**, as nbdkit's S3 plugin lays them out: `KEY/%016x` (the block number in
+//!   16 hex digits) of exactly `object_size` bytes each; a missing object reads as zeroes.
+//!   Readable and writable. lightfoot keeps the geometry in `KEY/lightfoot.json` (see
+//!   [`MANIFEST`]) so later opens need no flags.
+//!
+//! Every write is stored (its PUT answered) before it is acknowledged, so FLUSH has nothing
+//! left to do and FUA is free; `--coalesce` above turns small writes into whole-object PUTs.
+//! Writes into an object take that object's lock for the whole read-modify-write, in every
+//! connection (they share this backend), so two connections writing different bytes of one
+//! object never lose each other's.
+//!
+//! The requests themselves are in [`store`]; where settings come from is in [`config`].
+
+pub mod config;
+pub mod store;
+
+use std::collections::BTreeSet;
+use std::ops::Range;
+use std::sync::Mutex;
+
+use bytes::{Bytes, BytesMut};
+use futures::{StreamExt, TryStreamExt};
+use object_store::PutMode;
+
+pub use config::{S3Config, S3Uri};
+pub use store::{Limits, Requests, Store};
+
+use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
+use crate::error::{Error, ErrorKind, Result};
+
+/// The manifest of a block image, `KEY/lightfoot.json`. Named so that nbdkit's S3 plugin never
+/// deletes it: its TRIM deletes what it lists under `KEY/` from the first block's name up to
+/// (not including) the name of the block after the last, and `l` sorts after every hex digit.
+/// lightfoot itself deletes only names of the form `KEY/` + 16 hex digits.
+pub const MANIFEST: &str = "lightfoot.json";
+
+/// Requests in flight at once for one call (a large READ spans many objects).
+const IN_FLIGHT: usize = 64;
+
+/// Largest piece of a one-object image fetched by one range GET.
+const PIECE: u64 = 8 << 20;
+
+/// Stripes of the per-object write locks.
+const LOCKS: usize = 1024;
+
+/// How an `s3://` endpoint is opened.
+#[derive(Debug, Clone, Default)]
+pub struct S3Options {
+    pub writable: bool,
+    /// Image size (block layout; with `object_size`, as nbdkit's `size=`).
+    pub size: Option<u64>,
+    /// Bytes per block object (nbdkit's `object-size=`): asks for the block layout.
+    pub object_size: Option<u64>,
+    pub limits: Limits,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Manifest {
+    format: String,
+    version: u32,
+    size: u64,
+    object_size: u64,
+}
+
+const FORMAT: &str = "lightfoot-s3-blocks";
+
+enum Layout {
+    Object {
+        etag: Option<String>,
+    },
+    Blocks {
+        object_size: u64,
+        /// The blocks that exist, from a LIST at open kept current by this process's own
+        /// writes and deletes (see [`S3Backend::extents`]).
+        present: Mutex<BTreeSet<u64>>,
+        locks: Vec<tokio::sync::Mutex<()>>,
+    },
+}
+
+pub struct S3Backend {
+    name: String,
+    key: String,
+    store: Store,
+    layout: Layout,
+    size: u64,
+    writable: bool,
+}
+
+impl S3Backend {
+    /// Opens `uri` with the settings of this process's environment (see [`config`]). Fails
+    /// at once on a wrong credential, a missing bucket or object, or an object of the wrong
+    /// size, naming it.
+    pub fn open(uri: &S3Uri, opts: &S3Options) -> Result<S3Backend> {
+        let name = uri.to_string();
+        let cfg = S3Config::from_env()
+            .map_err(|e| Error::new(ErrorKind::InvalidInput, "open").path(&name).detail(e))?;
+        for s in &cfg.sources {
+            tracing::debug!("{name}: {s}");
+        }
+        let store = Store::open(uri, &cfg, opts.limits)?;
+        let key = uri.key.clone();
+        let manifest_key = format!("{key}/{MANIFEST}");
+        let manifest = match store.run(store.get(&manifest_key, None, None))? {
+            None => None,
+            Some((bytes, _)) => Some(serde_json::from_slice::<Manifest>(&bytes).map_err(|e| {
+                Error::new(ErrorKind::InvalidInput, "open")
+                    .path(store.uri(&manifest_key))
+                    .detail(format!("not a manifest: {e}"))
+            })?),
+        };
+        let geometry = match (&manifest, opts.size, opts.object_size) {
+            (Some(m), size, osize) => {
+                if m.format != FORMAT || m.version != 1 {
+                    return Err(bad(
+                        &store.uri(&manifest_key),
+                        format!("unknown format {} version {}", m.format, m.version),
+                    ));
+                }
+                if size.is_some_and(|s| s != m.size) || osize.is_some_and(|o| o != m.object_size) {
+                    return Err(bad(
+                        &name,
+                        format!(
+                            "the image is {} bytes in objects of {} (its manifest says so): --size and --object-size differ",
+                            m.size, m.object_size
+                        ),
+                    ));
+                }
+                Some((m.size, m.object_size))
+            }
+            (None, Some(s), Some(o)) => Some((s, o)),
+            (None, None, Some(_)) => {
+                return Err(bad(
+                    &name,
+                    "--object-size needs --size (the image's size) for a new block image".into(),
+                ))
+            }
+            (None, Some(_), None) => {
+                return Err(bad(&name, "--size needs --object-size (the block layout's object size)".into()))
+            }
+            (None, None, None) => None,
+        };
+        let Some((size, object_size)) = geometry else {
+            // One object.
+            let meta = store.run(store.head(&key))?.ok_or_else(|| {
+                Error::new(ErrorKind::NotFound, "open").path(&name).detail(format!(
+                    "no such object, and no block image under {name}/ (a new block image needs --size and --object-size)"
+                ))
+            })?;
+            if opts.writable {
+                return Err(Error::new(ErrorKind::Permission, "open").path(&name).detail(
+                    "an image in one object is served read-only (give --object-size and --size to write a block image)",
+                ));
+            }
+            return Ok(S3Backend {
+                name,
+                key,
+                store,
+                layout: Layout::Object { etag: meta.etag },
+                size: meta.size,
+                writable: false,
+            });
+        };
+        if object_size == 0 || size % object_size != 0 || object_size > 1 << 30 {
+            return Err(bad(
+                &name,
+                format!(
+                    "the size ({size}) must be a multiple of the object size ({object_size}), at most 1 GiB"
+                ),
+            ));
+        }
+        let blocks = size / object_size;
+        // Which blocks exist, and that each is whole.
+        let listed = store.run(store.list(&key))?;
+        let mut present = BTreeSet::new();
+        for (k, len) in listed {
+            let Some(b) = block_number(&key, &k) else { continue };
+            if b >= blocks {
+                tracing::warn!("{}: beyond the image's {blocks} objects: ignored", store.uri(&k));
+                continue;
+            }
+            if len != object_size {
+                return Err(Error::new(ErrorKind::InvalidInput, "open").path(store.uri(&k)).detail(format!(
+                    "the object is {len} bytes, not the image's object size {object_size}"
+                )));
+            }
+            present.insert(b);
+        }
+        if opts.writable && manifest.is_none() {
+            let m = Manifest { format: FORMAT.into(), version: 1, size, object_size };
+            let body = Bytes::from(serde_json::to_vec_pretty(&m).expect("manifest serializes"));
+            // Created only if absent: two first opens racing agree or one fails above next time.
+            store.run(store.put(&manifest_key, body, PutMode::Create))?;
+        }
+        Ok(S3Backend {
+            name,
+            key,
+            store,
+            layout: Layout::Blocks {
+                object_size,
+                present: Mutex::new(present),
+                locks: (0..LOCKS).map(|_| tokio::sync::Mutex::new(())).collect(),
+            },
+            size,
+            writable: opts.writable,
+        })
+    }
+
+    /// The requests made so far.
+    pub fn requests(&self) -> Requests {
+        self.store.counters.snapshot()
+    }
+
+    /// A block image with no objects (new, or wholly trimmed): it reads as zeroes.
+    pub fn is_empty(&self) -> bool {
+        match &self.layout {
+            Layout::Blocks { present, .. } => present.lock().unwrap().is_empty(),
+            Layout::Object { .. } => false,
+        }
+    }
+
+    /// The object size of a block image, `None` for one object.
+    pub fn object_size(&self) -> Option<u64> {
+        match &self.layout {
+            Layout::Blocks { object_size, .. } => Some(*object_size),
+            Layout::Object { .. } => None,
+        }
+    }
+
+    fn block_key(&self, b: u64) -> String {
+        format!("{}/{b:016x}", self.key)
+    }
+
+    fn read_only_error(&self, op: &'static str) -> Error {
+        Error::new(ErrorKind::Permission, op).path(&self.name).detail("opened read-only")
+    }
+
+    /// Reads `[offset, offset+buf.len())` of block image: one GET a touched object that may
+    /// exist, concurrently.
+    fn read_blocks(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        object_size: u64,
+        present: &Mutex<BTreeSet<u64>>,
+    ) -> Result<()> {
+        let pieces = split(offset, buf.len() as u64, object_size);
+        let want: Vec<(u64, Range<u64>, usize)> = {
+            let p = present.lock().unwrap();
+            let mut at = 0usize;
+            let mut v = Vec::new();
+            for (b, r) in pieces {
+                let n = (r.end - r.start) as usize;
+                if p.contains(&b) {
+                    v.push((b, r, at));
+                } else {
+                    buf[at..at + n].fill(0);
+                }
+                at += n;
+            }
+            v
+        };
+        let results: Vec<(Range<u64>, usize, Option<Bytes>)> = self.store.run(
+            futures::stream::iter(want.into_iter().map(|(b, r, at)| async move {
+                let key = self.block_key(b);
+                let whole = r.start == 0 && r.end == object_size;
+                let got = self.store.get(&key, (!whole).then(|| r.clone()), None).await?;
+                if let Some((_, total)) = &got {
+                    if *total != object_size {
+                        return Err(wrong_size(&self.store.uri(&key), *total, object_size));
+                    }
+                }
+                Ok::<_, Error>((r, at, got.map(|g| g.0)))
+            }))
+            .buffer_unordered(IN_FLIGHT)
+            .try_collect(),
+        )?;
+        for (r, at, got) in results {
+            let n = (r.end - r.start) as usize;
+            match got {
+                Some(bytes) if bytes.len() == n => buf[at..at + n].copy_from_slice(&bytes),
+                Some(bytes) => {
+                    return Err(Error::new(ErrorKind::Io, "read")
+                        .path(&self.name)
+                        .at(offset + at as u64, n as u64)
+                        .detail(format!("the store answered {} bytes for {n}", bytes.len())))
+                }
+                // Deleted since the LIST (by another writer): zeroes, as nbdkit reads it.
+                None => buf[at..at + n].fill(0),
+            }
+        }
+        Ok(())
+    }
+
+    fn read_object(&self, buf: &mut [u8], offset: u64, etag: Option<&str>) -> Result<()> {
+        let pieces: Vec<(u64, usize)> =
+            (0..buf.len() as u64).step_by(PIECE as usize).map(|p| (offset + p, p as usize)).collect();
+        let total = buf.len() as u64;
+        let results: Vec<(usize, Bytes)> = self.store.run(
+            futures::stream::iter(pieces.into_iter().map(|(at, i)| async move {
+                let n = PIECE.min(total - i as u64);
+                match self.store.get(&self.key, Some(at..at + n), etag).await? {
+                    Some((b, _)) if b.len() as u64 == n => Ok((i, b)),
+                    Some((b, size)) => Err(Error::new(ErrorKind::Io, "read")
+                        .path(&self.name)
+                        .at(at, n)
+                        .detail(format!("got {} bytes of {n} (the object is now {size} bytes)", b.len()))),
+                    None => Err(Error::new(ErrorKind::NotFound, "read")
+                        .path(&self.name)
+                        .at(at, n)
+                        .detail("the object was deleted while being served")),
+                }
+            }))
+            .buffer_unordered(IN_FLIGHT)
+            .try_collect(),
+        )?;
+        for (i, b) in results {
+            buf[i..i + b.len()].copy_from_slice(&b);
+        }
+        Ok(())
+    }
+
+    /// Changes the block objects `[offset, offset+len)` covers: `data` gives the new bytes
+    /// (`None`: zeroes). Objects wholly covered are PUT (or deleted, for zeroes); partly
+    /// covered ones are read, patched and PUT, under their lock; with `partial == false`,
+    /// partly covered objects are left alone (TRIM).
+    fn change(&self, offset: u64, len: u64, data: Option<&[u8]>, partial: bool) -> Result<()> {
+        let Layout::Blocks { object_size, present, locks } = &self.layout else {
+            return Err(self.read_only_error("write"));
+        };
+        let os = *object_size;
+        if offset.checked_add(len).is_none_or(|e| e > self.size) {
+            return Err(Error::new(ErrorKind::NoSpace, "write")
+                .path(&self.name)
+                .at(offset, len)
+                .detail(format!("past the end of the image ({} bytes)", self.size)));
+        }
+        let mut deletes = Vec::new();
+        let mut updates = Vec::new();
+        let mut at = 0usize;
+        for (b, r) in split(offset, len, os) {
+            let n = (r.end - r.start) as usize;
+            let piece = data.map(|d| &d[at..at + n]);
+            at += n;
+            let whole = n as u64 == os;
+            let zero = piece.is_none_or(super::is_zero);
+            if whole && zero {
+                deletes.push(b);
+            } else if whole || partial {
+                updates.push((b, r, piece));
+            }
+        }
+        let lock_of = |b: u64| &locks[(b as usize).wrapping_mul(0x9E37_79B9) % LOCKS];
+        let store = &self.store;
+        // Deletes first, batched, under the locks of their objects (taken in stripe order:
+        // no two callers wait on each other).
+        if !deletes.is_empty() {
+            let known: Vec<u64> = {
+                let p = present.lock().unwrap();
+                deletes.iter().copied().filter(|b| p.contains(b)).collect()
+            };
+            if !known.is_empty() {
+                let mut stripes: Vec<usize> =
+                    known.iter().map(|&b| (b as usize).wrapping_mul(0x9E37_79B9) % LOCKS).collect();
+                stripes.sort_unstable();
+                stripes.dedup();
+                store.run(async {
+                    let mut guards = Vec::with_capacity(stripes.len());
+                    for s in stripes {
+                        guards.push(locks[s].lock().await);
+                    }
+                    let res = store.delete(known.iter().map(|&b| self.block_key(b)).collect()).await;
+                    // Gone or not after a failure: keep them "present" (reads then GET them,
+                    // and a 404 reads as zeroes), never the other way round.
+                    if res.is_ok() {
+                        let mut p = present.lock().unwrap();
+                        for b in &known {
+                            p.remove(b);
+                        }
+                    }
+                    res
+                })?;
+            }
+        }
+        store.run(
+            futures::stream::iter(updates.into_iter().map(|(b, r, piece)| async move {
+                let key = self.block_key(b);
+                let _g = lock_of(b).lock().await;
+                let exists = present.lock().unwrap().contains(&b);
+                let body = if r.start == 0 && r.end == os {
+                    Bytes::copy_from_slice(piece.expect("a whole object of zeroes is deleted"))
+                } else {
+                    if !exists && piece.is_none() {
+                        // Zeroing part of a missing object: it reads as zeroes already.
+                        return Ok(());
+                    }
+                    let mut obj = match exists {
+                        true => match store.get(&key, None, None).await? {
+                            Some((old, total)) if total == os && old.len() as u64 == os => {
+                                BytesMut::from(&old[..])
+                            }
+                            Some((_, total)) => return Err(wrong_size(&store.uri(&key), total, os)),
+                            None => BytesMut::zeroed(os as usize),
+                        },
+                        false => BytesMut::zeroed(os as usize),
+                    };
+                    let dst = &mut obj[r.start as usize..r.end as usize];
+                    match piece {
+                        Some(p) => dst.copy_from_slice(p),
+                        None => dst.fill(0),
+                    }
+                    obj.freeze()
+                };
+                store.put(&key, body, PutMode::Overwrite).await?;
+                present.lock().unwrap().insert(b);
+                Ok::<_, Error>(())
+            }))
+            .buffer_unordered(IN_FLIGHT)
+            .try_collect::<Vec<()>>(),
+        )?;
+        Ok(())
+    }
+}
+
+impl Backend for S3Backend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn size(&self) -> Option<u64> {
+        Some(self.size)
+    }
+
+    fn caps(&self) -> Caps {
+        let object = self.object_size();
+        Caps {
+            read_only: !self.writable,
+            // Every write is stored before it is acknowledged.
+            can_flush: true,
+            can_fua: true,
+            can_trim: self.writable,
+            can_zero: self.writable,
+            // Zeroing part of an object reads and rewrites it.
+            can_fast_zero: false,
+            can_extents: object.is_some(),
+            sequential: false,
+            growable: false,
+            rotational: false,
+            block: BlockSizes {
+                minimum: 1,
+                preferred: object.map_or(4096, |o| o.min(32 << 20) as u32),
+                maximum: 32 << 20,
+            },
+            // `--coalesce` fills the gaps of the objects it writes, so that each is one PUT.
+            alloc_unit: object.and_then(|o| u32::try_from(o).ok()),
+        }
+    }
+
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let end = offset.checked_add(buf.len() as u64).filter(|&e| e <= self.size);
+        if end.is_none() {
+            return Err(Error::new(ErrorKind::InvalidInput, "read")
+                .path(&self.name)
+                .at(offset, buf.len() as u64)
+                .detail(format!("past the end of the image ({} bytes)", self.size)));
+        }
+        match &self.layout {
+            Layout::Object { etag } => self.read_object(buf, offset, etag.as_deref())?,
+            Layout::Blocks { object_size, present, .. } => {
+                self.read_blocks(buf, offset, *object_size, present)?
+            }
+        }
+        Ok(buf.len())
+    }
+
+    /// Every read is a round trip.
+    fn read_at_hand(&self, _buf: &mut [u8], _offset: u64) -> Option<Result<usize>> {
+        None
+    }
+
+    fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
+        if !self.writable {
+            return Err(self.read_only_error("write"));
+        }
+        self.change(offset, buf.len() as u64, Some(buf), true)
+    }
+
+    // A round trip to the store, which keeps no pages of ours.
+    super::writes_leave_at_once!();
+
+    fn zero(&self, offset: u64, len: u64, _flags: ZeroFlags) -> Result<()> {
+        if !self.writable {
+            return Err(self.read_only_error("zero"));
+        }
+        // Whole objects are deleted whether or not the range may be deallocated: a missing
+        // object reads as zeroes, and that is what NO_HOLE's "reads as zero" asks.
+        self.change(offset, len, None, true)
+    }
+
+    fn trim(&self, offset: u64, len: u64, _fua: bool) -> Result<()> {
+        if !self.writable {
+            return Err(self.read_only_error("trim"));
+        }
+        self.change(offset, len, None, false)
+    }
+
+    /// Nothing is held: every acknowledged write was stored before its reply.
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn cache(&self, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
+
+    /// From the map of existing objects: a missing object is a hole. The map is the LIST
+    /// made at open, kept current by this process's writes and deletes; it can be wrong only
+    /// if another program writes the image meanwhile (one writer per image).
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        let Layout::Blocks { object_size, present, .. } = &self.layout else {
+            return Ok(vec![Extent::data(len)]);
+        };
+        let p = present.lock().unwrap();
+        let mut out: Vec<Extent> = Vec::new();
+        for (b, r) in split(offset, len.min(self.size.saturating_sub(offset)), *object_size) {
+            let e =
+                if p.contains(&b) { Extent::data(r.end - r.start) } else { Extent::hole(r.end - r.start) };
+            match out.last_mut() {
+                Some(last) if last.hole == e.hole => last.len += e.len,
+                _ => out.push(e),
+            }
+        }
+        if out.is_empty() {
+            out.push(Extent::data(len));
+        }
+        Ok(out)
+    }
+
+    fn cache_info(&self) -> Option<CacheInfo> {
+        None
+    }
+
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// `(block, range within it)` of each object `[offset, offset+len)` touches.
+fn split(offset: u64, len: u64, object_size: u64) -> Vec<(u64, Range<u64>)> {
+    let mut v = Vec::new();
+    let mut at = offset;
+    while at < offset + len {
+        let b = at / object_size;
+        let start = at - b * object_size;
+        let end = object_size.min(start + (offset + len - at));
+        v.push((b, start..end));
+        at += end - start;
+    }
+    v
+}
+
+/// The block number of `name` when it is `key/` + 16 hex digits.
+fn block_number(key: &str, name: &str) -> Option<u64> {
+    let hex = name.strip_prefix(key)?.strip_prefix('/')?;
+    if hex.len() != 16 || !hex.bytes().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()) {
+        return None;
+    }
+    u64::from_str_radix(hex, 16).ok()
+}
+
+fn bad(name: &str, detail: String) -> Error {
+    Error::new(ErrorKind::InvalidInput, "open").path(name).detail(detail)
+}
+
+fn wrong_size(uri: &str, got: u64, want: u64) -> Error {
+    Error::new(ErrorKind::Io, "read")
+        .path(uri)
+        .detail(format!("the object is {got} bytes, not the image's object size {want}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_and_names() {
+        assert_eq!(split(100, 200, 128), vec![(0, 100..128), (1, 0..128), (2, 0..44)]);
+        assert_eq!(split(256, 128, 128), vec![(2, 0..128)]);
+        assert_eq!(block_number("d/img", "d/img/000000000000001f"), Some(31));
+        for other in ["d/img/lightfoot.json", "d/img/000000000000001F", "d/img/1f", "d/imgx/000000000000001f"]
+        {
+            assert_eq!(block_number("d/img", other), None, "{other}");
+        }
+        assert!(MANIFEST > "ffffffffffffffff" && MANIFEST > "0");
+    }
+}

@@ -1,0 +1,309 @@
+//! The store behind an `s3://` backend: object_store's S3 client, its async runtime, the one
+//! retry loop, and counts of the requests made. The rest of lightfoot is synchronous: each
+//! call here blocks its thread on the runtime (`block_on` from any number of threads), and
+//! the calls that fan out (one request per object) run their requests concurrently.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::path::Path;
+use object_store::{
+    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutMode, PutOptions,
+    PutPayload, RetryConfig,
+};
+
+use super::config::{S3Config, S3Uri};
+use crate::error::{Error, ErrorKind, Result};
+
+/// How long a request may take and how long transient failures (5xx, throttling, timeouts,
+/// refused connections) are retried before the error is the caller's.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// From a request's first attempt to the last retry's start. object_store's own default
+    /// is 3 minutes, which a client waiting on a READ takes for a hang.
+    pub retry: Duration,
+    /// One attempt, connecting included.
+    pub request: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits { retry: Duration::from_secs(10), request: Duration::from_secs(20) }
+    }
+}
+
+/// Requests made, by type, and bytes moved (for `--stats` and `--json`).
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub get: AtomicU64,
+    pub put: AtomicU64,
+    pub delete: AtomicU64,
+    pub list: AtomicU64,
+    pub head: AtomicU64,
+    pub bytes_got: AtomicU64,
+    pub bytes_put: AtomicU64,
+}
+
+/// A snapshot of [`Counters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Requests {
+    pub get: u64,
+    pub put: u64,
+    pub delete: u64,
+    pub list: u64,
+    pub head: u64,
+    pub bytes_got: u64,
+    pub bytes_put: u64,
+}
+
+impl Counters {
+    pub fn snapshot(&self) -> Requests {
+        Requests {
+            get: self.get.load(Relaxed),
+            put: self.put.load(Relaxed),
+            delete: self.delete.load(Relaxed),
+            list: self.list.load(Relaxed),
+            head: self.head.load(Relaxed),
+            bytes_got: self.bytes_got.load(Relaxed),
+            bytes_put: self.bytes_put.load(Relaxed),
+        }
+    }
+}
+
+/// An object's size and version as the store reports them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Meta {
+    pub size: u64,
+    pub etag: Option<String>,
+}
+
+pub struct Store {
+    rt: tokio::runtime::Runtime,
+    s3: Arc<AmazonS3>,
+    /// `s3://BUCKET/` (error messages name objects by their URI).
+    prefix: String,
+    /// Values no message may carry (see [`Self::scrub`]).
+    secrets: Vec<String>,
+    pub counters: Counters,
+}
+
+impl Store {
+    pub fn open(uri: &S3Uri, cfg: &S3Config, limits: Limits) -> Result<Store> {
+        let bad =
+            |detail: String| Error::new(ErrorKind::InvalidInput, "open").path(uri.to_string()).detail(detail);
+        // rustls needs one crypto provider for the process: ring, as the NBD TLS code uses.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut opts = ClientOptions::new().with_timeout(limits.request).with_connect_timeout(limits.request);
+        if let Some(ca) = &cfg.ca_bundle {
+            let pem = std::fs::read(ca).map_err(|e| Error::io("open", e).path(ca).detail("AWS_CA_BUNDLE"))?;
+            let certs = object_store::Certificate::from_pem_bundle(&pem)
+                .map_err(|e| bad(format!("CA bundle {}: {e}", ca.display())))?;
+            for c in certs {
+                opts = opts.with_root_certificate(c);
+            }
+        }
+        let mut b = AmazonS3Builder::new()
+            .with_bucket_name(&uri.bucket)
+            .with_region(cfg.region.clone().unwrap_or_else(|| "us-east-1".into()))
+            .with_retry(RetryConfig {
+                backoff: BackoffConfig {
+                    init_backoff: Duration::from_millis(100),
+                    max_backoff: Duration::from_secs(2),
+                    base: 2.0,
+                },
+                max_retries: 20,
+                retry_timeout: limits.retry,
+            });
+        if let Some(e) = &cfg.endpoint {
+            if e.starts_with("http://") {
+                tracing::warn!("{e}: plain HTTP: requests and data travel unencrypted");
+                opts = opts.with_allow_http(true);
+            }
+            b = b.with_endpoint(e);
+        }
+        let mut secrets = Vec::new();
+        match (&cfg.access_key_id, &cfg.secret_access_key) {
+            (Some(id), Some(secret)) => {
+                b = b.with_access_key_id(id).with_secret_access_key(secret.expose());
+                secrets.push(secret.expose().to_string());
+                if let Some(t) = &cfg.session_token {
+                    b = b.with_token(t.expose());
+                    secrets.push(t.expose().to_string());
+                }
+            }
+            // No keys: anonymous requests (public buckets, stores without identities).
+            _ => b = b.with_skip_signature(true),
+        }
+        let s3 = b.with_client_options(opts).build().map_err(|e| bad(e.to_string()))?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("lightfoot-s3")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io("open", e).path(uri.to_string()))?;
+        Ok(Store {
+            rt,
+            s3: Arc::new(s3),
+            prefix: format!("s3://{}/", uri.bucket),
+            secrets: secrets.into_iter().filter(|s| !s.is_empty()).collect(),
+            counters: Counters::default(),
+        })
+    }
+
+    /// Runs `f` to completion on the store's runtime, blocking this thread.
+    pub fn run<F: std::future::Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
+    /// `text` with every secret replaced: the store's error bodies may quote a request back
+    /// (SignatureDoesNotMatch carries the canonical request, session token header and all).
+    pub fn scrub(&self, text: &str) -> String {
+        let mut t = text.to_string();
+        for s in &self.secrets {
+            t = t.replace(s.as_str(), "<redacted>");
+        }
+        t
+    }
+
+    /// `s3://BUCKET/KEY` of `key`.
+    pub fn uri(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
+    }
+
+    /// The lightfoot error for a failed request on `key`.
+    pub fn error(&self, op: &'static str, key: &str, e: &object_store::Error) -> Error {
+        use object_store::Error as E;
+        let kind = match e {
+            E::NotFound { .. } => ErrorKind::NotFound,
+            E::PermissionDenied { .. } | E::Unauthenticated { .. } => ErrorKind::Permission,
+            E::NotSupported { .. } | E::NotImplemented { .. } => ErrorKind::NotSupported,
+            _ => ErrorKind::Io,
+        };
+        Error::new(kind, op).path(self.uri(key)).detail(self.scrub(&full_message(e)))
+    }
+
+    /// GETs `range` of `key` (all of it when `None`), only from version `if_match` when
+    /// given. `None` when there is no such object (404; a 403 is an error, never "missing").
+    /// Also returns the object's whole size.
+    pub async fn get(
+        &self,
+        key: &str,
+        range: Option<Range<u64>>,
+        if_match: Option<&str>,
+    ) -> Result<Option<(Bytes, u64)>> {
+        self.counters.get.fetch_add(1, Relaxed);
+        let opts = GetOptions {
+            range: range.map(GetRange::Bounded),
+            if_match: if_match.map(str::to_string),
+            ..Default::default()
+        };
+        let res = match self.s3.get_opts(&Path::from(key), opts).await {
+            Ok(r) => r,
+            Err(e @ object_store::Error::NotFound { .. }) if full_message(&e).contains("NoSuchBucket") => {
+                return Err(Error::new(ErrorKind::NotFound, "read")
+                    .path(self.uri(""))
+                    .detail("no such bucket"))
+            }
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(object_store::Error::Precondition { .. }) => {
+                return Err(Error::new(ErrorKind::Io, "read")
+                    .path(self.uri(key))
+                    .detail("the object was replaced while it was being read (its ETag changed)"))
+            }
+            Err(e) => return Err(self.error("read", key, &e)),
+        };
+        let size = res.meta.size;
+        let bytes = res.bytes().await.map_err(|e| self.error("read", key, &e))?;
+        self.counters.bytes_got.fetch_add(bytes.len() as u64, Relaxed);
+        Ok(Some((bytes, size)))
+    }
+
+    /// HEAD: the object's size and ETag, `None` when it does not exist.
+    pub async fn head(&self, key: &str) -> Result<Option<Meta>> {
+        self.counters.head.fetch_add(1, Relaxed);
+        match self.s3.head(&Path::from(key)).await {
+            Ok(m) => Ok(Some(Meta { size: m.size, etag: m.e_tag })),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.error("open", key, &e)),
+        }
+    }
+
+    /// PUTs `data` as `key` with `mode` (overwrite, create only, or replace one version).
+    /// Returns the new ETag and version id, or `None` when the condition failed (412, or
+    /// "already exists" for a create).
+    pub async fn put(
+        &self,
+        key: &str,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<Option<(Option<String>, Option<String>)>> {
+        self.counters.put.fetch_add(1, Relaxed);
+        let len = data.len() as u64;
+        let opts = PutOptions { mode, ..Default::default() };
+        match self.s3.put_opts(&Path::from(key), PutPayload::from_bytes(data), opts).await {
+            Ok(r) => {
+                self.counters.bytes_put.fetch_add(len, Relaxed);
+                Ok(Some((r.e_tag, r.version)))
+            }
+            Err(object_store::Error::Precondition { .. } | object_store::Error::AlreadyExists { .. }) => {
+                Ok(None)
+            }
+            Err(e) => Err(self.error("write", key, &e)),
+        }
+    }
+
+    /// Deletes `keys` with batched deletes (up to 1,000 a request). A key that did not exist
+    /// is no error; any per-key error in an answer of 200 is.
+    pub async fn delete(&self, keys: Vec<String>) -> Result<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        self.counters.delete.fetch_add(keys.len().div_ceil(1000) as u64, Relaxed);
+        let paths = futures::stream::iter(keys.into_iter().map(|k| Ok(Path::from(k)))).boxed();
+        let mut results = self.s3.delete_stream(paths);
+        while let Some(r) = results.next().await {
+            match r {
+                Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
+                // The message names the key that failed.
+                Err(e) => return Err(self.error("delete", "", &e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Every object under `prefix` + `/`, with its size.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<(String, u64)>> {
+        self.counters.list.fetch_add(1, Relaxed);
+        let items: Vec<_> = self
+            .s3
+            .list(Some(&Path::from(prefix)))
+            .map_ok(|m| (m.location.to_string(), m.size))
+            .try_collect()
+            .await
+            .map_err(|e| self.error("list", prefix, &e))?;
+        // object_store pages through LIST for us; count the pages as requests.
+        let pages = (items.len() as u64).div_ceil(1000).max(1);
+        self.counters.list.fetch_add(pages - 1, Relaxed);
+        Ok(items)
+    }
+}
+
+/// An error with its chain of causes (object_store's own text stops at the first).
+fn full_message(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = c.source();
+    }
+    s
+}

@@ -1,0 +1,151 @@
+//! A real S3-compatible store for the tests: SeaweedFS (`weed server -s3`: master, volume
+//! server, filer and S3 gateway in one process) on loopback ports of its own, in a scratch
+//! folder, killed when the test ends. `scripts/build-seaweedfs.sh` builds `weed` once per
+//! machine (`make test` runs it first; `WEED=` points at one already built).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use super::within;
+
+pub struct Seaweed {
+    child: Child,
+    /// `http://127.0.0.1:PORT` of the S3 gateway.
+    pub endpoint: String,
+    pub s3_port: u16,
+    _dir: tempfile::TempDir,
+}
+
+/// The `weed` binary (built and cached on first use).
+pub fn weed() -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/build-seaweedfs.sh");
+    let out =
+        Command::new(&script).stderr(Stdio::inherit()).output().expect("run scripts/build-seaweedfs.sh");
+    assert!(
+        out.status.success(),
+        "scripts/build-seaweedfs.sh failed: the object-storage tests need SeaweedFS"
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// A port `p` such that `p` and `p + 10000` (SeaweedFS's gRPC port for it) are free now.
+fn free_port_pair() -> u16 {
+    loop {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        if p > 55000 {
+            continue;
+        }
+        if TcpListener::bind(("127.0.0.1", p + 10000)).is_ok() {
+            return p;
+        }
+    }
+}
+
+impl Seaweed {
+    /// Starts a store and waits until its S3 gateway answers and has a volume to write to.
+    pub fn start() -> Seaweed {
+        let dir = tempfile::Builder::new().prefix("lightfoot-weed").tempdir().unwrap();
+        let (master, volume, filer, s3) =
+            (free_port_pair(), free_port_pair(), free_port_pair(), free_port_pair());
+        let log = std::fs::File::create(dir.path().join("weed.log")).unwrap();
+        let child = Command::new(weed())
+            .arg("server")
+            .arg(format!("-dir={}", dir.path().display()))
+            .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-volume.max=0", "-s3"])
+            .arg(format!("-master.port={master}"))
+            .arg(format!("-volume.port={volume}"))
+            .arg(format!("-filer.port={filer}"))
+            .arg(format!("-s3.port={s3}"))
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start weed server");
+        let w = Seaweed { child, endpoint: format!("http://127.0.0.1:{s3}"), s3_port: s3, _dir: dir };
+        assert!(
+            within(60, || w.request("GET", "/", b"").is_some_and(|(code, _)| code == 200)),
+            "SeaweedFS did not start"
+        );
+        w
+    }
+
+    /// Makes bucket `name` and waits until an object can be written into it (the first
+    /// volume is allocated on the first write).
+    pub fn bucket(&self, name: &str) {
+        let (code, body) = self.request("PUT", &format!("/{name}"), b"").expect("create bucket");
+        assert!(code == 200, "create bucket {name}: {code} {body}");
+        assert!(
+            within(60, || self
+                .request("PUT", &format!("/{name}/.probe"), b"x")
+                .is_some_and(|(c, _)| c == 200)),
+            "bucket {name} takes no writes"
+        );
+        self.request("DELETE", &format!("/{name}/.probe"), b"");
+    }
+
+    /// One anonymous HTTP/1.1 request (this store accepts them: no identities configured);
+    /// the status and body.
+    pub fn request(&self, method: &str, path: &str, body: &[u8]) -> Option<(u16, String)> {
+        let mut s = TcpStream::connect(("127.0.0.1", self.s3_port)).ok()?;
+        s.set_read_timeout(Some(std::time::Duration::from_secs(30))).ok()?;
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            self.s3_port,
+            body.len()
+        );
+        s.write_all(head.as_bytes()).ok()?;
+        s.write_all(body).ok()?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).ok()?;
+        let text = String::from_utf8_lossy(&out).to_string();
+        let code = text.split_whitespace().nth(1)?.parse().ok()?;
+        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        Some((code, body))
+    }
+
+    /// The object names under `prefix` (ListObjectsV2, one page: tests keep under 1,000).
+    pub fn list(&self, bucket: &str, prefix: &str) -> Vec<String> {
+        let (code, body) =
+            self.request("GET", &format!("/{bucket}?list-type=2&prefix={prefix}"), b"").expect("list");
+        assert_eq!(code, 200, "{body}");
+        body.split("<Key>")
+            .skip(1)
+            .filter_map(|s| s.split_once("</Key>").map(|(k, _)| k.to_string()))
+            .collect()
+    }
+
+    /// The environment a client of this store runs with.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_ACCESS_KEY_ID", "lightfoot-test".into()),
+            ("AWS_SECRET_ACCESS_KEY", "lightfoot-test-secret".into()),
+            ("AWS_REGION", "us-east-1".into()),
+        ]
+    }
+
+    /// `cmd` with this store's environment (and no profile of the user's).
+    pub fn command(&self, cmd: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut c = Command::new(cmd);
+        for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("AWS_")) {
+            c.env_remove(k);
+        }
+        c.env("AWS_CONFIG_FILE", "/dev/null").env("AWS_SHARED_CREDENTIALS_FILE", "/dev/null");
+        c.envs(self.env());
+        c
+    }
+
+    /// The SIGKILL of the whole store (every component is in this one process).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Seaweed {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,364 @@
+//! Images in object storage, against a real store the tests start (SeaweedFS, see
+//! `common::s3`): copies both ways in both layouts, the NBD protocol over block objects from
+//! several connections, compatibility with nbdkit's S3 plugin both ways, bad input, and
+//! secrets that never show.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+
+use common::s3::Seaweed;
+use common::*;
+
+const KIB: u64 = 1 << 10;
+
+/// Runs lightfoot with the store's environment, under `timeout`.
+fn lf(w: &Seaweed, args: &[&str]) -> Output {
+    w.command("timeout").args(["-k", "10", "300", bin()]).args(args).output().unwrap()
+}
+
+fn ok(out: Output) -> String {
+    assert!(out.status.success(), "{}", text(&out));
+    text(&out)
+}
+
+/// `lightfoot serve` of an s3:// image on a Unix socket in `dir`.
+struct S3Served {
+    child: Child,
+    sock: std::path::PathBuf,
+}
+
+impl S3Served {
+    fn start(w: &Seaweed, dir: &Path, uri: &str, extra: &[&str]) -> S3Served {
+        let sock = dir.join(format!("s3-{}.sock", std::process::id() ^ rand_tag()));
+        let child = w
+            .command(bin())
+            .args(["serve", "--unix"])
+            .arg(&sock)
+            .args(extra)
+            .arg(uri)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        assert!(within(30, || sock.exists()), "server did not create {}", sock.display());
+        S3Served { child, sock }
+    }
+
+    fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.sock.display())
+    }
+
+    fn stop(mut self) -> String {
+        use std::io::Read;
+        let _ = Command::new("kill").arg(self.child.id().to_string()).status();
+        let mut err = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
+        let st = self.child.wait().unwrap();
+        assert!(st.success(), "server: {st}: {err}");
+        err
+    }
+}
+
+impl Drop for S3Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn rand_tag() -> u32 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos()
+}
+
+/// Block objects of `key` in `bucket`, as block numbers.
+fn blocks(w: &Seaweed, bucket: &str, key: &str) -> Vec<u64> {
+    let mut v: Vec<u64> = w
+        .list(bucket, &format!("{key}/"))
+        .iter()
+        .filter_map(|k| k.strip_prefix(&format!("{key}/")).and_then(|h| u64::from_str_radix(h, 16).ok()))
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// A file to file copy through a block image and through one object; holes are not uploaded
+/// into a new image, and what comes back is what went.
+#[test]
+fn copies_to_and_from_both_layouts() {
+    let w = Seaweed::start();
+    w.bucket("disks");
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    // 8 MiB: data and holes in alternate 1 MiB pieces, one allocated piece of zeroes.
+    sample(&src, 8 * MIB, MIB);
+    ok(lf(&w, &["copy", src.to_str().unwrap(), "s3://disks/disk", "--object-size", "64K"]));
+    let present = blocks(&w, "disks", "disk");
+    let want: Vec<u64> = (0..128).filter(|b| (b / 16) % 2 == 0 && b / 16 != 2).collect();
+    assert_eq!(present, want, "only blocks with data are uploaded");
+    assert!(w.list("disks", "disk/").contains(&"disk/lightfoot.json".to_string()));
+    let back = dir.path().join("back.img");
+    let out = ok(lf(&w, &["copy", "s3://disks/disk", back.to_str().unwrap()]));
+    assert!(same_contents(&src, &back), "block image round trip differs: {out}");
+    // The destination's holes stayed holes: the map of objects said so.
+    assert!(allocated(&back) <= 4 * MIB + 64 * KIB, "allocated {}", allocated(&back));
+
+    // One object, put there by another program.
+    let data = std::fs::read(&src).unwrap();
+    let (code, _) = w.request("PUT", "/disks/one.img", &data).unwrap();
+    assert_eq!(code, 200);
+    let back1 = dir.path().join("back1.img");
+    ok(lf(&w, &["copy", "s3://disks/one.img", back1.to_str().unwrap()]));
+    assert!(same_contents(&src, &back1));
+
+    // Into an existing image: the source's zeroes delete the objects that held data.
+    let zeros = dir.path().join("zeros.img");
+    std::fs::File::create(&zeros).unwrap().set_len(8 * MIB).unwrap();
+    ok(lf(&w, &["copy", zeros.to_str().unwrap(), "s3://disks/disk", "--object-size", "64K"]));
+    assert_eq!(blocks(&w, "disks", "disk"), Vec::<u64>::new(), "zeroes delete whole objects");
+    ok(lf(&w, &["copy", "s3://disks/disk", back.to_str().unwrap()]));
+    assert!(std::fs::read(&back).unwrap().iter().all(|&b| b == 0));
+}
+
+/// READ, WRITE (aligned or not, across objects), TRIM, WRITE_ZEROES and FLUSH from two
+/// connections at once over 4 KiB objects, checked against a model; the image then reopens
+/// from its manifest alone and holds the same bytes.
+#[test]
+fn serves_block_objects_to_several_connections() {
+    let w = Seaweed::start();
+    w.bucket("disks");
+    let dir = scratch();
+    let s = S3Served::start(&w, dir.path(), "s3://disks/vm", &["--object-size", "4K", "--size", "1M"]);
+    let script = r#"
+import os, nbd, random, threading
+uri = os.environ["URI"]
+size = 1 << 20
+model = bytearray(size)
+lock = threading.Lock()
+# Two connections write the interleaved halves of every 512-byte piece of the first 64 KiB:
+# each object sees read-modify-writes from both at once, and none may lose the other's.
+def half(which):
+    h = nbd.NBD()
+    h.connect_uri(uri)
+    for i in range(which, 128, 2):
+        data = bytes([i % 251 + 1]) * 512
+        h.pwrite(data, i * 512)
+        with lock:
+            model[i * 512:(i + 1) * 512] = data
+    h.flush()
+ts = [threading.Thread(target=half, args=(k,)) for k in (0, 1)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+h = nbd.NBD()
+h.add_meta_context("base:allocation")
+h.connect_uri(uri)
+rng = random.Random(5)
+for n in range(200):
+    off = rng.randrange(0, size - 20000)
+    op = rng.random()
+    ln = rng.choice([1, 511, 4096, 4097, 9000, 20000])
+    if op < 0.6:
+        data = bytes(rng.randrange(256) for _ in range(ln))
+        h.pwrite(data, off)
+        model[off:off + ln] = data
+    elif op < 0.8:
+        h.zero(ln, off)
+        model[off:off + ln] = bytes(ln)
+    else:
+        # TRIM leaves bytes unspecified: only whole objects go, and they read as zeroes.
+        h.trim(ln, off)
+        first = (off + 4095) // 4096
+        last = (off + ln) // 4096
+        for b in range(first, last):
+            model[b * 4096:(b + 1) * 4096] = bytes(4096)
+h.flush()
+got = h.pread(size, 0)
+assert got == model, "image differs from the model"
+# Block status: objects that do not exist are holes.
+holes = []
+def cb(meta, off, entries, err):
+    pos = off
+    for i in range(0, len(entries), 2):
+        if entries[i + 1] & nbd.STATE_HOLE:
+            holes.append((pos, entries[i]))
+        pos += entries[i]
+h.block_status(size, 0, cb)
+for off, ln in holes:
+    assert model[off:off + ln] == bytes(ln), f"hole at {off}+{ln} holds data"
+assert holes, "an image with trimmed objects reports no holes"
+open(os.environ["OUT"], "wb").write(model)
+print("ok")
+"#;
+    let model = dir.path().join("model.img");
+    let out = Command::new("timeout")
+        .args(["-k", "10", "300", "/usr/bin/python3", "-c", script])
+        .env("URI", s.uri())
+        .env("OUT", &model)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    s.stop();
+    // Reopened with no flags: the manifest gives the geometry.
+    let back = dir.path().join("back.img");
+    ok(lf(&w, &["copy", "s3://disks/vm", back.to_str().unwrap()]));
+    assert!(same_contents(&model, &back), "the image read back after a restart differs");
+}
+
+/// An image lightfoot wrote reads the same through nbdkit's S3 plugin, and one nbdkit wrote
+/// reads the same through lightfoot (given its geometry, as nbdkit is).
+#[test]
+fn nbdkit_s3_plugin_reads_ours_and_we_read_its() {
+    let plugin = Path::new("/usr/lib/x86_64-linux-gnu/nbdkit/plugins/nbdkit-S3-plugin");
+    assert!(
+        plugin.exists(),
+        "nbdkit's S3 plugin is missing: `make test` installs nbdkit-plugin-python and python3-boto3"
+    );
+    need("nbdcopy", "libnbd-bin");
+    let w = Seaweed::start();
+    w.bucket("disks");
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    sample(&src, 4 * MIB, 512 * KIB);
+    ok(lf(&w, &["copy", src.to_str().unwrap(), "s3://disks/ours", "--object-size", "64K"]));
+    let nbdkit = |key: &str, run: &str| {
+        w.command("timeout")
+            .args(["-k", "10", "300", "nbdkit", "-U", "-", "S3"])
+            .arg(format!("endpoint-url={}", w.endpoint))
+            .args(["access-key=lightfoot-test", "secret-key=lightfoot-test-secret", "bucket=disks"])
+            .arg(format!("key={key}"))
+            .args(["size=4M", "object-size=64K", "--run", run])
+            // nbdsh is the system interpreter's (python3-libnbd).
+            .env("PATH", format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default()))
+            .output()
+            .unwrap()
+    };
+    let via_nbdkit = dir.path().join("via-nbdkit.img");
+    ok(nbdkit("ours", &format!("nbdcopy \"$uri\" {}", via_nbdkit.display())));
+    assert!(same_contents(&src, &via_nbdkit), "nbdkit reads our image differently");
+
+    ok(nbdkit("theirs", &format!("nbdcopy {} \"$uri\"", src.display())));
+    let via_us = dir.path().join("via-us.img");
+    ok(lf(
+        &w,
+        &["copy", "s3://disks/theirs", via_us.to_str().unwrap(), "--object-size", "64K", "--size", "4M"],
+    ));
+    assert!(same_contents(&src, &via_us), "we read nbdkit's image differently");
+    // Writing through lightfoot into nbdkit's image, then a TRIM through nbdkit of all of
+    // it: our manifest (now there) survives nbdkit's delete of the blocks.
+    let s = S3Served::start(&w, dir.path(), "s3://disks/theirs", &["--object-size", "64K", "--size", "4M"]);
+    let out = libnbd("import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\nh.pwrite(b'x' * 100, 70000)\nh.flush()\n", &s.uri());
+    assert!(out.status.success(), "{}", text(&out));
+    s.stop();
+    ok(nbdkit("theirs", "nbdsh -u \"$uri\" -c 'h.trim(h.get_size(), 0)'"));
+    assert_eq!(w.list("disks", "theirs/"), vec!["theirs/lightfoot.json".to_string()]);
+}
+
+/// What goes wrong is said clearly, with a failing exit and nothing written.
+#[test]
+fn bad_input_gets_a_clear_error() {
+    let w = Seaweed::start();
+    w.bucket("disks");
+    let dir = scratch();
+    let dst = dir.path().join("x.img");
+    let d = dst.to_str().unwrap();
+    let fails = |args: &[&str], says: &str| {
+        let out = lf(&w, args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(text(&out).contains(says), "{args:?}: wanted '{says}' in: {}", text(&out));
+    };
+    fails(&["copy", "s3://disks/none", d], "no such object");
+    fails(&["copy", "s3://nobucket/x", d], "no such bucket");
+    fails(&["copy", "s3://AKIAX:hunter2@b/x", d], "credentials in an s3:// URI are refused");
+    // An object of the wrong size in a block image.
+    let (code, _) = w.request("PUT", "/disks/odd/0000000000000003", &[7u8; 1000]).unwrap();
+    assert_eq!(code, 200);
+    fails(
+        &["copy", "s3://disks/odd", d, "--object-size", "4K", "--size", "64K"],
+        "1000 bytes, not the image's object size 4096",
+    );
+    // A geometry that contradicts the manifest.
+    let src = dir.path().join("src.img");
+    random_file(&src, 256 * KIB);
+    ok(lf(&w, &["copy", src.to_str().unwrap(), "s3://disks/img", "--object-size", "64K"]));
+    fails(&["copy", "s3://disks/img", d, "--object-size", "4K", "--size", "256K"], "manifest says so");
+    fails(
+        &["copy", src.to_str().unwrap(), "s3://disks/img2", "--object-size", "96K"],
+        "not a multiple of --object-size",
+    );
+    // A one-object image is read-only.
+    let (code, _) = w.request("PUT", "/disks/single", &[1u8; 4096]).unwrap();
+    assert_eq!(code, 200);
+    let out = w
+        .command("timeout")
+        .args(["-k", "10", "60", bin(), "serve", "--unix"])
+        .arg(dir.path().join("never.sock"))
+        .arg("s3://disks/single")
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && text(&out).contains("read-only"), "{}", text(&out));
+    assert!(!dst.exists(), "a failed copy created its destination");
+}
+
+/// Canary secrets at the highest verbosity, with --json and --stats, through a failure too:
+/// they appear in no output and in no object lightfoot wrote.
+#[test]
+fn secrets_never_show() {
+    let w = Seaweed::start();
+    w.bucket("disks");
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    random_file(&src, 256 * KIB);
+    let canary = ["CANARYSECRETf00dfeed", "CANARYTOKENbeefcafe"];
+    let run = |args: &[&str]| {
+        w.command("timeout")
+            .args(["-k", "10", "60", bin()])
+            .args(args)
+            .env("AWS_SECRET_ACCESS_KEY", canary[0])
+            .env("AWS_SESSION_TOKEN", canary[1])
+            .env("RUST_LOG", "trace")
+            .output()
+            .unwrap()
+    };
+    let mut seen = String::new();
+    for args in [
+        vec!["copy", "-vv", "--json", src.to_str().unwrap(), "s3://disks/c", "--object-size", "64K"],
+        vec!["copy", "-vv", "--json", "s3://disks/c", dir.path().join("back").to_str().unwrap()],
+        vec!["copy", "-vv", "s3://disks/missing", dir.path().join("back2").to_str().unwrap()],
+        vec!["copy", "-vv", "s3://nobucket/x", dir.path().join("back3").to_str().unwrap()],
+    ] {
+        let out = run(&args);
+        seen += &text(&out);
+    }
+    let sock = dir.path().join("c.sock");
+    let server = w
+        .command(bin())
+        .args(["serve", "-vv", "--stats", "--unix"])
+        .arg(&sock)
+        .arg("s3://disks/c")
+        .env("AWS_SECRET_ACCESS_KEY", canary[0])
+        .env("AWS_SESSION_TOKEN", canary[1])
+        .env("RUST_LOG", "trace")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(within(30, || sock.exists()));
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let out = libnbd("import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\nh.pwrite(b'y' * 5000, 1000)\nh.pread(9000, 0)\nh.flush()\n", &uri);
+    assert!(out.status.success(), "{}", text(&out));
+    let _ = Command::new("kill").arg(server.id().to_string()).status();
+    let out = server.wait_with_output().unwrap();
+    seen += &text(&out);
+    assert!(seen.contains("TRACE") || seen.contains("DEBUG"), "ran without verbose output: {seen}");
+    for c in canary {
+        assert!(!seen.contains(c), "a secret appeared in the output");
+    }
+    for k in w.list("disks", "") {
+        let (_, body) = w.request("GET", &format!("/disks/{k}"), b"").unwrap();
+        for c in canary {
+            assert!(!body.contains(c), "a secret appeared in object {k}");
+        }
+    }
+}
