@@ -23,6 +23,12 @@ fn ok(out: Output) -> String {
     text(&out)
 }
 
+/// The JSON summary a successful `copy --json` printed.
+fn json_of(out: Output) -> serde_json::Value {
+    assert!(out.status.success(), "{}", text(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// `lightfoot serve` of an s3:// image on a Unix socket in `dir`.
 struct S3Served {
     child: Child,
@@ -94,14 +100,23 @@ fn copies_to_and_from_both_layouts() {
     let src = dir.path().join("src.img");
     // 8 MiB: data and holes in alternate 1 MiB pieces, one allocated piece of zeroes.
     sample(&src, 8 * MIB, MIB);
-    ok(lf(&w, &["copy", src.to_str().unwrap(), "s3://disks/disk", "--object-size", "64K"]));
+    let json = json_of(lf(
+        &w,
+        &["copy", "--json", src.to_str().unwrap(), "s3://disks/disk", "--object-size", "64K"],
+    ));
     let present = blocks(&w, "disks", "disk");
     let want: Vec<u64> = (0..128).filter(|b| (b / 16) % 2 == 0 && b / 16 != 2).collect();
     assert_eq!(present, want, "only blocks with data are uploaded");
     assert!(w.list("disks", "disk/").contains(&"disk/lightfoot.json".to_string()));
+    // One PUT per object with data, and the manifest's; no GET but the manifest's.
+    let r = &json["destination"]["requests"];
+    assert_eq!((r["put"].as_u64(), r["get"].as_u64()), (Some(want.len() as u64 + 1), Some(1)), "{r}");
     let back = dir.path().join("back.img");
-    let out = ok(lf(&w, &["copy", "s3://disks/disk", back.to_str().unwrap()]));
-    assert!(same_contents(&src, &back), "block image round trip differs: {out}");
+    let json = json_of(lf(&w, &["copy", "--json", "s3://disks/disk", back.to_str().unwrap()]));
+    assert!(same_contents(&src, &back), "block image round trip differs");
+    // The holes are not asked for: one GET per object that exists (and the manifest's).
+    let r = &json["source"]["requests"];
+    assert_eq!((r["get"].as_u64(), r["put"].as_u64()), (Some(want.len() as u64 + 1), Some(0)), "{r}");
     // The destination's holes stayed holes: the map of objects said so.
     assert!(allocated(&back) <= 4 * MIB + 64 * KIB, "allocated {}", allocated(&back));
 
@@ -350,6 +365,7 @@ fn secrets_never_show() {
     assert!(out.status.success(), "{}", text(&out));
     let _ = Command::new("kill").arg(server.id().to_string()).status();
     let out = server.wait_with_output().unwrap();
+    assert!(text(&out).contains("object storage: "), "--stats counts no requests: {}", text(&out));
     seen += &text(&out);
     assert!(seen.contains("TRACE") || seen.contains("DEBUG"), "ran without verbose output: {seen}");
     for c in canary {

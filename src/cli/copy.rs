@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use lightfoot::backend::s3::S3Options;
+use lightfoot::backend::s3::{Requests, S3Options};
 use lightfoot::copy::endpoint::{open_destination, open_source, parse_endpoints, parse_size, DestOptions};
 use lightfoot::copy::plan::Asked;
 use lightfoot::copy::{copy, Endpoint, Opened, Plan, Progress};
@@ -202,6 +202,9 @@ struct Side {
     cached_after: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     stat_after: Option<CacheStat>,
+    /// Requests made to object storage, by type, and bytes moved (`s3://` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    requests: Option<Requests>,
 }
 
 #[derive(serde::Serialize)]
@@ -363,6 +366,7 @@ pub fn run(args: CopyArgs) -> i32 {
             cached_before: src_before,
             cached_after: src_after,
             stat_after: None,
+            requests: src.s3.as_ref().map(|b| b.requests()),
         },
         destination: Side {
             name: dst.backend.name().to_string(),
@@ -370,6 +374,7 @@ pub fn run(args: CopyArgs) -> i32 {
             cached_before: dst_before,
             cached_after: dst_after,
             stat_after: dst_stat,
+            requests: dst.s3.as_ref().map(|b| b.requests()),
         },
         error,
     };
@@ -439,6 +444,11 @@ fn print_summary(s: &Summary, verbose: bool, to_stderr: bool) {
         cache(s.source.cached_before, s.source.cached_after),
         cache(s.destination.cached_before, s.destination.cached_after),
     );
+    for (what, side) in [("source", &s.source), ("destination", &s.destination)] {
+        if let Some(r) = &side.requests {
+            text += &format!("{what}: {}\n", human::requests(r));
+        }
+    }
     if verbose {
         for (what, side, reads) in [("source", &s.source, true), ("destination", &s.destination, false)] {
             if let Some(m) = &side.mechanism {

@@ -282,6 +282,7 @@ pub fn run(a: ServeArgs) -> i32 {
             }
         }
     };
+    let s3_stats = s3.clone();
     // Every open is a file of its own (readahead state and writeback errors are per open
     // file), sharing the export's error latch and block locks. An image in object storage is
     // one backend for all: its object locks and map of objects are shared.
@@ -383,11 +384,11 @@ pub fn run(a: ServeArgs) -> i32 {
     }
     if a.stats {
         let _ = lightfoot::io::sys::catch_sigusr1();
-        let (s, json, st) = (server.clone(), a.json, stack.clone());
+        let (s, json, st, s3) = (server.clone(), a.json, stack.clone(), s3_stats.clone());
         std::thread::spawn(move || loop {
             std::thread::sleep(std::time::Duration::from_millis(100));
             if lightfoot::io::sys::take_sigusr1() {
-                print_stats(&s, &st, json);
+                print_stats(&s, &st, s3.as_deref(), json);
             }
         });
     }
@@ -399,7 +400,7 @@ pub fn run(a: ServeArgs) -> i32 {
     // Clean shutdown: read-ahead stops, then held writes are written back and flushed.
     let finished = stack.finish();
     if a.stats {
-        print_stats(&server, &stack, a.json);
+        print_stats(&server, &stack, s3_stats.as_deref(), a.json);
     }
     if let Err(e) = served {
         super::report(&format!("serve: {e}"));
@@ -446,8 +447,9 @@ fn parse_coalesce_block(s: &str) -> Result<u64, String> {
     Ok(n)
 }
 
-fn print_stats(server: &Server, stack: &Stack, json: bool) {
+fn print_stats(server: &Server, stack: &Stack, s3: Option<&S3Backend>, json: bool) {
     let snap = server.stats_snapshot();
+    let requests = s3.map(|b| b.requests());
     let pstats = stack.prefetch().map(|p| p.stats());
     let cstats = stack.coalesce().map(|c| c.stats());
     if json {
@@ -457,6 +459,9 @@ fn print_stats(server: &Server, stack: &Stack, json: bool) {
         }
         if let Some(c) = cstats {
             v["coalesce"] = serde_json::to_value(c).expect("stats serialise");
+        }
+        if let Some(r) = requests {
+            v["s3"] = serde_json::to_value(r).expect("stats serialise");
         }
         eprintln!("{v}");
         return;
@@ -479,6 +484,9 @@ fn print_stats(server: &Server, stack: &Stack, json: bool) {
     }
     if snap.reads_merged > 0 {
         t += &format!("{} reads merged into the backend read before them\n", snap.reads_merged);
+    }
+    if let Some(r) = &requests {
+        t += &format!("{}\n", super::human::requests(r));
     }
     if let Some(p) = pstats {
         t += &format!(
