@@ -32,6 +32,20 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     std::time::Duration::try_from_secs_f64(secs).map_err(|_| format!("invalid time '{s}'"))
 }
 
+/// Requests made to object storage: `12 GET, 3 PUT, 1 DELETE, 1 LIST, 0 HEAD; 4.0 MiB got, 1.0 MiB put`.
+pub fn requests(r: &lightfoot::backend::s3::Requests) -> String {
+    format!(
+        "object storage: {} GET, {} PUT, {} DELETE, {} LIST, {} HEAD; {} got, {} put",
+        r.get,
+        r.put,
+        r.delete,
+        r.list,
+        r.head,
+        bytes(r.bytes_got),
+        bytes(r.bytes_put)
+    )
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -50,18 +64,4 @@ mod tests {
         assert_eq!(super::bytes(1536), "1.5 KiB");
         assert_eq!(super::bytes(4 << 30), "4.0 GiB");
     }
-}
-
-/// Requests made to object storage: `12 GET, 3 PUT, 1 DELETE, 1 LIST, 0 HEAD; 4.0 MiB got, 1.0 MiB put`.
-pub fn requests(r: &lightfoot::backend::s3::Requests) -> String {
-    format!(
-        "object storage: {} GET, {} PUT, {} DELETE, {} LIST, {} HEAD; {} got, {} put",
-        r.get,
-        r.put,
-        r.delete,
-        r.list,
-        r.head,
-        bytes(r.bytes_got),
-        bytes(r.bytes_put)
-    )
 }
