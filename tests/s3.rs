@@ -128,6 +128,21 @@ fn copies_to_and_from_both_layouts() {
     ok(lf(&w, &["copy", "s3://disks/one.img", back1.to_str().unwrap()]));
     assert!(same_contents(&src, &back1));
 
+    // Into one object, uploaded in parts: from the file (holes sent as zeroes) and from a
+    // pipe (size not known in advance).
+    ok(lf(&w, &["copy", src.to_str().unwrap(), "s3://disks/up.img"]));
+    ok(lf(&w, &["copy", "s3://disks/up.img", back1.to_str().unwrap()]));
+    assert!(same_contents(&src, &back1), "one-object upload round trip differs");
+    let piped = w
+        .command("sh")
+        .arg("-c")
+        .arg(format!("cat {} | timeout 300 {} copy - s3://disks/piped.img", src.display(), bin()))
+        .output()
+        .unwrap();
+    assert!(piped.status.success(), "{}", text(&piped));
+    ok(lf(&w, &["copy", "s3://disks/piped.img", back1.to_str().unwrap()]));
+    assert!(same_contents(&src, &back1), "piped upload round trip differs");
+
     // Into an existing image: the source's zeroes delete the objects that held data.
     let zeros = dir.path().join("zeros.img");
     std::fs::File::create(&zeros).unwrap().set_len(8 * MIB).unwrap();
@@ -268,6 +283,43 @@ fn nbdkit_s3_plugin_reads_ours_and_we_read_its() {
     s.stop();
     ok(nbdkit("theirs", "nbdsh -u \"$uri\" -c 'h.trim(h.get_size(), 0)'"));
     assert_eq!(w.list("disks", "theirs/"), vec!["theirs/lightfoot.json".to_string()]);
+}
+
+/// A copy into one object that fails half way (its source returns EIO) leaves no object and
+/// no upload behind; the object it would have replaced is still whole.
+#[test]
+fn a_failed_upload_leaves_nothing() {
+    need("nbdkit", "nbdkit");
+    let w = Seaweed::start();
+    w.bucket("disks");
+    let (code, _) = w.request("PUT", "/disks/kept.img", &[5u8; 4096]).unwrap();
+    assert_eq!(code, 200);
+    for key in ["gone.img", "kept.img"] {
+        let out = lf(
+            &w,
+            &[
+                "copy",
+                "--",
+                "[",
+                "nbdkit",
+                "--filter=error",
+                "pattern",
+                "64M",
+                "error-pread=EIO",
+                "error-pread-rate=0.02",
+                "]",
+                &format!("s3://disks/{key}"),
+            ],
+        );
+        assert!(!out.status.success(), "a copy from a failing source succeeded: {}", text(&out));
+        assert!(text(&out).contains("Input/output error") || text(&out).contains("EIO"), "{}", text(&out));
+    }
+    assert_eq!(w.request("HEAD", "/disks/gone.img", b"").unwrap().0, 404, "a half object appeared");
+    let (_, body) = w.request("GET", "/disks/kept.img", b"").unwrap();
+    assert_eq!(body.len(), 4096, "the object a failed copy would have replaced changed");
+    let (code, uploads) = w.request("GET", "/disks?uploads", b"").unwrap();
+    assert_eq!(code, 200, "{uploads}");
+    assert!(!uploads.contains("<Upload>"), "parts left behind: {uploads}");
 }
 
 /// What goes wrong is said clearly, with a failing exit and nothing written.

@@ -285,14 +285,13 @@ pub struct DestOptions {
     pub s3: S3Options,
 }
 
-/// An `s3://` destination: block objects of `--object-size` (a new image reads as zeroes, so
-/// holes are skipped; in an existing one they are zeroed, which deletes whole objects, unless
-/// `--destination-is-zero`).
+/// An `s3://` destination: one object, uploaded in parts; or block objects of
+/// `--object-size` (a new image reads as zeroes, so holes are skipped; in an existing one they
+/// are zeroed, which deletes whole objects, unless `--destination-is-zero`).
 fn open_s3_destination(u: &S3Uri, size: Option<u64>, opts: &DestOptions) -> Result<Opened> {
     let Some(object_size) = opts.s3.object_size else {
-        return Err(Error::new(ErrorKind::NotSupported, "open")
-            .path(u.to_string())
-            .detail("copying into one object is not built yet: give --object-size to write a block image"));
+        // One object: every byte is sent, zeroes included (it does not read as zeroes).
+        return Ok(Opened::s3(S3Backend::create_object(u, size, opts.s3.limits)?, false));
     };
     let Some(size) = size else {
         return Err(Error::new(ErrorKind::InvalidInput, "open")

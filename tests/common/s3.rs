@@ -54,7 +54,17 @@ impl Seaweed {
         let child = Command::new(weed())
             .arg("server")
             .arg(format!("-dir={}", dir.path().display()))
-            .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-volume.max=0", "-s3"])
+            // Volume slots are counted against free disk in units of the volume size limit
+            // (30 GB by default): with less than that free, -volume.max=0 gave no slot, and
+            // each bucket takes volumes of its own. Small volumes and a fixed count of them
+            // do not depend on the disk.
+            .args([
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                "-volume.max=64",
+                "-master.volumeSizeLimitMB=1024",
+                "-s3",
+            ])
             .arg(format!("-master.port={master}"))
             .arg(format!("-volume.port={volume}"))
             .arg(format!("-filer.port={filer}"))

@@ -2,7 +2,7 @@
 //!
 //! - **One object** (`KEY` is the image): read-only, with range GETs pinned to the ETag seen
 //!   at open (`If-Match`), so an image replaced underneath fails loudly instead of serving a
-//!   mix of two.
+//!   mix of two. A copy writes one with a multipart upload ([`upload`]).
 //! - **Block objects**, as nbdkit's S3 plugin lays them out: `KEY/%016x` (the block number in
 //!   16 hex digits) of exactly `object_size` bytes each; a missing object reads as zeroes.
 //!   Readable and writable. lightfoot keeps the geometry in `KEY/lightfoot.json` (see
@@ -18,6 +18,7 @@
 
 pub mod config;
 pub mod store;
+mod upload;
 
 use std::collections::BTreeSet;
 use std::ops::Range;
@@ -73,6 +74,8 @@ enum Layout {
     Object {
         etag: Option<String>,
     },
+    /// One object being written (a copy's destination).
+    Upload(upload::Upload),
     Blocks {
         object_size: u64,
         /// The blocks that exist, from a LIST at open kept current by this process's own
@@ -210,6 +213,25 @@ impl S3Backend {
         })
     }
 
+    /// Starts writing `uri` as one object of `size` bytes (`None`: as many as are written),
+    /// for a copy. The object appears, whole, when every byte was written and the copy
+    /// flushes or finishes; until then the old one (if any) stays.
+    pub fn create_object(uri: &S3Uri, size: Option<u64>, limits: Limits) -> Result<S3Backend> {
+        let name = uri.to_string();
+        let cfg = S3Config::from_env()
+            .map_err(|e| Error::new(ErrorKind::InvalidInput, "open").path(&name).detail(e))?;
+        let store = Store::open(uri, &cfg, limits)?;
+        let up = upload::Upload::start(&store, &uri.key, size)?;
+        Ok(S3Backend {
+            name,
+            key: uri.key.clone(),
+            store,
+            layout: Layout::Upload(up),
+            size: size.unwrap_or(0),
+            writable: true,
+        })
+    }
+
     /// The requests made so far.
     pub fn requests(&self) -> Requests {
         self.store.counters.snapshot()
@@ -219,7 +241,7 @@ impl S3Backend {
     pub fn is_empty(&self) -> bool {
         match &self.layout {
             Layout::Blocks { present, .. } => present.lock().unwrap().is_empty(),
-            Layout::Object { .. } => false,
+            Layout::Object { .. } | Layout::Upload(_) => false,
         }
     }
 
@@ -227,7 +249,7 @@ impl S3Backend {
     pub fn object_size(&self) -> Option<u64> {
         match &self.layout {
             Layout::Blocks { object_size, .. } => Some(*object_size),
-            Layout::Object { .. } => None,
+            Layout::Object { .. } | Layout::Upload(_) => None,
         }
     }
 
@@ -329,6 +351,9 @@ impl S3Backend {
     /// covered ones are read, patched and PUT, under their lock; with `partial == false`,
     /// partly covered objects are left alone (TRIM).
     fn change(&self, offset: u64, len: u64, data: Option<&[u8]>, partial: bool) -> Result<()> {
+        if let Layout::Upload(up) = &self.layout {
+            return up.write(&self.store, &self.key, data, offset, len);
+        }
         let Layout::Blocks { object_size, present, locks } = &self.layout else {
             return Err(self.read_only_error("write"));
         };
@@ -432,7 +457,10 @@ impl Backend for S3Backend {
     }
 
     fn size(&self) -> Option<u64> {
-        Some(self.size)
+        match &self.layout {
+            Layout::Upload(_) if self.size == 0 => None,
+            _ => Some(self.size),
+        }
     }
 
     fn caps(&self) -> Caps {
@@ -448,7 +476,8 @@ impl Backend for S3Backend {
             can_fast_zero: false,
             can_extents: object.is_some(),
             sequential: false,
-            growable: false,
+            // An upload of a size not known in advance takes what comes.
+            growable: matches!(self.layout, Layout::Upload(_)) && self.size == 0,
             rotational: false,
             block: BlockSizes {
                 minimum: 1,
@@ -475,6 +504,11 @@ impl Backend for S3Backend {
             Layout::Object { etag } => self.read_object(buf, offset, etag.as_deref())?,
             Layout::Blocks { object_size, present, .. } => {
                 self.read_blocks(buf, offset, *object_size, present)?
+            }
+            Layout::Upload(_) => {
+                return Err(Error::new(ErrorKind::NotSupported, "read")
+                    .path(&self.name)
+                    .detail("an object being uploaded cannot be read"))
             }
         }
         Ok(buf.len())
@@ -511,9 +545,13 @@ impl Backend for S3Backend {
         self.change(offset, len, None, false)
     }
 
-    /// Nothing is held: every acknowledged write was stored before its reply.
+    /// Block objects: nothing is held, every acknowledged write was stored before its
+    /// reply. One object: the upload completes (every byte must have been written).
     fn flush(&self) -> Result<()> {
-        Ok(())
+        match &self.layout {
+            Layout::Upload(up) => up.complete(&self.store, &self.key),
+            _ => Ok(()),
+        }
     }
 
     fn cache(&self, _offset: u64, _len: u64) -> Result<()> {
@@ -547,8 +585,21 @@ impl Backend for S3Backend {
         None
     }
 
+    /// An upload completes if every byte was written (a copy with `--no-flush`), and is
+    /// abandoned otherwise (a failed or interrupted copy): no half object appears.
     fn finish(&self) -> Result<()> {
-        Ok(())
+        match &self.layout {
+            Layout::Upload(up) => up.complete(&self.store, &self.key),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Drop for S3Backend {
+    fn drop(&mut self) {
+        if let Layout::Upload(up) = &self.layout {
+            up.abort(&self.store);
+        }
     }
 }
 

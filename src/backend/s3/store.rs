@@ -155,6 +155,20 @@ impl Store {
         })
     }
 
+    /// The client itself (for what this wrapper does not cover: multipart uploads).
+    pub fn s3(&self) -> &AmazonS3 {
+        &self.s3
+    }
+
+    /// Runs `f` on the store's runtime in the background.
+    pub fn spawn<F>(&self, f: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.rt.spawn(f)
+    }
+
     /// Runs `f` to completion on the store's runtime, blocking this thread.
     pub fn run<F: std::future::Future>(&self, f: F) -> F::Output {
         self.rt.block_on(f)

@@ -1,0 +1,230 @@
+//! Writing an image into one object: a multipart upload, for `copy … s3://BUCKET/KEY`.
+//!
+//! The object appears only when the upload completes, at FLUSH (or the end of the job) with
+//! every byte of it written; until then readers see the old object or none. A copy that fails
+//! or is interrupted aborts the upload, so no half object appears and no parts are left to pay
+//! for. A process killed outright cannot abort: a bucket lifecycle rule
+//! (`AbortIncompleteMultipartUpload`, docs/object-storage.md) cleans up after it.
+//!
+//! Parts are numbered by offset, so writes may come in any order: a part is sent once all of
+//! its bytes are written (zeroes included: the copy zeroes holes here, as on any destination
+//! that does not read as zeroes) and every part before it was sent, since parts are numbered
+//! in the order they are sent. Part size: at least 8 MiB, and large enough that the image fits
+//! in S3's 10,000 parts (for a 1 TiB image, 105 MiB); 64 MiB when the size is not known in
+//! advance (a pipe), so streams up to 625 GiB fit. Every part is the same size but the last, as
+//! some stores (R2) require.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Mutex;
+
+use object_store::path::Path;
+use object_store::{MultipartUpload, ObjectStoreExt, PutPayload};
+use tokio::task::JoinHandle;
+
+use super::store::Store;
+use crate::error::{Error, ErrorKind, Result};
+
+/// S3's limit on the parts of one upload.
+const MAX_PARTS: u64 = 10_000;
+const MIN_PART: u64 = 8 << 20;
+const STREAM_PART: u64 = 64 << 20;
+/// Parts sending at once beyond this many bytes make writers wait for the oldest.
+const SENDING_BYTES: u64 = 128 << 20;
+
+pub struct Upload {
+    part_size: u64,
+    /// Known in advance (a file or device source), else learnt from the writes.
+    size: Option<u64>,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    upload: Option<Box<dyn MultipartUpload>>,
+    /// Parts being filled: their bytes, and how many of them were written.
+    filling: BTreeMap<u64, (Vec<u8>, u64)>,
+    /// Full parts waiting for the ones before them.
+    full: BTreeMap<u64, Vec<u8>>,
+    next: u64,
+    /// Parts on their way: number, length, and the task sending it.
+    sending: Vec<(u64, u64, JoinHandle<object_store::Result<()>>)>,
+    /// The end of the highest write (for a size not known in advance).
+    end: u64,
+    done: bool,
+}
+
+impl Upload {
+    pub fn start(store: &Store, key: &str, size: Option<u64>) -> Result<Upload> {
+        let part_size = match size {
+            Some(s) => MIN_PART.max(s.div_ceil(MAX_PARTS).div_ceil(1 << 20) << 20),
+            None => STREAM_PART,
+        };
+        let upload = store
+            .run(store.s3().put_multipart(&Path::from(key)))
+            .map_err(|e| store.error("write", key, &e))?;
+        Ok(Upload { part_size, size, state: Mutex::new(State { upload: Some(upload), ..State::default() }) })
+    }
+
+    fn part_len(&self, p: u64, end: u64) -> u64 {
+        self.part_size.min(end - p * self.part_size)
+    }
+
+    /// Writes `data` (`None`: zeroes) at `offset`, sending the parts it completes.
+    pub fn write(&self, store: &Store, key: &str, data: Option<&[u8]>, offset: u64, len: u64) -> Result<()> {
+        let end = offset + len;
+        if let Some(size) = self.size {
+            if end > size {
+                return Err(Error::new(ErrorKind::NoSpace, "write")
+                    .path(store.uri(key))
+                    .at(offset, len)
+                    .detail(format!("past the end of the image ({size} bytes)")));
+            }
+        }
+        if end.div_ceil(self.part_size) > MAX_PARTS {
+            return Err(Error::new(ErrorKind::NoSpace, "write").path(store.uri(key)).at(offset, len).detail(
+                format!("one object takes at most {MAX_PARTS} parts of {} bytes here", self.part_size),
+            ));
+        }
+        let mut st = self.state.lock().unwrap();
+        if st.done {
+            return Err(Error::new(ErrorKind::InvalidInput, "write")
+                .path(store.uri(key))
+                .detail("the upload has ended"));
+        }
+        st.end = st.end.max(end);
+        let limit = self.size.unwrap_or(u64::MAX);
+        let mut at = offset;
+        while at < end {
+            let p = at / self.part_size;
+            let start = p * self.part_size;
+            let plen = self.part_size.min(limit - start) as usize;
+            let n = (end - at).min(start + plen as u64 - at);
+            let entry = st.filling.entry(p).or_insert_with(|| (vec![0u8; plen], 0));
+            let dst = &mut entry.0[(at - start) as usize..(at - start + n) as usize];
+            match data {
+                Some(d) => dst.copy_from_slice(&d[(at - offset) as usize..(at - offset + n) as usize]),
+                None => dst.fill(0),
+            }
+            entry.1 += n;
+            // A part of unknown size is full at the part size; the last one, shorter, is
+            // known to be full only at the end.
+            if entry.1 >= plen as u64 {
+                let (buf, _) = st.filling.remove(&p).expect("just filled");
+                st.full.insert(p, buf);
+            }
+            at += n;
+        }
+        self.send_ready(store, key, &mut st)
+    }
+
+    /// Sends the full parts that are next in line, waiting for the oldest sends while more
+    /// than [`SENDING_BYTES`] are on their way.
+    fn send_ready(&self, store: &Store, key: &str, st: &mut State) -> Result<()> {
+        while let Some(buf) = st.full.remove(&st.next) {
+            let len = buf.len() as u64;
+            let upload = st.upload.as_mut().expect("an upload in progress");
+            let handle = store.spawn(upload.put_part(PutPayload::from(buf)));
+            store.counters.put.fetch_add(1, Relaxed);
+            let p = st.next;
+            st.sending.push((p, len, handle));
+            st.next += 1;
+            while st.sending.len() as u64 * self.part_size > SENDING_BYTES && st.sending.len() > 1 {
+                let (p, len, h) = st.sending.remove(0);
+                self.wait_part(store, key, p, len, h)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_part(
+        &self,
+        store: &Store,
+        key: &str,
+        p: u64,
+        len: u64,
+        h: JoinHandle<object_store::Result<()>>,
+    ) -> Result<()> {
+        let at = p * self.part_size;
+        match store.run(h) {
+            Ok(Ok(())) => {
+                store.counters.bytes_put.fetch_add(len, Relaxed);
+                Ok(())
+            }
+            Ok(Err(e)) => Err(store.error("write", key, &e).at(at, len)),
+            Err(e) => {
+                Err(Error::new(ErrorKind::Io, "write").path(store.uri(key)).at(at, len).detail(e.to_string()))
+            }
+        }
+    }
+
+    /// Completes the upload: every byte of the image must have been written. The object
+    /// then appears, whole. Without every byte, the upload is aborted and this fails.
+    pub fn complete(&self, store: &Store, key: &str) -> Result<()> {
+        let mut st = self.state.lock().unwrap();
+        if st.done {
+            return Ok(());
+        }
+        let end = self.size.unwrap_or(st.end);
+        let parts = end.div_ceil(self.part_size);
+        // With the size learnt from the writes, parts are full only now.
+        let filling = std::mem::take(&mut st.filling);
+        for (p, (mut buf, written)) in filling {
+            if p < parts && written >= self.part_len(p, end) {
+                buf.truncate(self.part_len(p, end) as usize);
+                st.full.insert(p, buf);
+            } else {
+                st.filling.insert(p, (buf, written));
+            }
+        }
+        let res = self.send_ready(store, key, &mut st).and_then(|()| {
+            if st.next < parts || !st.filling.is_empty() {
+                let missing = st.filling.keys().next().copied().unwrap_or(st.next);
+                return Err(Error::new(ErrorKind::UnexpectedEof, "write")
+                    .path(store.uri(key))
+                    .at(missing * self.part_size, self.part_size)
+                    .detail("not every byte of the object was written: the upload is abandoned"));
+            }
+            for (p, len, h) in std::mem::take(&mut st.sending) {
+                self.wait_part(store, key, p, len, h)?;
+            }
+            let upload = st.upload.as_mut().expect("an upload in progress");
+            if parts == 0 {
+                // An empty image: S3 wants at least one part.
+                let h = store.spawn(upload.put_part(PutPayload::default()));
+                self.wait_part(store, key, 0, 0, h)?;
+            }
+            store.counters.put.fetch_add(1, Relaxed);
+            store.run(upload.complete()).map_err(|e| store.error("write", key, &e))?;
+            Ok(())
+        });
+        st.done = true;
+        if res.is_err() {
+            Self::abort_locked(store, &mut st);
+        } else {
+            st.upload = None;
+        }
+        res
+    }
+
+    /// Abandons the upload (the job failed or was interrupted): the parts sent are deleted and
+    /// no object appears.
+    pub fn abort(&self, store: &Store) {
+        let mut st = self.state.lock().unwrap();
+        st.done = true;
+        Self::abort_locked(store, &mut st);
+    }
+
+    fn abort_locked(store: &Store, st: &mut State) {
+        for (_, _, h) in std::mem::take(&mut st.sending) {
+            h.abort();
+        }
+        st.filling.clear();
+        st.full.clear();
+        if let Some(mut u) = st.upload.take() {
+            if let Err(e) = store.run(u.abort()) {
+                tracing::warn!("abandoning the upload: {}", store.scrub(&e.to_string()));
+            }
+        }
+    }
+}
