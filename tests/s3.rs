@@ -108,15 +108,17 @@ fn copies_to_and_from_both_layouts() {
     let want: Vec<u64> = (0..128).filter(|b| (b / 16) % 2 == 0 && b / 16 != 2).collect();
     assert_eq!(present, want, "only blocks with data are uploaded");
     assert!(w.list("disks", "disk/").contains(&"disk/lightfoot.json".to_string()));
-    // One PUT per object with data, and the manifest's; no GET but the manifest's.
+    // One PUT per object with data, and the manifest's, the lease's and the two of the
+    // conditional-write probe; no GET but the manifest's.
     let r = &json["destination"]["requests"];
-    assert_eq!((r["put"].as_u64(), r["get"].as_u64()), (Some(want.len() as u64 + 1), Some(1)), "{r}");
+    assert_eq!((r["put"].as_u64(), r["get"].as_u64()), (Some(want.len() as u64 + 4), Some(1)), "{r}");
     let back = dir.path().join("back.img");
     let json = json_of(lf(&w, &["copy", "--json", "s3://disks/disk", back.to_str().unwrap()]));
     assert!(same_contents(&src, &back), "block image round trip differs");
-    // The holes are not asked for: one GET per object that exists (and the manifest's).
+    // The holes are not asked for: one GET per object that exists (and the manifest's and
+    // the lease's, which says whether another writer may change the image).
     let r = &json["source"]["requests"];
-    assert_eq!((r["get"].as_u64(), r["put"].as_u64()), (Some(want.len() as u64 + 1), Some(0)), "{r}");
+    assert_eq!((r["get"].as_u64(), r["put"].as_u64()), (Some(want.len() as u64 + 2), Some(0)), "{r}");
     // The destination's holes stayed holes: the map of objects said so.
     assert!(allocated(&back) <= 4 * MIB + 64 * KIB, "allocated {}", allocated(&back));
 
@@ -320,6 +322,87 @@ fn a_failed_upload_leaves_nothing() {
     let (code, uploads) = w.request("GET", "/disks?uploads", b"").unwrap();
     assert_eq!(code, 200, "{uploads}");
     assert!(!uploads.contains("<Upload>"), "parts left behind: {uploads}");
+}
+
+/// One writer per block image: a second writer is refused while the first holds the lease,
+/// a reader sees the image as all data then (its map of objects could go stale), and
+/// --break-lease takes the image over: the first writer's writes fail with EIO from its next
+/// renewal on, well before the lease could have expired. A clean exit releases the lease.
+#[test]
+fn one_writer_per_image() {
+    let w = Seaweed::start();
+    w.bucket("disks");
+    let dir = scratch();
+    let geometry = ["--object-size", "64K", "--size", "1M"];
+    let a = S3Served::start(&w, dir.path(), "s3://disks/vm", &geometry);
+    let write = "import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\nh.pwrite(b'a' * 100, 70000)\nh.flush()\n";
+    let out = libnbd(write, &a.uri());
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(w.list("disks", "vm/").contains(&"vm/lightfoot.lease".to_string()));
+
+    let second = w
+        .command("timeout")
+        .args(["-k", "10", "60", bin(), "serve", "--unix"])
+        .arg(dir.path().join("second.sock"))
+        .arg("s3://disks/vm")
+        .output()
+        .unwrap();
+    assert!(!second.status.success(), "a second writer was let in");
+    assert!(
+        text(&second).contains("has a writer") && text(&second).contains("--break-lease"),
+        "{}",
+        text(&second)
+    );
+    let src = dir.path().join("src.img");
+    random_file(&src, MIB);
+    let out = lf(&w, &["copy", src.to_str().unwrap(), "s3://disks/vm", "--object-size", "64K"]);
+    assert!(!out.status.success() && text(&out).contains("has a writer"), "{}", text(&out));
+
+    // A reader while the writer runs: every byte is data in block status.
+    let r = S3Served::start(&w, dir.path(), "s3://disks/vm", &["-r"]);
+    let status = r#"
+import os, nbd
+h = nbd.NBD()
+h.add_meta_context("base:allocation")
+h.connect_uri(os.environ["URI"])
+holes = []
+h.block_status(1 << 20, 0, lambda m, o, e, err: holes.extend(e[i] for i in range(0, len(e), 2) if e[i + 1] & 1))
+assert not holes, holes
+"#;
+    let out = libnbd(status, &r.uri());
+    assert!(out.status.success(), "{}", text(&out));
+    r.stop();
+
+    // Taken over: the first writer stops writing at its next renewal (10 s at most).
+    let b = S3Served::start(&w, dir.path(), "s3://disks/vm", &["--break-lease"]);
+    let probe = r#"
+import os, nbd, time
+h = nbd.NBD()
+h.connect_uri(os.environ["URI"])
+end = time.time() + 30
+while time.time() < end:
+    try:
+        h.pwrite(b"b" * 100, 0)
+    except nbd.Error as e:
+        assert "(EIO)" in str(e), e
+        print("stopped")
+        break
+    time.sleep(0.25)
+"#;
+    let out = libnbd(probe, &a.uri());
+    assert!(
+        out.status.success() && text(&out).contains("stopped"),
+        "the first writer went on writing: {}",
+        text(&out)
+    );
+    let out = libnbd(write, &b.uri());
+    assert!(out.status.success(), "{}", text(&out));
+    b.stop();
+    a.stop();
+    assert!(
+        !w.list("disks", "vm/").contains(&"vm/lightfoot.lease".to_string()),
+        "the lease outlived its writer"
+    );
 }
 
 /// What goes wrong is said clearly, with a failing exit and nothing written.

@@ -156,6 +156,17 @@ pub struct CopyArgs {
     #[arg(long, value_name = "SIZE", help_heading = "Object storage", value_parser = parse_size, requires = "object_size")]
     size: Option<u64>,
 
+    /// Take the lease of an s3:// block image even though another writer holds it: for a
+    /// writer that died without releasing it. A live writer loses it and stops writing within
+    /// about 10 s; until then both may write.
+    #[arg(long, help_heading = "Object storage")]
+    break_lease: bool,
+
+    /// Write an s3:// block image without taking its lease: nothing then stops a second
+    /// writer. Needed on stores that do not enforce conditional writes (checked at open).
+    #[arg(long, help_heading = "Object storage", conflicts_with = "break_lease")]
+    without_lease: bool,
+
     /// Readahead advice for SRC: normal, sequential or random (default: normal, or random
     /// where readahead would defeat the mechanism: evict-behind, or DONTCACHE without
     /// cachestat to clean up the readahead past the last read).
@@ -278,7 +289,13 @@ pub fn run(args: CopyArgs) -> i32 {
 
     let src_before = cached_now(&src_ep);
     let dst_before = cached_now(&dst_ep);
-    let s3 = S3Options { size: args.size, object_size: args.object_size, ..S3Options::default() };
+    let s3 = S3Options {
+        size: args.size,
+        object_size: args.object_size,
+        break_lease: args.break_lease,
+        without_lease: args.without_lease,
+        ..S3Options::default()
+    };
     let src = match open_source(&src_ep, args.cache, &tuning, plan.src_connections, &s3) {
         Ok(s) => s,
         Err(e) => return open_failed(&e),

@@ -77,6 +77,17 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE", help_heading = "Object storage", value_parser = parse_size, requires = "object_size")]
     size: Option<u64>,
 
+    /// Take the lease of an s3:// block image even though another writer holds it: for a
+    /// writer that died without releasing it. A live writer loses it and stops writing within
+    /// about 10 s; until then both may write.
+    #[arg(long, help_heading = "Object storage")]
+    break_lease: bool,
+
+    /// Write an s3:// block image without taking its lease: nothing then stops a second
+    /// writer. Needed on stores that do not enforce conditional writes (checked at open).
+    #[arg(long, help_heading = "Object storage", conflicts_with = "break_lease")]
+    without_lease: bool,
+
     /// Listen on this Unix socket instead of TCP. The file appears only once the server
     /// accepts connections (waiting for it to exist is enough); a stale socket file is
     /// replaced, a live server's is not ("address in use"); removed at exit.
@@ -271,6 +282,8 @@ pub fn run(a: ServeArgs) -> i32 {
                 writable: !a.read_only,
                 size: a.size,
                 object_size: a.object_size,
+                break_lease: a.break_lease,
+                without_lease: a.without_lease,
                 ..S3Options::default()
             };
             match S3Backend::open(&uri, &opts) {
@@ -397,8 +410,12 @@ pub fn run(a: ServeArgs) -> i32 {
     if let Some(p) = &a.pid_file {
         let _ = std::fs::remove_file(p);
     }
-    // Clean shutdown: read-ahead stops, then held writes are written back and flushed.
+    // Clean shutdown: read-ahead stops, then held writes are written back and flushed; then
+    // an image in object storage is free for another writer.
     let finished = stack.finish();
+    if let Some(b) = &s3_stats {
+        b.release();
+    }
     if a.stats {
         print_stats(&server, &stack, s3_stats.as_deref(), a.json);
     }

@@ -17,12 +17,13 @@
 //! The requests themselves are in [`store`]; where settings come from is in [`config`].
 
 pub mod config;
+pub mod lease;
 pub mod store;
 mod upload;
 
 use std::collections::BTreeSet;
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
@@ -58,6 +59,11 @@ pub struct S3Options {
     /// Bytes per block object (nbdkit's `object-size=`): asks for the block layout.
     pub object_size: Option<u64>,
     pub limits: Limits,
+    /// Take the lease of a writable block image even from a live writer (`--break-lease`).
+    pub break_lease: bool,
+    /// Write a block image without a lease, on a store that does not enforce conditional
+    /// writes (`--without-lease`).
+    pub without_lease: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -81,6 +87,11 @@ enum Layout {
         /// The blocks that exist, from a LIST at open kept current by this process's own
         /// writes and deletes (see [`S3Backend::extents`]).
         present: Mutex<BTreeSet<u64>>,
+        /// No other writer can change the image behind the map: this process holds the
+        /// lease, or nobody did when it was opened read-only.
+        map_current: bool,
+        /// The writer's lease (`None` read-only, or with `--without-lease`).
+        lease: Option<lease::Lease>,
         locks: Vec<tokio::sync::Mutex<()>>,
     },
 }
@@ -88,7 +99,7 @@ enum Layout {
 pub struct S3Backend {
     name: String,
     key: String,
-    store: Store,
+    store: Arc<Store>,
     layout: Layout,
     size: u64,
     writable: bool,
@@ -105,7 +116,7 @@ impl S3Backend {
         for s in &cfg.sources {
             tracing::debug!("{name}: {s}");
         }
-        let store = Store::open(uri, &cfg, opts.limits)?;
+        let store = Arc::new(Store::open(uri, &cfg, opts.limits)?);
         let key = uri.key.clone();
         let manifest_key = format!("{key}/{MANIFEST}");
         let manifest = match store.run(store.get(&manifest_key, None, None))? {
@@ -177,6 +188,32 @@ impl S3Backend {
             ));
         }
         let blocks = size / object_size;
+        // The lease first: the map below must not change behind this writer's back.
+        let (lease, map_current) = if !opts.writable {
+            match lease::held_by_other(&store, &key)? {
+                Some(holder) => {
+                    tracing::info!(
+                        "{name}: {holder} is writing the image: block status reports it all as data"
+                    );
+                    (None, false)
+                }
+                None => (None, true),
+            }
+        } else if !lease::probe_conditional_writes(&store, &key)? {
+            if !opts.without_lease {
+                return Err(Error::new(ErrorKind::NotSupported, "open").path(&name).detail(
+                    "the store does not enforce conditional writes (a second create of one name succeeded), \
+                     so lightfoot cannot make sure it is the image's only writer; --without-lease writes anyway",
+                ));
+            }
+            tracing::warn!("{name}: --without-lease on a store without conditional writes: nothing stops a second writer");
+            (None, true)
+        } else if opts.without_lease {
+            tracing::warn!("{name}: --without-lease: nothing stops a second writer");
+            (None, true)
+        } else {
+            (Some(lease::Lease::take(store.clone(), &key, opts.break_lease)?), true)
+        };
         // Which blocks exist, and that each is whole.
         let listed = store.run(store.list(&key))?;
         let mut present = BTreeSet::new();
@@ -197,7 +234,9 @@ impl S3Backend {
             let m = Manifest { format: FORMAT.into(), version: 1, size, object_size };
             let body = Bytes::from(serde_json::to_vec_pretty(&m).expect("manifest serializes"));
             // Created only if absent: two first opens racing agree or one fails above next time.
-            store.run(store.put(&manifest_key, body, PutMode::Create))?;
+            if let Some((_, version)) = store.run(store.put(&manifest_key, body, PutMode::Create))? {
+                lease::warn_if_versioned(&store, &manifest_key, version.as_deref());
+            }
         }
         Ok(S3Backend {
             name,
@@ -206,6 +245,8 @@ impl S3Backend {
             layout: Layout::Blocks {
                 object_size,
                 present: Mutex::new(present),
+                map_current,
+                lease,
                 locks: (0..LOCKS).map(|_| tokio::sync::Mutex::new(())).collect(),
             },
             size,
@@ -220,7 +261,7 @@ impl S3Backend {
         let name = uri.to_string();
         let cfg = S3Config::from_env()
             .map_err(|e| Error::new(ErrorKind::InvalidInput, "open").path(&name).detail(e))?;
-        let store = Store::open(uri, &cfg, limits)?;
+        let store = Arc::new(Store::open(uri, &cfg, limits)?);
         let up = upload::Upload::start(&store, &uri.key, size)?;
         Ok(S3Backend {
             name,
@@ -230,6 +271,14 @@ impl S3Backend {
             size: size.unwrap_or(0),
             writable: true,
         })
+    }
+
+    /// The end of all writing (a server shutting down): the lease of a block image is
+    /// released, and writes fail from then on. Also done on drop.
+    pub fn release(&self) {
+        if let Layout::Blocks { lease: Some(l), .. } = &self.layout {
+            l.release();
+        }
     }
 
     /// The requests made so far.
@@ -291,9 +340,9 @@ impl S3Backend {
                 let key = self.block_key(b);
                 let whole = r.start == 0 && r.end == object_size;
                 let got = self.store.get(&key, (!whole).then(|| r.clone()), None).await?;
-                if let Some((_, total)) = &got {
-                    if *total != object_size {
-                        return Err(wrong_size(&self.store.uri(&key), *total, object_size));
+                if let Some((_, meta)) = &got {
+                    if meta.size != object_size {
+                        return Err(wrong_size(&self.store.uri(&key), meta.size, object_size));
                     }
                 }
                 Ok::<_, Error>((r, at, got.map(|g| g.0)))
@@ -327,10 +376,13 @@ impl S3Backend {
                 let n = PIECE.min(total - i as u64);
                 match self.store.get(&self.key, Some(at..at + n), etag).await? {
                     Some((b, _)) if b.len() as u64 == n => Ok((i, b)),
-                    Some((b, size)) => Err(Error::new(ErrorKind::Io, "read")
-                        .path(&self.name)
-                        .at(at, n)
-                        .detail(format!("got {} bytes of {n} (the object is now {size} bytes)", b.len()))),
+                    Some((b, meta)) => {
+                        Err(Error::new(ErrorKind::Io, "read").path(&self.name).at(at, n).detail(format!(
+                            "got {} bytes of {n} (the object is now {} bytes)",
+                            b.len(),
+                            meta.size
+                        )))
+                    }
                     None => Err(Error::new(ErrorKind::NotFound, "read")
                         .path(&self.name)
                         .at(at, n)
@@ -354,9 +406,12 @@ impl S3Backend {
         if let Layout::Upload(up) = &self.layout {
             return up.write(&self.store, &self.key, data, offset, len);
         }
-        let Layout::Blocks { object_size, present, locks } = &self.layout else {
+        let Layout::Blocks { object_size, present, locks, lease, .. } = &self.layout else {
             return Err(self.read_only_error("write"));
         };
+        if let Some(l) = lease {
+            l.check()?;
+        }
         let os = *object_size;
         if offset.checked_add(len).is_none_or(|e| e > self.size) {
             return Err(Error::new(ErrorKind::NoSpace, "write")
@@ -425,10 +480,10 @@ impl S3Backend {
                     }
                     let mut obj = match exists {
                         true => match store.get(&key, None, None).await? {
-                            Some((old, total)) if total == os && old.len() as u64 == os => {
+                            Some((old, meta)) if meta.size == os && old.len() as u64 == os => {
                                 BytesMut::from(&old[..])
                             }
-                            Some((_, total)) => return Err(wrong_size(&store.uri(&key), total, os)),
+                            Some((_, meta)) => return Err(wrong_size(&store.uri(&key), meta.size, os)),
                             None => BytesMut::zeroed(os as usize),
                         },
                         false => BytesMut::zeroed(os as usize),
@@ -474,7 +529,7 @@ impl Backend for S3Backend {
             can_zero: self.writable,
             // Zeroing part of an object reads and rewrites it.
             can_fast_zero: false,
-            can_extents: object.is_some(),
+            can_extents: matches!(self.layout, Layout::Blocks { map_current: true, .. }),
             sequential: false,
             // An upload of a size not known in advance takes what comes.
             growable: matches!(self.layout, Layout::Upload(_)) && self.size == 0,
@@ -562,7 +617,7 @@ impl Backend for S3Backend {
     /// made at open, kept current by this process's writes and deletes; it can be wrong only
     /// if another program writes the image meanwhile (one writer per image).
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        let Layout::Blocks { object_size, present, .. } = &self.layout else {
+        let Layout::Blocks { object_size, present, map_current: true, .. } = &self.layout else {
             return Ok(vec![Extent::data(len)]);
         };
         let p = present.lock().unwrap();
@@ -586,7 +641,9 @@ impl Backend for S3Backend {
     }
 
     /// An upload completes if every byte was written (a copy with `--no-flush`), and is
-    /// abandoned otherwise (a failed or interrupted copy): no half object appears.
+    /// abandoned otherwise (a failed or interrupted copy): no half object appears. Not the
+    /// lease: `finish` ends one open (a server's connection) and all opens share this
+    /// backend; [`S3Backend::release`] and drop release it.
     fn finish(&self) -> Result<()> {
         match &self.layout {
             Layout::Upload(up) => up.complete(&self.store, &self.key),

@@ -203,13 +203,13 @@ impl Store {
 
     /// GETs `range` of `key` (all of it when `None`), only from version `if_match` when
     /// given. `None` when there is no such object (404; a 403 is an error, never "missing").
-    /// Also returns the object's whole size.
+    /// Also returns the object's whole size and its ETag.
     pub async fn get(
         &self,
         key: &str,
         range: Option<Range<u64>>,
         if_match: Option<&str>,
-    ) -> Result<Option<(Bytes, u64)>> {
+    ) -> Result<Option<(Bytes, Meta)>> {
         self.counters.get.fetch_add(1, Relaxed);
         let opts = GetOptions {
             range: range.map(GetRange::Bounded),
@@ -231,10 +231,10 @@ impl Store {
             }
             Err(e) => return Err(self.error("read", key, &e)),
         };
-        let size = res.meta.size;
+        let meta = Meta { size: res.meta.size, etag: res.meta.e_tag.clone() };
         let bytes = res.bytes().await.map_err(|e| self.error("read", key, &e))?;
         self.counters.bytes_got.fetch_add(bytes.len() as u64, Relaxed);
-        Ok(Some((bytes, size)))
+        Ok(Some((bytes, meta)))
     }
 
     /// HEAD: the object's size and ETag, `None` when it does not exist.

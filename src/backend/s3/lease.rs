@@ -1,0 +1,248 @@
+//! One writer per writable block image: a lease object, `KEY/lightfoot.lease`.
+//!
+//! Two servers writing one image would each keep their own map of objects (BLOCK_STATUS) and
+//! their own object locks, and a read-modify-write of one could undo the other's write. So a
+//! writer holds the lease:
+//!
+//! - It is **created** with a conditional PUT (`If-None-Match: *`): of two writers starting
+//!   at once, exactly one gets it. A lease found expired is taken over with `If-Match` on the
+//!   ETag read, so two takers cannot both succeed either.
+//! - It is **renewed** every [`RENEW`] with `If-Match` on the ETag of our last write of it:
+//!   a lease broken by someone else (`--break-lease`) fails the renewal.
+//! - It **expires** [`TTL`] after its last renewal. The writer stops writing before that:
+//!   every write checks that less than `TTL - MARGIN` has passed since the start of the last
+//!   renewal that succeeded, and fails with EIO otherwise. A writer cut off from the store
+//!   therefore stops before another may take the image over.
+//! - It is **deleted** when the writer ends cleanly.
+//!
+//! All of this rests on the store enforcing conditional writes, which not every
+//! S3-compatible store does. [`probe_conditional_writes`] checks it at open: a second create
+//! of one name must be refused.
+//!
+//! The name sorts after every block name, so nbdkit's TRIM does not delete it; nbdkit's S3
+//! plugin itself ignores the lease (it writes whatever is leased).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use object_store::{PutMode, UpdateVersion};
+
+use super::store::Store;
+use crate::error::{Error, ErrorKind, Result};
+
+pub const LEASE: &str = "lightfoot.lease";
+/// How long a lease lasts after its last renewal.
+pub const TTL: Duration = Duration::from_secs(30);
+/// How often it is renewed.
+pub const RENEW: Duration = Duration::from_secs(10);
+/// How long before expiry the holder stops writing (a write already sent may still land).
+const MARGIN: Duration = Duration::from_secs(8);
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Record {
+    holder: String,
+    /// Seconds since the epoch.
+    expires: u64,
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Whether the store refuses a second create of one name (`If-None-Match: *`). Writes nothing
+/// that stays: the probe object is deleted.
+pub fn probe_conditional_writes(store: &Store, key: &str) -> Result<bool> {
+    let probe = format!("{key}/lightfoot.probe-{}-{}", std::process::id(), now_secs());
+    let first = store.run(store.put(&probe, Bytes::from_static(b"probe"), PutMode::Create))?;
+    let second = store.run(store.put(&probe, Bytes::from_static(b"probe"), PutMode::Create))?;
+    store.run(store.delete(vec![probe]))?;
+    Ok(first.is_some() && second.is_none())
+}
+
+/// A live lease held by another writer, if there is one (for read-only opens).
+pub fn held_by_other(store: &Store, key: &str) -> Result<Option<String>> {
+    let name = format!("{key}/{LEASE}");
+    let Some((bytes, _)) = store.run(store.get(&name, None, None))? else { return Ok(None) };
+    Ok(serde_json::from_slice::<Record>(&bytes).ok().filter(|r| r.expires > now_secs()).map(|r| r.holder))
+}
+
+/// A lease this process holds, renewed by a thread of its own until dropped.
+pub struct Lease {
+    state: Arc<State>,
+    renewer: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+struct State {
+    store: Arc<Store>,
+    name: String,
+    holder: String,
+    etag: Mutex<Option<String>>,
+    /// When (ms since the epoch) the last successful renewal was started.
+    renewed_ms: AtomicU64,
+    lost: AtomicBool,
+    stop: Mutex<bool>,
+    wake: Condvar,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Lease {
+    /// Takes the lease of `key`'s image: creates it, takes over one that expired, or with
+    /// `force` (`--break-lease`) replaces a live one. Fails naming the holder otherwise.
+    pub fn take(store: Arc<Store>, key: &str, force: bool) -> Result<Lease> {
+        let name = format!("{key}/{LEASE}");
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let holder = format!("lightfoot pid {} on {}", std::process::id(), host.trim());
+        let started = now_ms();
+        let body = || record(&holder);
+        let etag = match store.run(store.put(&name, body(), PutMode::Create))? {
+            Some((etag, version)) => {
+                warn_if_versioned(&store, &name, version.as_deref());
+                etag
+            }
+            None => {
+                let (old, meta) = store.run(store.get(&name, None, None))?.ok_or_else(|| {
+                    Error::new(ErrorKind::Io, "open")
+                        .path(store.uri(&name))
+                        .detail("the lease was released while it was being taken: try again")
+                })?;
+                let rec = serde_json::from_slice::<Record>(&old).ok();
+                let live = rec.as_ref().is_some_and(|r| r.expires > now_secs());
+                if live && !force {
+                    let r = rec.expect("live");
+                    return Err(Error::new(ErrorKind::Permission, "open").path(store.uri(&name)).detail(format!(
+                        "the image has a writer: {} holds its lease for {} s more (if that writer is dead, --break-lease)",
+                        r.holder,
+                        r.expires.saturating_sub(now_secs())
+                    )));
+                }
+                if live {
+                    tracing::warn!(
+                        "{}: breaking the lease of {}",
+                        store.uri(&name),
+                        rec.expect("live").holder
+                    );
+                }
+                // Taken over only if nobody changed it since we read it.
+                let update = UpdateVersion { e_tag: meta.etag, version: None };
+                match store.run(store.put(&name, body(), PutMode::Update(update)))? {
+                    Some((etag, _)) => etag,
+                    None => {
+                        return Err(Error::new(ErrorKind::Permission, "open")
+                            .path(store.uri(&name))
+                            .detail("another writer took the lease at the same moment"))
+                    }
+                }
+            }
+        };
+        let state = Arc::new(State {
+            store,
+            name,
+            holder,
+            etag: Mutex::new(etag),
+            renewed_ms: AtomicU64::new(started),
+            lost: AtomicBool::new(false),
+            stop: Mutex::new(false),
+            wake: Condvar::new(),
+        });
+        let s = state.clone();
+        let renewer = std::thread::Builder::new()
+            .name("lightfoot-lease".into())
+            .spawn(move || s.renew_until_stopped())
+            .map_err(|e| Error::io("open", e))?;
+        Ok(Lease { state, renewer: Mutex::new(Some(renewer)) })
+    }
+
+    /// Ok while writing is safe: the lease is ours and cannot have expired.
+    pub fn check(&self) -> Result<()> {
+        let s = &self.state;
+        let age = now_ms().saturating_sub(s.renewed_ms.load(Relaxed));
+        if s.lost.load(Relaxed) || age >= (TTL - MARGIN).as_millis() as u64 {
+            return Err(Error::new(ErrorKind::Io, "write").path(s.store.uri(&s.name)).detail(
+                "the image's lease was lost or could not be renewed in time: writes stop before another writer may take over",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl State {
+    fn renew_until_stopped(&self) {
+        let mut stop = self.stop.lock().unwrap();
+        loop {
+            stop = self.wake.wait_timeout(stop, RENEW).unwrap().0;
+            if *stop {
+                return;
+            }
+            drop(stop);
+            let started = now_ms();
+            let etag = self.etag.lock().unwrap().clone();
+            let update = UpdateVersion { e_tag: etag, version: None };
+            match self.store.run(self.store.put(&self.name, record(&self.holder), PutMode::Update(update))) {
+                Ok(Some((etag, _))) => {
+                    *self.etag.lock().unwrap() = etag;
+                    self.renewed_ms.store(started, Relaxed);
+                }
+                Ok(None) => {
+                    tracing::error!(
+                        "{}: the lease was taken by another writer: writes stop",
+                        self.store.uri(&self.name)
+                    );
+                    self.lost.store(true, Relaxed);
+                    return;
+                }
+                // Tried again at the next round; writes stop by themselves if it never works.
+                Err(e) => tracing::warn!("renewing the lease: {e}"),
+            }
+            stop = self.stop.lock().unwrap();
+        }
+    }
+}
+
+impl Lease {
+    /// Stops renewing and deletes the lease if it is still ours (the end of the job; also on
+    /// drop). Writes fail from then on.
+    pub fn release(&self) {
+        *self.state.stop.lock().unwrap() = true;
+        self.state.wake.notify_all();
+        let Some(h) = self.renewer.lock().unwrap().take() else { return };
+        let _ = h.join();
+        let s = &self.state;
+        if s.lost.swap(true, Relaxed) {
+            return;
+        }
+        let ours = s.store.run(s.store.head(&s.name)).ok().flatten().and_then(|m| m.etag);
+        if ours.is_some() && ours == *s.etag.lock().unwrap() {
+            if let Err(e) = s.store.run(s.store.delete(vec![s.name.clone()])) {
+                tracing::warn!("releasing the lease: {e}");
+            }
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+fn record(holder: &str) -> Bytes {
+    let r = Record { holder: holder.to_string(), expires: now_secs() + TTL.as_secs() };
+    Bytes::from(serde_json::to_vec(&r).expect("lease serializes"))
+}
+
+/// Versioned buckets keep every rewrite of an object: a block image rewritten in place grows
+/// the bucket without bound.
+pub fn warn_if_versioned(store: &Store, name: &str, version: Option<&str>) {
+    if version.is_some_and(|v| v != "null") {
+        tracing::warn!(
+            "{}: the bucket keeps versions: every rewrite of a block object keeps the old one too \
+             (storage grows with every write); a lifecycle rule that expires noncurrent versions keeps it bounded",
+            store.uri(name)
+        );
+    }
+}
