@@ -1,4 +1,6 @@
-//! Every backend and filter stack against the same conformance suite (`lightfoot::testing`).
+//! Every backend and filter stack against the same conformance suite (`lightfoot::testing`):
+//! memory, `null:`, files in each cache mode, loop devices, the NBD client, and block images
+//! in object storage (a SeaweedFS the cell starts).
 //!
 //! The matrix at the end generates one test per backend × filter stack (`memory::plain`,
 //! `file_direct::prefetch_coalesce`, …). Each builds its stack with
@@ -17,7 +19,8 @@ use std::sync::Arc;
 
 use std::time::Duration;
 
-use lightfoot::backend::{Backend, FileBackend, MemoryBackend, NbdBackend, NullBackend};
+use lightfoot::backend::s3::{S3Config, S3Options, S3Uri};
+use lightfoot::backend::{Backend, FileBackend, MemoryBackend, NbdBackend, NullBackend, S3Backend};
 use lightfoot::filters::coalesce::CoalesceConfig;
 use lightfoot::filters::prefetch::PrefetchConfig;
 use lightfoot::filters::{Stack, StackConfig};
@@ -86,7 +89,13 @@ enum Kind {
     Loop(CacheMode),
     /// lightfoot's NBD client to `nbdkit memory`.
     Nbd,
+    /// A block image in object storage (SeaweedFS, started for the cell), in objects of an
+    /// odd size: [`S3_OBJECT`] bytes, 25 of them.
+    S3,
 }
+
+/// [`SIZE`] is 25 objects of this size (it has no larger power-of-two factor).
+const S3_OBJECT: u64 = SIZE / 25;
 
 /// Opens one more backend onto a cell's data (what [`Stack::new`] takes).
 type Opener = Arc<dyn Fn(bool) -> lightfoot::Result<Arc<dyn Backend>> + Send + Sync>;
@@ -128,6 +137,7 @@ struct Fixture {
     kind: Kind,
     dir: tempfile::TempDir,
     device: Option<common::Loop>,
+    store: Option<common::s3::Seaweed>,
     made: std::sync::atomic::AtomicU32,
 }
 
@@ -141,7 +151,12 @@ impl Fixture {
             Kind::Loop(_) => Some(common::Loop::new(4 << 20)),
             _ => None,
         };
-        Some(Fixture { kind, dir: tempfile::tempdir().unwrap(), device, made: Default::default() })
+        let store = matches!(kind, Kind::S3).then(|| {
+            let w = common::s3::Seaweed::start();
+            w.bucket("cells");
+            w
+        });
+        Some(Fixture { kind, dir: tempfile::tempdir().unwrap(), device, store, made: Default::default() })
     }
 
     /// What reads must return: under a filter that holds writes, `null:` returns the held
@@ -175,6 +190,30 @@ impl Fixture {
                     assert!(n.caps().can_extents && n.caps().can_fast_zero, "{:?}", n.caps());
                     Ok(Arc::new(n))
                 })
+            }
+            Kind::S3 => {
+                // A new image for fresh data; every open shares one backend, as in `serve`.
+                let i = self.made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let w = self.store.as_ref().unwrap();
+                let config = S3Config {
+                    access_key_id: Some("lightfoot-test".into()),
+                    secret_access_key: Some(lightfoot::backend::s3::config::Secret::new(
+                        "lightfoot-test-secret",
+                    )),
+                    endpoint: Some(w.endpoint.clone()),
+                    ..S3Config::default()
+                };
+                let opts = S3Options {
+                    writable: true,
+                    size: Some(SIZE),
+                    object_size: Some(S3_OBJECT),
+                    config: Some(config),
+                    ..S3Options::default()
+                };
+                let uri: S3Uri = format!("s3://cells/image-{i}").parse().unwrap();
+                let b: Arc<dyn Backend> = Arc::new(S3Backend::open(&uri, &opts).unwrap());
+                assert!(b.caps().can_extents, "{:?}", b.caps());
+                Arc::new(move |_| Ok(b.clone()))
             }
             Kind::File(mode) => {
                 let i = self.made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -345,5 +384,5 @@ matrix! {
     loop_keep: Kind::Loop(CacheMode::Keep), 800;
     loop_direct: Kind::Loop(CacheMode::Direct), 900;
     nbd_client: Kind::Nbd, 1000;
-    // object_storage: the S3 backend (issue 29) goes here, over the store `make test` starts.
+    object_storage: Kind::S3, 1100;
 }

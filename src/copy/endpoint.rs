@@ -291,7 +291,7 @@ pub struct DestOptions {
 fn open_s3_destination(u: &S3Uri, size: Option<u64>, opts: &DestOptions) -> Result<Opened> {
     let Some(object_size) = opts.s3.object_size else {
         // One object: every byte is sent, zeroes included (it does not read as zeroes).
-        return Ok(Opened::s3(S3Backend::create_object(u, size, opts.s3.limits)?, false));
+        return Ok(Opened::s3(S3Backend::create_object(u, size, &opts.s3)?, false));
     };
     let Some(size) = size else {
         return Err(Error::new(ErrorKind::InvalidInput, "open")

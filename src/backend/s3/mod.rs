@@ -64,6 +64,9 @@ pub struct S3Options {
     /// Write a block image without a lease, on a store that does not enforce conditional
     /// writes (`--without-lease`).
     pub without_lease: bool,
+    /// Where the store is and who we are to it; `None`: from this process's environment
+    /// and the shared AWS files ([`S3Config::from_env`]).
+    pub config: Option<S3Config>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -111,8 +114,7 @@ impl S3Backend {
     /// size, naming it.
     pub fn open(uri: &S3Uri, opts: &S3Options) -> Result<S3Backend> {
         let name = uri.to_string();
-        let cfg = S3Config::from_env()
-            .map_err(|e| Error::new(ErrorKind::InvalidInput, "open").path(&name).detail(e))?;
+        let cfg = config_of(opts, &name)?;
         for s in &cfg.sources {
             tracing::debug!("{name}: {s}");
         }
@@ -257,11 +259,10 @@ impl S3Backend {
     /// Starts writing `uri` as one object of `size` bytes (`None`: as many as are written),
     /// for a copy. The object appears, whole, when every byte was written and the copy
     /// flushes or finishes; until then the old one (if any) stays.
-    pub fn create_object(uri: &S3Uri, size: Option<u64>, limits: Limits) -> Result<S3Backend> {
+    pub fn create_object(uri: &S3Uri, size: Option<u64>, opts: &S3Options) -> Result<S3Backend> {
         let name = uri.to_string();
-        let cfg = S3Config::from_env()
-            .map_err(|e| Error::new(ErrorKind::InvalidInput, "open").path(&name).detail(e))?;
-        let store = Arc::new(Store::open(uri, &cfg, limits)?);
+        let cfg = config_of(opts, &name)?;
+        let store = Arc::new(Store::open(uri, &cfg, opts.limits)?);
         let up = upload::Upload::start(&store, &uri.key, size)?;
         Ok(S3Backend {
             name,
@@ -681,6 +682,16 @@ fn block_number(key: &str, name: &str) -> Option<u64> {
         return None;
     }
     u64::from_str_radix(hex, 16).ok()
+}
+
+/// The configuration `opts` gives, or the environment's.
+fn config_of(opts: &S3Options, name: &str) -> Result<S3Config> {
+    match &opts.config {
+        Some(c) => Ok(c.clone()),
+        None => {
+            S3Config::from_env().map_err(|e| Error::new(ErrorKind::InvalidInput, "open").path(name).detail(e))
+        }
+    }
 }
 
 fn bad(name: &str, detail: String) -> Error {
