@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use lightfoot::backend::s3::{Requests, S3Options};
+use lightfoot::backend::s3::Requests;
 use lightfoot::copy::endpoint::{open_destination, open_source, parse_endpoints, parse_size, DestOptions};
 use lightfoot::copy::plan::Asked;
 use lightfoot::copy::{copy, Endpoint, Opened, Plan, Progress};
@@ -41,6 +41,12 @@ ENDPOINTS:
               endpoints when CMD has options:
                 lightfoot copy -- [ qemu-nbd -f qcow2 disk.qcow2 ] disk.raw
                 lightfoot copy -- disk.raw [ nbdkit file out.raw ]
+  s3://BUCKET/KEY
+              an image in object storage (AWS_* variables and ~/.aws files as the AWS
+              tools read them): as SRC, one object or a block image; as DST, one object
+              (a multipart upload that appears whole at the end, or not at all), or with
+              --object-size block objects KEY/%016x as nbdkit's S3 plugin lays them out.
+              See docs/object-storage.md.
 
 NBD: requests stay within the server's advertised block sizes; several are in flight at once
 (--workers; with 8 or more, seldom two neighbours at once, which the block layer would merge).
@@ -146,26 +152,8 @@ pub struct CopyArgs {
     #[command(flatten)]
     mechanisms: super::MechanismArgs,
 
-    /// An s3:// DST is written as block objects of this size, named KEY/%016x as nbdkit's S3
-    /// plugin names them (a missing object reads as zeroes); an s3:// SRC with no manifest
-    /// (one nbdkit made) is read as one, with --size. See docs/object-storage.md.
-    #[arg(long, value_name = "SIZE", help_heading = "Object storage", value_parser = super::parse_object_size)]
-    object_size: Option<u64>,
-
-    /// The size of an s3:// SRC block image that has no manifest (nbdkit's size=).
-    #[arg(long, value_name = "SIZE", help_heading = "Object storage", value_parser = parse_size, requires = "object_size")]
-    size: Option<u64>,
-
-    /// Take the lease of an s3:// block image even though another writer holds it: for a
-    /// writer that died without releasing it. A live writer loses it and stops writing within
-    /// about 10 s; until then both may write.
-    #[arg(long, help_heading = "Object storage")]
-    break_lease: bool,
-
-    /// Write an s3:// block image without taking its lease: nothing then stops a second
-    /// writer. Needed on stores that do not enforce conditional writes (checked at open).
-    #[arg(long, help_heading = "Object storage", conflicts_with = "break_lease")]
-    without_lease: bool,
+    #[command(flatten)]
+    s3: super::S3Args,
 
     /// Readahead advice for SRC: normal, sequential or random (default: normal, or random
     /// where readahead would defeat the mechanism: evict-behind, or DONTCACHE without
@@ -235,6 +223,25 @@ struct Summary {
     error: Option<String>,
 }
 
+impl Side {
+    /// `opened`'s side of the summary: its cache figures before the job and after it (what
+    /// [`cached_of`] gives).
+    fn of(
+        opened: &Opened,
+        before: Option<u64>,
+        after: (Option<u64>, Option<CacheStat>, Option<Mechanism>),
+    ) -> Side {
+        Side {
+            name: opened.backend.name().to_string(),
+            mechanism: after.2,
+            cached_before: before,
+            cached_after: after.0,
+            stat_after: after.1,
+            requests: opened.s3.as_ref().map(|b| b.requests()),
+        }
+    }
+}
+
 fn cached_now(ep: &Endpoint) -> Option<u64> {
     let Endpoint::Path(p) = ep else { return None };
     // Regular files and block devices only (residency::open refuses the rest unopened).
@@ -265,7 +272,7 @@ pub fn run(args: CopyArgs) -> i32 {
     // Requests of whole objects into an s3:// block image: a piece of one would be read,
     // patched and written back by the next request again.
     let request_size = args.request_size.or_else(|| {
-        let o = args.object_size? as usize;
+        let o = args.s3.object_size? as usize;
         (o > 8 << 20).then_some(o.min(256 << 20))
     });
     let asked = Asked { workers: args.workers, request_size, connections: args.connections };
@@ -289,13 +296,7 @@ pub fn run(args: CopyArgs) -> i32 {
 
     let src_before = cached_now(&src_ep);
     let dst_before = cached_now(&dst_ep);
-    let s3 = S3Options {
-        size: args.size,
-        object_size: args.object_size,
-        break_lease: args.break_lease,
-        without_lease: args.without_lease,
-        ..S3Options::default()
-    };
+    let s3 = args.s3.options(false);
     let src = match open_source(&src_ep, args.cache, &tuning, plan.src_connections, &s3) {
         Ok(s) => s,
         Err(e) => return open_failed(&e),
@@ -377,22 +378,8 @@ pub fn run(args: CopyArgs) -> i32 {
         cache: args.cache,
         workers: plan.workers,
         request_size: plan.request_size,
-        source: Side {
-            name: src.backend.name().to_string(),
-            mechanism: src_mech,
-            cached_before: src_before,
-            cached_after: src_after,
-            stat_after: None,
-            requests: src.s3.as_ref().map(|b| b.requests()),
-        },
-        destination: Side {
-            name: dst.backend.name().to_string(),
-            mechanism: dst_mech,
-            cached_before: dst_before,
-            cached_after: dst_after,
-            stat_after: dst_stat,
-            requests: dst.s3.as_ref().map(|b| b.requests()),
-        },
+        source: Side::of(&src, src_before, (src_after, None, src_mech)),
+        destination: Side::of(&dst, dst_before, (dst_after, dst_stat, dst_mech)),
         error,
     };
     drop(src);

@@ -83,6 +83,55 @@ pub fn parse_enum<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, Stri
     s.parse()
 }
 
+/// The object-storage options `copy` and `serve` share (docs/object-storage.md).
+#[derive(clap::Args)]
+pub struct S3Args {
+    /// Block objects of this size for an s3:// image, named KEY/%016x as nbdkit's S3 plugin
+    /// names them (a missing object reads as zeroes): the layout of a new image (serve, or
+    /// copy's DST), or of one nbdkit made (no manifest), with --size. Later opens read it from
+    /// the image's manifest. Without it a new s3:// image is one object (copy's DST; serve
+    /// only reads one).
+    #[arg(long, value_name = "SIZE", help_heading = "Object storage", value_parser = parse_object_size)]
+    pub object_size: Option<u64>,
+
+    /// The size of an s3:// block image that has no manifest: a new one (serve) or one nbdkit
+    /// made (its size=). A multiple of --object-size.
+    #[arg(
+        long,
+        value_name = "SIZE",
+        help_heading = "Object storage",
+        value_parser = lightfoot::copy::endpoint::parse_size,
+        requires = "object_size"
+    )]
+    pub size: Option<u64>,
+
+    /// Take the lease of an s3:// block image even though another writer holds it: for a
+    /// writer that died without releasing it. A live writer loses it and stops writing within
+    /// about 10 s; until then both may write.
+    #[arg(long, help_heading = "Object storage")]
+    pub break_lease: bool,
+
+    /// Write an s3:// block image without taking its lease: nothing then stops a second
+    /// writer. Needed on stores that do not enforce conditional writes (checked at open).
+    #[arg(long, help_heading = "Object storage", conflicts_with = "break_lease")]
+    pub without_lease: bool,
+}
+
+impl S3Args {
+    /// The options of an open; `writable` for a server's image (a copy's destination sets it
+    /// itself).
+    pub fn options(&self, writable: bool) -> lightfoot::backend::s3::S3Options {
+        lightfoot::backend::s3::S3Options {
+            writable,
+            size: self.size,
+            object_size: self.object_size,
+            break_lease: self.break_lease,
+            without_lease: self.without_lease,
+            ..Default::default()
+        }
+    }
+}
+
 /// The mechanism overrides `copy` and `serve` share (docs/cache-policy.md, "Overrides").
 #[derive(clap::Args)]
 pub struct MechanismArgs {

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
-use lightfoot::backend::s3::{S3Options, S3Uri};
+use lightfoot::backend::s3::S3Uri;
 use lightfoot::backend::{Backend, FileBackend, S3Backend};
 use lightfoot::copy::endpoint::parse_size;
 use lightfoot::filters::coalesce::CoalesceConfig;
@@ -34,6 +34,11 @@ nbds:// or nbds+unix:// URIs, e.g.
   qemu-img info --object tls-creds-x509,id=tls0,endpoint=client,dir=/etc/pki/client \\
       --image-opts driver=nbd,host=localhost,port=10809,tls-creds=tls0
 TLS-PSK is not supported (rustls has no external PSK). See docs/tls.md.
+
+Object storage: FILE may be s3://BUCKET/KEY (AWS_* variables and ~/.aws files as the AWS tools
+read them). One object is served read-only; block objects (--object-size, nbdkit's S3 layout)
+are writable, by one writer at a time (a lease object; --break-lease, --without-lease). Every
+write is stored before it is acknowledged. See docs/object-storage.md.
 
 --run 'CMD' runs CMD through sh with $uri (nbds:// with --tls=require), $unixsocket (for
 --unix) and $port (for TCP) set, stops serving when it exits and exits with its status. CMD
@@ -66,27 +71,8 @@ pub struct ServeArgs {
     #[arg(value_name = "FILE")]
     file: PathBuf,
 
-    /// Serve s3://BUCKET/KEY as block objects of this size, KEY/%016x, as nbdkit's S3 plugin
-    /// lays them out (a missing object reads as zeroes); with --size for a new image or one
-    /// nbdkit made. lightfoot records both in KEY/lightfoot.json, so later opens need neither.
-    /// Without it, an s3:// image is KEY itself, served read-only.
-    #[arg(long, value_name = "SIZE", help_heading = "Object storage", value_parser = super::parse_object_size)]
-    object_size: Option<u64>,
-
-    /// The size of an s3:// block image (a multiple of --object-size; nbdkit's size=).
-    #[arg(long, value_name = "SIZE", help_heading = "Object storage", value_parser = parse_size, requires = "object_size")]
-    size: Option<u64>,
-
-    /// Take the lease of an s3:// block image even though another writer holds it: for a
-    /// writer that died without releasing it. A live writer loses it and stops writing within
-    /// about 10 s; until then both may write.
-    #[arg(long, help_heading = "Object storage")]
-    break_lease: bool,
-
-    /// Write an s3:// block image without taking its lease: nothing then stops a second
-    /// writer. Needed on stores that do not enforce conditional writes (checked at open).
-    #[arg(long, help_heading = "Object storage", conflicts_with = "break_lease")]
-    without_lease: bool,
+    #[command(flatten)]
+    s3: super::S3Args,
 
     /// Listen on this Unix socket instead of TCP. The file appears only once the server
     /// accepts connections (waiting for it to exist is enough); a stale socket file is
@@ -265,7 +251,7 @@ pub fn run(a: ServeArgs) -> i32 {
         coalesce: a.coalesce.then_some(coalesce),
     };
     let s3 = match path.to_str().filter(|p| S3Uri::is_s3(p)) {
-        None if a.object_size.is_some() => {
+        None if a.s3.object_size.is_some() => {
             super::report(&"--object-size and --size are for s3:// images");
             return 2;
         }
@@ -278,14 +264,7 @@ pub fn run(a: ServeArgs) -> i32 {
                     return 2;
                 }
             };
-            let opts = S3Options {
-                writable: !a.read_only,
-                size: a.size,
-                object_size: a.object_size,
-                break_lease: a.break_lease,
-                without_lease: a.without_lease,
-                ..S3Options::default()
-            };
+            let opts = a.s3.options(!a.read_only);
             match S3Backend::open(&uri, &opts) {
                 Ok(b) => Some(Arc::new(b)),
                 Err(e) => {
