@@ -324,6 +324,62 @@ fn a_failed_upload_leaves_nothing() {
     assert!(!uploads.contains("<Upload>"), "parts left behind: {uploads}");
 }
 
+/// --coalesce over block objects: each object a FLUSH writes back is one PUT, with no GET
+/// where the client's writes cover it and one where they cover part of an object that
+/// exists; an object that does not exist is not read.
+#[test]
+fn coalesce_writes_each_object_once() {
+    let w = Seaweed::start();
+    w.bucket("disks");
+    let dir = scratch();
+    let geometry = ["--object-size", "64K", "--size", "4M"];
+    // Object 9 exists (its first 4 KiB written).
+    let s = S3Served::start(&w, dir.path(), "s3://disks/co", &geometry);
+    let out = libnbd(
+        "import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\nh.pwrite(b'z' * 4096, 9 * 65536)\n",
+        &s.uri(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    s.stop();
+    let s = S3Served::start(&w, dir.path(), "s3://disks/co", &["--coalesce", "--stats", "--json"]);
+    let script = r#"
+import os, nbd, random
+h = nbd.NBD()
+h.connect_uri(os.environ["URI"])
+# Objects 1-4 covered whole by 4 KiB writes in random order; 1 KiB into object 9 (exists)
+# and into object 20 (does not).
+offs = [o * 65536 + i * 4096 for o in range(1, 5) for i in range(16)]
+random.Random(3).shuffle(offs)
+for off in offs:
+    h.pwrite(bytes([off // 65536]) * 4096, off)
+h.pwrite(b"y" * 1024, 9 * 65536 + 8192)
+h.pwrite(b"x" * 1024, 20 * 65536 + 100)
+h.flush()
+"#;
+    let out = libnbd(script, &s.uri());
+    assert!(out.status.success(), "{}", text(&out));
+    let err = s.stop();
+    let stats: serde_json::Value =
+        serde_json::from_str(err.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap();
+    let r = &stats["s3"];
+    // At open: the manifest's GET, the probe's two PUTs and the lease's.
+    let (get_open, put_open) = (1, 3);
+    assert_eq!(r["put"].as_u64().unwrap() - put_open, 6, "one PUT per object touched: {r}");
+    assert_eq!(r["get"].as_u64().unwrap() - get_open, 1, "a GET only for object 9: {r}");
+    let back = dir.path().join("back.img");
+    ok(lf(&w, &["copy", "s3://disks/co", back.to_str().unwrap()]));
+    let img = std::fs::read(&back).unwrap();
+    let at = |off: u64, len: usize| &img[off as usize..off as usize + len];
+    assert!(
+        at(9 * 65536, 4096).iter().all(|&b| b == b'z')
+            && at(9 * 65536 + 8192, 1024).iter().all(|&b| b == b'y')
+    );
+    assert!(at(20 * 65536 + 100, 1024).iter().all(|&b| b == b'x'));
+    for o in 1..5u64 {
+        assert!(at(o * 65536, 65536).iter().all(|&b| b == o as u8), "object {o}");
+    }
+}
+
 /// One writer per block image: a second writer is refused while the first holds the lease,
 /// a reader sees the image as all data then (its map of objects could go stale), and
 /// --break-lease takes the image over: the first writer's writes fail with EIO from its next

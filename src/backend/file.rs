@@ -22,7 +22,8 @@ pub struct FileBackend {
     read_only: bool,
     rotational: bool,
     logical_block: u32,
-    /// [`Caps::alloc_unit`]: the filesystem's block for a regular file; none for a device.
+    /// [`Caps::alloc_unit`]: the filesystem's block for a regular file ([`alloc_unit_of`]);
+    /// none for a device.
     alloc_unit: Option<u32>,
 }
 
@@ -49,10 +50,9 @@ impl FileBackend {
         } else {
             (rotational(meta.dev()), 1)
         };
-        // f_bsize: a failed statfs (or an absurd size) only means the unit is not known.
         let alloc_unit = match file.is_block() {
             true => None,
-            false => sys::fs_block_size(file.fd()).ok().and_then(|b| u32::try_from(b).ok()),
+            false => Some(alloc_unit_of(sys::fs_block_size(file.fd()).ok())),
         };
         Ok(FileBackend {
             alloc_unit,
@@ -325,5 +325,32 @@ impl Backend for FileBackend {
 
     fn finish(&self) -> Result<()> {
         self.file.finish()
+    }
+}
+
+/// The allocation unit of a file on a filesystem with blocks of `fs_block` bytes (`None`: a
+/// failed statfs): the block where it is a power of two up to 4 KiB (ext4 made with
+/// `-b 1024`, XFS with 1 or 2 KiB blocks), else 4 KiB. Never more than 4 KiB: a filesystem
+/// whose `f_bsize` is larger (a network filesystem's transfer size, say) may still allocate in
+/// smaller pieces, and a unit taken too large would make `--coalesce` fill gaps over holes.
+pub fn alloc_unit_of(fs_block: Option<u64>) -> u32 {
+    match fs_block {
+        Some(b) if b.is_power_of_two() && (512..4096).contains(&b) => b as u32,
+        _ => 4096,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_unit_is_the_filesystems_block_up_to_4k() {
+        assert_eq!(alloc_unit_of(Some(1024)), 1024);
+        assert_eq!(alloc_unit_of(Some(2048)), 2048);
+        assert_eq!(alloc_unit_of(Some(512)), 512);
+        for other in [Some(4096), Some(65536), Some(1 << 20), Some(3000), Some(256), Some(0), None] {
+            assert_eq!(alloc_unit_of(other), 4096, "{other:?}");
+        }
     }
 }

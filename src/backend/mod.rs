@@ -84,9 +84,10 @@ pub struct Caps {
     pub growable: bool,
     pub rotational: bool,
     pub block: BlockSizes,
-    /// The unit space is allocated in when a hole is written (a file's filesystem block), where
-    /// there is such a thing and it is known: `--coalesce` fills gaps only inside units that
-    /// hold written bytes.
+    /// The unit a backend allocates, or reads and rewrites, whole when part of it is written,
+    /// where there is such a thing: a file's filesystem block (at most 4 KiB, see
+    /// `file::alloc_unit_of`), an object of a block image in object storage. `--coalesce`
+    /// fills gaps only inside units that hold written bytes, and writes such a unit whole.
     pub alloc_unit: Option<u32>,
 }
 

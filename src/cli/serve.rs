@@ -437,7 +437,7 @@ fn parse_coalesce_age(s: &str) -> Result<std::time::Duration, String> {
 
 fn parse_coalesce_block(s: &str) -> Result<u64, String> {
     let n = parse_size(s)?;
-    if n == 0 || n % 4096 != 0 || n > 16 << 20 {
+    if n == 0 || n % 4096 != 0 || n > lightfoot::filters::coalesce::MAX_BLOCK {
         return Err(format!("'{s}': a multiple of 4K, at most 16M"));
     }
     Ok(n)

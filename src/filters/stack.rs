@@ -30,7 +30,7 @@ pub struct StackConfig {
     /// `--prefetch`.
     pub prefetch: Option<PrefetchConfig>,
     /// `--coalesce`. Its allocation unit ([`CoalesceConfig::unit`]) is taken from the backend
-    /// below ([`crate::backend::Caps::alloc_unit`], through [`coalesce::unit_for`]).
+    /// below ([`crate::backend::Caps::alloc_unit`]).
     pub coalesce: Option<CoalesceConfig>,
 }
 
@@ -59,8 +59,20 @@ impl Stack {
             }
             Some(mut c) => {
                 let own = open(true)?;
-                c.unit = coalesce::unit_for(own.caps().alloc_unit.map(u64::from));
-                tracing::info!("--coalesce: gaps filled within {}-byte units", c.unit);
+                c.unit = own.caps().alloc_unit.unwrap_or(4096);
+                // A block holds whole units: an object of a block image in object storage is
+                // one block (one PUT), up to coalesce's largest block; beyond that, no gaps
+                // are filled.
+                let unit = u64::from(c.unit);
+                if unit > c.block {
+                    if unit <= coalesce::MAX_BLOCK {
+                        c.block = unit;
+                    } else {
+                        c.unit = 4096;
+                    }
+                }
+                c.block = c.block.next_multiple_of(u64::from(c.unit));
+                tracing::info!("--coalesce: gaps filled within {}-byte units, blocks of {}", c.unit, c.block);
                 Some(Arc::new(Coalesce::new(own, c)))
             }
             None => None,

@@ -80,11 +80,12 @@ pub struct CoalesceConfig {
     /// larger sizes for no measured gain. Before those two changes larger blocks cost random
     /// writes within 64 MiB up to 25 % (256 KiB), in gap reads and unhinted partial pages.
     pub block: u64,
-    /// The filesystem's allocation unit: a gap is filled only inside units that hold dirty
-    /// bytes (see [`dirty::plan`]). 4 KiB by default, the block of ext4 and XFS as made by
-    /// default; `serve` takes the served file's ([`unit_for`]). A larger real unit only means
-    /// fewer gaps filled; a smaller one taken as 4 KiB would mean gaps filled across blocks
-    /// nobody wrote.
+    /// The allocation unit below: a gap is filled only inside units that hold dirty bytes
+    /// (see [`dirty::plan`]). 4 KiB by default, the block of ext4 and XFS as made by default;
+    /// [`crate::filters::Stack`] takes the backend's ([`crate::backend::Caps::alloc_unit`]:
+    /// a file's block, an object of an image in object storage). A larger real unit only
+    /// means fewer gaps filled; a smaller one taken as 4 KiB would mean gaps filled across
+    /// blocks nobody wrote.
     pub unit: u32,
     /// Writes larger than this go straight down.
     pub max_request: u64,
@@ -107,17 +108,8 @@ impl Default for CoalesceConfig {
     }
 }
 
-/// The [`CoalesceConfig::unit`] for a file on a filesystem with blocks of `fs_block` bytes
-/// (`None`: not known): the block where it is a power of two up to 4 KiB (ext4 made with
-/// `-b 1024`, XFS with 1 or 2 KiB blocks), else 4 KiB. Never more than 4 KiB: a filesystem
-/// whose `f_bsize` is larger (a network filesystem's transfer size, say) may still allocate in
-/// smaller pieces, and a unit too large would fill gaps over holes.
-pub fn unit_for(fs_block: Option<u64>) -> u32 {
-    match fs_block {
-        Some(b) if b.is_power_of_two() && (512..4096).contains(&b) => b as u32,
-        _ => 4096,
-    }
-}
+/// The largest [`CoalesceConfig::block`] (`--coalesce-block`): one write-back request.
+pub const MAX_BLOCK: u64 = 16 << 20;
 
 /// Counters for `--stats`.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]

@@ -604,16 +604,6 @@ fn exact_ranges_are_hinted_before_the_write_backs() {
     assert_eq!(hinted, [(64 * K + 1000, 1024), (64 * K + 33000, 1024), (3 * 64 * K + 5, 100)]);
 }
 
-#[test]
-fn the_unit_is_the_filesystems_block_up_to_4k() {
-    assert_eq!(unit_for(Some(1024)), 1024);
-    assert_eq!(unit_for(Some(2048)), 2048);
-    assert_eq!(unit_for(Some(512)), 512);
-    for other in [Some(4096), Some(65536), Some(1 << 20), Some(3000), Some(256), Some(0), None] {
-        assert_eq!(unit_for(other), 4096, "{other:?}");
-    }
-}
-
 /// The bound counts each run's bookkeeping, not only its bytes: 1-byte writes 2 bytes apart
 /// (a run each) fill a 64 KiB bound after about 670 writes, not 64K of them, and writers then
 /// wait for write-back as for any full bound.

@@ -286,8 +286,8 @@ impl HeldWrites {
         }
     }
 
-    /// Called when a write enters block `p + 1` while it was clean: if `p` is dirty up to its
-    /// last allocation unit, a writer going forward has passed it (strided or sequential
+    /// Called when a write enters block `p + 1` while it was clean: if `p` is dirty in its last
+    /// page (or allocation unit, where smaller), a writer going forward has passed it (strided or sequential
     /// writes), and nothing more is likely to come to it before the next FLUSH. It is queued
     /// for the background thread, which writes it back while the client goes on writing:
     /// otherwise the FLUSH would, while the client waits (a strided writer flushing every 64
@@ -302,7 +302,10 @@ impl HeldWrites {
         if self.counters.errors.load(SeqCst) > 0 {
             return;
         }
-        let tail = (self.cfg.block - u64::from(self.cfg.unit)) as u32;
+        // Dirty in its last page (or unit, where smaller): a unit as large as the block (an
+        // object of an image in object storage) would count every dirty block as passed, and
+        // write back objects still being filled, each one more read-modify-write.
+        let tail = (self.cfg.block - u64::from(self.cfg.unit.min(4096))) as u32;
         let reaches_tail = |m: &HashMap<u64, Block>| m.get(&p).and_then(Block::end).is_some_and(|e| e > tail);
         let s = Self::stripe_of(p);
         let yes = if locks.holds(s) {
