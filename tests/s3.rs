@@ -461,6 +461,50 @@ while time.time() < end:
     );
 }
 
+/// A store with identities: a wrong secret is a clear error at open (and the secret stays
+/// out of it), and a caller that may not read gets an error, never zeroes (S3 answers 403
+/// where a missing key is not to be told apart from a forbidden one).
+#[test]
+fn refused_requests_are_errors_not_zeroes() {
+    let config = r#"{"identities": [
+        {"name": "anonymous", "actions": ["Admin", "Read", "Write", "List"]},
+        {"name": "writer", "credentials": [{"accessKey": "writer", "secretKey": "writer-secret-0123"}],
+         "actions": ["Admin", "Read", "Write", "List"]},
+        {"name": "blind", "credentials": [{"accessKey": "blind", "secretKey": "blind-secret-4567"}],
+         "actions": ["Write"]}
+    ]}"#;
+    let w = Seaweed::start_with(Some(config));
+    w.bucket("disks");
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    random_file(&src, 256 * KIB);
+    let as_ = |id: &str, secret: &str, args: &[&str]| {
+        w.command("timeout")
+            .args(["-k", "10", "60", bin()])
+            .args(args)
+            .env("AWS_ACCESS_KEY_ID", id)
+            .env("AWS_SECRET_ACCESS_KEY", secret)
+            .output()
+            .unwrap()
+    };
+    let s = src.to_str().unwrap();
+    let out = as_("writer", "writer-secret-0123", &["copy", s, "s3://disks/img", "--object-size", "64K"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let back = dir.path().join("back.img");
+    let b = back.to_str().unwrap();
+    let out = as_("writer", "wrong-secret-89ab", &["copy", "s3://disks/img", b]);
+    assert!(!out.status.success(), "a wrong secret was let in");
+    assert!(
+        text(&out).contains("s3://disks/img") && !text(&out).contains("wrong-secret-89ab"),
+        "{}",
+        text(&out)
+    );
+    assert!(text(&out).contains("wrong credentials"), "{}", text(&out));
+    let out = as_("blind", "blind-secret-4567", &["copy", "s3://disks/img", b]);
+    assert!(!out.status.success(), "a caller that may not read got data (or zeroes): {}", text(&out));
+    assert!(text(&out).contains("AccessDenied: these credentials may not do this"), "{}", text(&out));
+}
+
 /// What goes wrong is said clearly, with a failing exit and nothing written.
 #[test]
 fn bad_input_gets_a_clear_error() {

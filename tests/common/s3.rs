@@ -46,11 +46,24 @@ fn free_port_pair() -> u16 {
 
 impl Seaweed {
     /// Starts a store and waits until its S3 gateway answers and has a volume to write to.
+    /// No identities: every request is let in, signed or not.
     pub fn start() -> Seaweed {
+        Self::start_with(None)
+    }
+
+    /// [`Self::start`] with identities (`-s3.config`, SeaweedFS's JSON): `s3_config` names
+    /// them and what each may do.
+    pub fn start_with(s3_config: Option<&str>) -> Seaweed {
         let dir = tempfile::Builder::new().prefix("lightfoot-weed").tempdir().unwrap();
         let (master, volume, filer, s3) =
             (free_port_pair(), free_port_pair(), free_port_pair(), free_port_pair());
         let log = std::fs::File::create(dir.path().join("weed.log")).unwrap();
+        let mut extra = Vec::new();
+        if let Some(json) = s3_config {
+            let path = dir.path().join("s3.json");
+            std::fs::write(&path, json).unwrap();
+            extra.push(format!("-s3.config={}", path.display()));
+        }
         let child = Command::new(weed())
             .arg("server")
             .arg(format!("-dir={}", dir.path().display()))
@@ -69,6 +82,7 @@ impl Seaweed {
             .arg(format!("-volume.port={volume}"))
             .arg(format!("-filer.port={filer}"))
             .arg(format!("-s3.port={s3}"))
+            .args(&extra)
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()

@@ -177,6 +177,7 @@ impl Store {
     /// `text` with every secret replaced: the store's error bodies may quote a request back
     /// (SignatureDoesNotMatch carries the canonical request, session token header and all).
     pub fn scrub(&self, text: &str) -> String {
+        // (Secrets shorter than 4 bytes would match everywhere; no real one is.)
         let mut t = text.to_string();
         for s in &self.secrets {
             t = t.replace(s.as_str(), "<redacted>");
@@ -198,7 +199,7 @@ impl Store {
             E::NotSupported { .. } | E::NotImplemented { .. } => ErrorKind::NotSupported,
             _ => ErrorKind::Io,
         };
-        Error::new(kind, op).path(self.uri(key)).detail(self.scrub(&full_message(e)))
+        Error::new(kind, op).path(self.uri(key)).detail(self.scrub(&explain(&full_message(e))))
     }
 
     /// GETs `range` of `key` (all of it when `None`), only from version `if_match` when
@@ -307,6 +308,42 @@ impl Store {
     }
 }
 
+/// object_store's message with the store's XML error body (if any) replaced by its code and
+/// what to do about the common ones.
+fn explain(msg: &str) -> String {
+    let tag = |t: &str| {
+        let (open, close) = (format!("<{t}>"), format!("</{t}>"));
+        let start = msg.find(&open)? + open.len();
+        Some(msg[start..start + msg[start..].find(&close)?].to_string())
+    };
+    let Some(code) = tag("Code") else { return msg.to_string() };
+    let head = msg.find("<?xml").or_else(|| msg.find('<')).map_or(msg, |i| &msg[..i]);
+    let head = head.trim_end().trim_end_matches(':');
+    let hint = match code.as_str() {
+        "SignatureDoesNotMatch" | "InvalidAccessKeyId" => {
+            "wrong credentials: check the access key and secret (AWS_ACCESS_KEY_ID and \
+             AWS_SECRET_ACCESS_KEY, or the profile's)"
+        }
+        "AccessDenied" => {
+            "these credentials may not do this (docs/object-storage.md lists the permissions needed)"
+        }
+        "RequestTimeTooSkewed" => "this machine's clock is too far from the store's: fix the clock",
+        "AuthorizationHeaderMalformed" | "PermanentRedirect" => {
+            "wrong region: set AWS_REGION to the bucket's region"
+        }
+        "NoSuchBucket" => "no such bucket",
+        "SlowDown" | "ServiceUnavailable" | "InternalError" => {
+            "the store is busy or failing (retried until the bound)"
+        }
+        _ => "",
+    };
+    let message = tag("Message").unwrap_or_default();
+    match hint {
+        "" => format!("{code}: {message} ({head})"),
+        h => format!("{code}: {h} ({head})"),
+    }
+}
+
 /// An error with its chain of causes (object_store's own text stops at the first).
 fn full_message(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
@@ -320,4 +357,22 @@ fn full_message(e: &(dyn std::error::Error + 'static)) -> String {
         src = c.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::explain;
+
+    #[test]
+    fn store_errors_are_explained() {
+        let m = "Generic S3 error: Error performing GET http://h/b/k in 2ms - Server returned non-2xx status code: \
+                 403 Forbidden: <?xml version=\"1.0\"?><Error><Code>RequestTimeTooSkewed</Code><Message>The difference \
+                 is too large</Message></Error>";
+        let e = explain(m);
+        assert!(e.starts_with("RequestTimeTooSkewed: this machine's clock"), "{e}");
+        assert!(e.contains("403 Forbidden)") && !e.contains("<?xml"), "{e}");
+        let e = explain("... 400 Bad Request: <Error><Code>Odd</Code><Message>Why</Message></Error>");
+        assert!(e.starts_with("Odd: Why ("), "{e}");
+        assert_eq!(explain("connection refused"), "connection refused");
+    }
 }
