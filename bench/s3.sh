@@ -643,6 +643,10 @@ for ((r = 1; r <= ROUNDS; r++)); do
 		hm=$(python3 -c "print(f'{$h * 1000:.2f}')")
 		dm=$(python3 -c "print(f'{$d * 1000:.2f}')")
 		say "round $r latency $lat ms: HEAD median $hm ms through $ENDPOINT, $dm ms directly ($HEADS requests each)"
+		# Toxiproxy adds its own hop: warn when the difference strays from LATENCY by more
+		# than 2 ms or a fifth.
+		python3 -c "import sys; d = $hm - $dm - $lat; sys.exit(abs(d) > max(2, $lat / 5))" ||
+			say "WARNING: the added latency measured $(python3 -c "print(f'{$hm - $dm:.2f}')") ms, not $lat ms"
 		# seconds: the median through the endpoint in use; rate: directly.
 		record round="$r" latency_ms="$lat" job=head config=curl ok=1 seconds="$h" rate="$d" unit=s ops="$HEADS"
 		for job in "${JOB_LIST[@]}"; do
