@@ -101,8 +101,10 @@
 #     HEADS       HEAD requests per latency check (default 30)
 #     VERIFY      first (default): cmp every download with the source in round 1; all; none
 #     DIR         work directory (default: the argument, else /work/tmp/bench-s3); needs
-#                 about 12 x SIZE free (source, store, download, the store's garbage until
-#                 it is vacuumed after each round)
+#                 about 12 x SIZE free: the source, the download, the images and uploads in
+#                 the store (about 7 x SIZE), and what one run leaves as garbage in the store's
+#                 volumes (up to about 3 x SIZE: the overwritten objects of randwrite), which
+#                 is vacuumed after every run, untimed
 #     LIGHTFOOT   the binary (default ../target/release/lightfoot beside this script)
 #     WEED, TOXIPROXY  binaries to use instead of the cached builds
 #
@@ -256,7 +258,9 @@ mkdir -p -- "$DIR/weed"
 say "starting SeaweedFS on 127.0.0.1:$P_S3 (S3), data in $DIR/weed"
 # Without the clients' keys: SeaweedFS makes an identity of AWS_ACCESS_KEY_ID and
 # AWS_SECRET_ACCESS_KEY when they are set, and then refuses the anonymous requests of curl.
-env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY "$WEED" server -dir="$DIR/weed" -ip=127.0.0.1 -ip.bind=127.0.0.1 -volume.max=0 -s3 \
+# Volumes of 1 GiB (not 30): a vacuum compacts one at a time, so the garbage goes soon.
+env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY "$WEED" server -dir="$DIR/weed" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
+	-volume.max=64 -master.volumeSizeLimitMB=1024 -s3 \
 	-master.port="$P_MASTER" -volume.port="$P_VOLUME" -filer.port="$P_FILER" -s3.port="$P_S3" \
 	-metricsPort="$P_METRICS" >"$DIR/logs/weed.log" 2>&1 &
 WEED_PID=$!
@@ -332,7 +336,9 @@ say "writing the images into the store (64K objects${BEST_BYTES:+, $BEST objects
 write_image "data-$PEER_OBJECT" "$PEER_OBJECT"
 [[ -z $BEST_BYTES ]] || write_image "data-$BEST" "$BEST"
 
-vacuum() { curl -s -o /dev/null "http://127.0.0.1:$P_MASTER/vol/vacuum?garbageThreshold=0.01" || true; }
+# The store's volumes keep overwritten and deleted objects until vacuumed: after every run,
+# untimed (the master answers when the compaction is done).
+vacuum() { curl -s -o /dev/null --max-time 600 "http://127.0.0.1:$P_MASTER/vol/vacuum?garbageThreshold=0.05" || true; }
 
 # --- configurations ----------------------------------------------------------------------
 
@@ -550,6 +556,7 @@ run_nbd() { # ROUND LATENCY JOB CONFIG
 	record round="$round" latency_ms="$lat" job="$job" config="$c" ok="$([[ -z $err ]] && echo 1 || echo 0)" \
 		seconds="$seconds" rate="$rate" unit="$unit" ops="$ops" req="$req" lf="$lf" rss_kib="$rss" cpu_s="$cpu" \
 		left_objects="$left" verified=- steal_pct="$steal" error="${err//,/;}"
+	vacuum
 	if [[ -n $err ]]; then
 		FAILED=1
 		say "!!! round $round ${lat} ms $job $(config_name "$c"): $err (see $base.*)"
@@ -617,6 +624,7 @@ run_copy() { # ROUND LATENCY DIRECTION CONFIG
 	record round="$round" latency_ms="$lat" job="copy-$dir" config="$c" ok="$([[ -z $err ]] && echo 1 || echo 0)" \
 		seconds="$seconds" rate="$rate" unit=MiB/s req="$req" lf="$lf" rss_kib="$rss" cpu_s="$cpu" \
 		cached_bytes="$cached" dirty_bytes="$dirty" verified="$verified" steal_pct="$steal" error="${err//,/;}"
+	vacuum
 	if [[ -n $err ]]; then
 		FAILED=1
 		say "!!! round $round ${lat} ms copy-$dir $(config_name "$c"): $err (see $base.log)"
@@ -662,7 +670,6 @@ for ((r = 1; r <= ROUNDS; r++)); do
 			fi
 		done
 	done
-	vacuum
 done
 
 rev=$(git -C "$HERE/.." describe --always --dirty 2>/dev/null || echo unknown)
