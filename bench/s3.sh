@@ -55,12 +55,12 @@
 #                  object size as the minimum block size, so a libnbd client cannot send 4 KiB
 #                  requests without it (the filter turns them into 64 KiB reads and
 #                  read-modify-writes, as nbdkit's users run it). nbdcopy and trim need no filter.
-#   lightfoot copy lightfoot copy --json SRC s3://bench/up-lightfoot --object-size
-#                  COPY_OBJECT_SIZE (8M): lightfoot cannot write one object yet (multipart upload
-#                  is not built); ONE_OBJECT=1 drops --object-size once it can. Back:
-#                  lightfoot copy --json s3://bench/up-lightfoot dst.img. With ONE_OBJECT=0 the
-#                  downloads also have "lightfoot (one object)": lightfoot reading the object
-#                  aws-cli (else rclone) uploaded, as the peers read theirs.
+#   lightfoot copy lightfoot copy --json SRC s3://bench/up-lightfoot: one object (a multipart
+#                  upload), as the peers write; back: lightfoot copy --json
+#                  s3://bench/up-lightfoot dst.img. ONE_OBJECT=0 uploads block objects instead
+#                  (--object-size COPY_OBJECT_SIZE, 8M: for a binary older than lightfoot's
+#                  multipart upload), and the downloads then also have "lightfoot (one
+#                  object)": lightfoot reading the object aws-cli (else rclone) uploaded.
 #   rclone         rclone copyto src.img s3bench:bench/up-rclone and back; an s3 remote from the
 #                  environment (RCLONE_CONFIG_S3BENCH_*: provider Other, endpoint, path style,
 #                  keys), rclone's defaults: one PUT below 200 MiB (--s3-upload-cutoff), else
@@ -80,6 +80,8 @@
 # Requests: SeaweedFS's own counters (its Prometheus endpoint, -metricsPort) are read before
 # and after each run (after the server stopped), for every tool alike: GET (the store counts
 # HEAD as GET), PUT (a multipart part is a PUT), DELETE (a multi-object delete is one), LIST.
+# They include, for a writable lightfoot, its lease (KEY/lightfoot.lease): a PUT every 10 s to
+# renew it and a DELETE at exit to release it.
 # lightfoot's own counts come from `serve --stats --json` (field "s3") and `copy --json`
 # ("requests"), printed as n/a by a binary without them.
 #
@@ -96,8 +98,9 @@
 #     RUNTIME     seconds per fio run (default 30)
 #     BEST        lightfoot's own object size for the lightfoot BEST configurations
 #                 (default 1M; empty or 64K: none)
-#     COPY_OBJECT_SIZE  lightfoot copy's --object-size for uploads (default 8M)
-#     ONE_OBJECT  1: lightfoot copy uploads one object (no --object-size; not supported yet)
+#     COPY_OBJECT_SIZE  lightfoot copy's --object-size for uploads with ONE_OBJECT=0 (default 8M)
+#     ONE_OBJECT  1 (default): lightfoot copy uploads one object; 0: block objects of
+#                 COPY_OBJECT_SIZE
 #     HEADS       HEAD requests per latency check (default 30)
 #     VERIFY      first (default): cmp every download with the source in round 1; all; none
 #     DIR         work directory (default: the argument, else /work/tmp/bench-s3); needs
@@ -129,7 +132,7 @@ JOBS=${JOBS:-nbdcopy seqread randwrite trim copy}
 RUNTIME=${RUNTIME:-30}
 BEST=${BEST-1M}
 COPY_OBJECT_SIZE=${COPY_OBJECT_SIZE:-8M}
-ONE_OBJECT=${ONE_OBJECT:-0}
+ONE_OBJECT=${ONE_OBJECT:-1}
 HEADS=${HEADS:-30}
 VERIFY=${VERIFY:-first}
 DIR=${DIR:-${1:-/work/tmp/bench-s3}}

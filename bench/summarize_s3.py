@@ -188,8 +188,9 @@ def main():
     lines.append(
         f"{rounds} round(s), medians. Ratios: median over rounds of lightfoot's figure over the peer's in the "
         "same round and latency. Store requests: SeaweedFS's counters around the run (a HEAD counts as a "
-        "GET, a multipart part as a PUT, a multi-object delete as one DELETE), read after the server "
-        "started, so they leave out its opening; lightfoot's own counts include it (the manifest's GET, "
+        "GET, a multipart part as a PUT, a multi-object delete as one DELETE; a writable lightfoot's "
+        "lease adds a PUT every 10 s and a DELETE at exit), read after the server started, so they leave "
+        "out its opening; lightfoot's own counts include it (the manifest's GET, "
         "the LIST of its objects). Only ratios within one run of the benchmark are comparable.")
     text = "\n".join(lines) + "\n"
     with open(table_path, "w") as f:
