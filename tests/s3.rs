@@ -505,6 +505,38 @@ fn refused_requests_are_errors_not_zeroes() {
     assert!(text(&out).contains("AccessDenied: these credentials may not do this"), "{}", text(&out));
 }
 
+/// A store with a certificate of its own CA: trusted through AWS_CA_BUNDLE, refused without
+/// it (the system's CAs do not know it), and no warning about plain HTTP either way.
+#[test]
+fn https_with_a_ca_bundle() {
+    let certs = certs::Certs::new();
+    let (cert, key) = (certs.server.join("server-cert.pem"), certs.server.join("server-key.pem"));
+    let w = Seaweed::start_full(None, Some((&cert, &key)));
+    w.bucket("disks");
+    let https = w.https_endpoint.clone().unwrap();
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    random_file(&src, 256 * KIB);
+    let run = |args: &[&str], ca: Option<&Path>| {
+        let mut c = w.command("timeout");
+        c.args(["-k", "10", "60", bin()]).args(args).env("AWS_ENDPOINT_URL", &https);
+        if let Some(ca) = ca {
+            c.env("AWS_CA_BUNDLE", ca);
+        }
+        c.output().unwrap()
+    };
+    let ca = certs.server.join("ca-cert.pem");
+    let up = run(&["copy", src.to_str().unwrap(), "s3://disks/tls.img"], Some(&ca));
+    assert!(up.status.success(), "{}", text(&up));
+    assert!(!text(&up).contains("plain HTTP"), "{}", text(&up));
+    let back = dir.path().join("back.img");
+    let down = run(&["copy", "s3://disks/tls.img", back.to_str().unwrap()], Some(&ca));
+    assert!(down.status.success() && same_contents(&src, &back), "{}", text(&down));
+    let refused = run(&["copy", "s3://disks/tls.img", back.to_str().unwrap()], None);
+    assert!(!refused.status.success(), "a certificate of an unknown CA was accepted");
+    assert!(text(&refused).contains("certificate is not trusted here: AWS_CA_BUNDLE"), "{}", text(&refused));
+}
+
 /// What goes wrong is said clearly, with a failing exit and nothing written.
 #[test]
 fn bad_input_gets_a_clear_error() {

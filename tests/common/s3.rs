@@ -14,6 +14,8 @@ pub struct Seaweed {
     child: Child,
     /// `http://127.0.0.1:PORT` of the S3 gateway.
     pub endpoint: String,
+    /// `https://localhost:PORT`, when started with a certificate.
+    pub https_endpoint: Option<String>,
     pub s3_port: u16,
     _dir: tempfile::TempDir,
 }
@@ -54,6 +56,12 @@ impl Seaweed {
     /// [`Self::start`] with identities (`-s3.config`, SeaweedFS's JSON): `s3_config` names
     /// them and what each may do.
     pub fn start_with(s3_config: Option<&str>) -> Seaweed {
+        Self::start_full(s3_config, None)
+    }
+
+    /// [`Self::start_with`], and with `tls` (a certificate and its key, PEM) an HTTPS port as
+    /// well, at [`Seaweed::https_endpoint`].
+    pub fn start_full(s3_config: Option<&str>, tls: Option<(&Path, &Path)>) -> Seaweed {
         let dir = tempfile::Builder::new().prefix("lightfoot-weed").tempdir().unwrap();
         let (master, volume, filer, s3) =
             (free_port_pair(), free_port_pair(), free_port_pair(), free_port_pair());
@@ -64,6 +72,13 @@ impl Seaweed {
             std::fs::write(&path, json).unwrap();
             extra.push(format!("-s3.config={}", path.display()));
         }
+        let https = tls.map(|(cert, key)| {
+            let port = free_port_pair();
+            extra.push(format!("-s3.port.https={port}"));
+            extra.push(format!("-s3.cert.file={}", cert.display()));
+            extra.push(format!("-s3.key.file={}", key.display()));
+            format!("https://localhost:{port}")
+        });
         let child = Command::new(weed())
             .arg("server")
             .arg(format!("-dir={}", dir.path().display()))
@@ -87,7 +102,13 @@ impl Seaweed {
             .stderr(log)
             .spawn()
             .expect("start weed server");
-        let w = Seaweed { child, endpoint: format!("http://127.0.0.1:{s3}"), s3_port: s3, _dir: dir };
+        let w = Seaweed {
+            child,
+            endpoint: format!("http://127.0.0.1:{s3}"),
+            https_endpoint: https,
+            s3_port: s3,
+            _dir: dir,
+        };
         assert!(
             within(60, || w.request("GET", "/", b"").is_some_and(|(code, _)| code == 200)),
             "SeaweedFS did not start"

@@ -316,7 +316,15 @@ fn explain(msg: &str) -> String {
         let start = msg.find(&open)? + open.len();
         Some(msg[start..start + msg[start..].find(&close)?].to_string())
     };
-    let Some(code) = tag("Code") else { return msg.to_string() };
+    let Some(code) = tag("Code") else {
+        if msg.contains("invalid peer certificate") {
+            return format!(
+                "the store's certificate is not trusted here: AWS_CA_BUNDLE names the CA of a \
+                 store with certificates of its own ({msg})"
+            );
+        }
+        return msg.to_string();
+    };
     let head = msg.find("<?xml").or_else(|| msg.find('<')).map_or(msg, |i| &msg[..i]);
     let head = head.trim_end().trim_end_matches(':');
     let hint = match code.as_str() {
