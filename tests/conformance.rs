@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use std::time::Duration;
 
+use common::s3::Gateway;
 use lightfoot::backend::s3::{S3Config, S3Options, S3Uri};
 use lightfoot::backend::{Backend, FileBackend, MemoryBackend, NbdBackend, NullBackend, S3Backend};
 use lightfoot::filters::coalesce::CoalesceConfig;

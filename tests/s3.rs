@@ -6,77 +6,21 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 
-use common::s3::Seaweed;
+use common::s3::{Gateway, S3Served, Seaweed};
 use common::*;
 
 const KIB: u64 = 1 << 10;
 
-/// Runs lightfoot with the store's environment, under `timeout`.
 fn lf(w: &Seaweed, args: &[&str]) -> Output {
-    w.command("timeout").args(["-k", "10", "300", bin()]).args(args).output().unwrap()
-}
-
-fn ok(out: Output) -> String {
-    assert!(out.status.success(), "{}", text(&out));
-    text(&out)
+    w.lightfoot(300, args)
 }
 
 /// The JSON summary a successful `copy --json` printed.
 fn json_of(out: Output) -> serde_json::Value {
     assert!(out.status.success(), "{}", text(&out));
     serde_json::from_slice(&out.stdout).unwrap()
-}
-
-/// `lightfoot serve` of an s3:// image on a Unix socket in `dir`.
-struct S3Served {
-    child: Child,
-    sock: std::path::PathBuf,
-}
-
-impl S3Served {
-    fn start(w: &Seaweed, dir: &Path, uri: &str, extra: &[&str]) -> S3Served {
-        let sock = dir.join(format!("s3-{}.sock", std::process::id() ^ rand_tag()));
-        let child = w
-            .command(bin())
-            .args(["serve", "--unix"])
-            .arg(&sock)
-            .args(extra)
-            .arg(uri)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        assert!(within(30, || sock.exists()), "server did not create {}", sock.display());
-        S3Served { child, sock }
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.sock.display())
-    }
-
-    fn stop(mut self) -> String {
-        use std::io::Read;
-        let _ = Command::new("kill").arg(self.child.id().to_string()).status();
-        let mut err = String::new();
-        if let Some(mut e) = self.child.stderr.take() {
-            let _ = e.read_to_string(&mut err);
-        }
-        let st = self.child.wait().unwrap();
-        assert!(st.success(), "server: {st}: {err}");
-        err
-    }
-}
-
-impl Drop for S3Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn rand_tag() -> u32 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos()
 }
 
 /// Block objects of `key` in `bucket`, as block numbers.

@@ -45,6 +45,13 @@ pub fn text(out: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
+/// Asserts that a command succeeded; its output.
+#[track_caller]
+pub fn ok(out: Output) -> String {
+    assert!(out.status.success(), "{}", text(&out));
+    text(&out)
+}
+
 /// Asserts that `name` is installed (`make test` installs Debian's `package`).
 pub fn need(name: &str, package: &str) {
     let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().unwrap();

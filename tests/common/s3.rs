@@ -1,14 +1,17 @@
 //! A real S3-compatible store for the tests: SeaweedFS (`weed server -s3`: master, volume
 //! server, filer and S3 gateway in one process) on loopback ports of its own, in a scratch
-//! folder, killed when the test ends. `scripts/build-seaweedfs.sh` builds `weed` once per
-//! machine (`make test` runs it first; `WEED=` points at one already built).
+//! folder, killed when the test ends. It is a [`Gateway`]: what a test does through the S3
+//! API. [`S3Served`] is a `lightfoot serve` of an image in it. `scripts/build-seaweedfs.sh`
+//! builds `weed` once per machine (`make test` runs it first; `WEED=` points at one already
+//! built).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
 
-use super::within;
+use super::{bin, within, Served};
 
 pub struct Seaweed {
     child: Child,
@@ -116,9 +119,57 @@ impl Seaweed {
         w
     }
 
+    /// The SIGKILL of the whole store (every component is in this one process).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Gateway for Seaweed {
+    fn s3_port(&self) -> u16 {
+        self.s3_port
+    }
+}
+
+impl Drop for Seaweed {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One anonymous HTTP/1.1 request to `127.0.0.1:port`; the status and body, `None` when
+/// nothing answered within 30 s.
+fn http(port: u16, method: &str, path: &str, body: &[u8]) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).ok()?;
+    s.write_all(body).ok()?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).ok()?;
+    let text = String::from_utf8_lossy(&out).to_string();
+    let code = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    Some((code, body))
+}
+
+/// What a test does through a store's S3 gateway, whichever store it is.
+pub trait Gateway {
+    /// The S3 gateway's port on 127.0.0.1.
+    fn s3_port(&self) -> u16;
+
+    /// `http://127.0.0.1:PORT` of the S3 gateway.
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.s3_port())
+    }
+
     /// Makes bucket `name` and waits until an object can be written into it (the first
     /// volume is allocated on the first write).
-    pub fn bucket(&self, name: &str) {
+    fn bucket(&self, name: &str) {
         let (code, body) = self.request("PUT", &format!("/{name}"), b"").expect("create bucket");
         assert!(code == 200, "create bucket {name}: {code} {body}");
         assert!(
@@ -132,26 +183,12 @@ impl Seaweed {
 
     /// One anonymous HTTP/1.1 request (this store accepts them: no identities configured);
     /// the status and body.
-    pub fn request(&self, method: &str, path: &str, body: &[u8]) -> Option<(u16, String)> {
-        let mut s = TcpStream::connect(("127.0.0.1", self.s3_port)).ok()?;
-        s.set_read_timeout(Some(std::time::Duration::from_secs(30))).ok()?;
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            self.s3_port,
-            body.len()
-        );
-        s.write_all(head.as_bytes()).ok()?;
-        s.write_all(body).ok()?;
-        let mut out = Vec::new();
-        s.read_to_end(&mut out).ok()?;
-        let text = String::from_utf8_lossy(&out).to_string();
-        let code = text.split_whitespace().nth(1)?.parse().ok()?;
-        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-        Some((code, body))
+    fn request(&self, method: &str, path: &str, body: &[u8]) -> Option<(u16, String)> {
+        http(self.s3_port(), method, path, body)
     }
 
     /// The object names under `prefix` (ListObjectsV2, one page: tests keep under 1,000).
-    pub fn list(&self, bucket: &str, prefix: &str) -> Vec<String> {
+    fn list(&self, bucket: &str, prefix: &str) -> Vec<String> {
         let (code, body) =
             self.request("GET", &format!("/{bucket}?list-type=2&prefix={prefix}"), b"").expect("list");
         assert_eq!(code, 200, "{body}");
@@ -162,17 +199,23 @@ impl Seaweed {
     }
 
     /// The environment a client of this store runs with.
-    pub fn env(&self) -> Vec<(&'static str, String)> {
+    fn env(&self) -> Vec<(&'static str, String)> {
         vec![
-            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_ENDPOINT_URL", self.endpoint()),
             ("AWS_ACCESS_KEY_ID", "lightfoot-test".into()),
             ("AWS_SECRET_ACCESS_KEY", "lightfoot-test-secret".into()),
             ("AWS_REGION", "us-east-1".into()),
         ]
     }
 
+    /// Runs lightfoot with this store's environment to completion, under `timeout SECS` (a
+    /// hang fails the test with status 124).
+    fn lightfoot(&self, secs: u64, args: &[&str]) -> Output {
+        self.command("timeout").args(["-k", "10", &secs.to_string(), bin()]).args(args).output().unwrap()
+    }
+
     /// `cmd` with this store's environment (and no profile of the user's).
-    pub fn command(&self, cmd: impl AsRef<std::ffi::OsStr>) -> Command {
+    fn command(&self, cmd: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut c = Command::new(cmd);
         for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("AWS_")) {
             c.env_remove(k);
@@ -181,16 +224,60 @@ impl Seaweed {
         c.envs(self.env());
         c
     }
-
-    /// The SIGKILL of the whole store (every component is in this one process).
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
-impl Drop for Seaweed {
-    fn drop(&mut self) {
-        self.kill();
+/// `lightfoot serve` of an `s3://` image on a Unix socket in a folder, with the store's
+/// environment: a [`Served`] whose stderr goes to a file beside the socket (a pipe nobody
+/// reads would stop a server that logs many errors).
+pub struct S3Served {
+    served: Served,
+    pub sock: PathBuf,
+    log: PathBuf,
+}
+
+impl S3Served {
+    pub fn start(w: &impl Gateway, dir: &Path, uri: &str, extra: &[&str]) -> S3Served {
+        let tag = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let sock = dir.join(format!("s3-{}.sock", std::process::id() ^ tag));
+        let log = sock.with_extension("log");
+        let child = w
+            .command(bin())
+            .args(["serve", "--unix"])
+            .arg(&sock)
+            .args(extra)
+            .arg(uri)
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut s = S3Served { served: Served { child, sock: sock.clone() }, sock, log };
+        assert!(within(30, || s.sock.exists()), "server did not create {}: {}", s.sock.display(), s.stderr());
+        assert!(s.alive(), "server exited: {}", s.stderr());
+        s
+    }
+
+    pub fn uri(&self) -> String {
+        self.served.uri()
+    }
+
+    pub fn alive(&mut self) -> bool {
+        matches!(self.served.child.try_wait(), Ok(None))
+    }
+
+    /// What the server wrote to stderr so far.
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM; asserts a clean exit and returns what the server wrote to stderr.
+    pub fn stop(self) -> String {
+        let (st, _) = self.served.stop();
+        let err = std::fs::read_to_string(&self.log).unwrap_or_default();
+        assert!(st.success(), "server: {st}: {err}");
+        err
+    }
+
+    /// SIGKILL: nothing the server held is written anywhere after this.
+    pub fn kill9(self) {
+        self.served.kill9();
     }
 }
