@@ -35,15 +35,20 @@ pub fn weed() -> PathBuf {
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
-/// A port `p` such that `p` and `p + 10000` (SeaweedFS's gRPC port for it) are free now.
+/// A port `p` such that `p` and `p + 10000` (SeaweedFS's gRPC port for it) are free now, and
+/// never given before in this process: the tests of one binary run at once, and a port free
+/// when one store looked may be bound by another's process before its own starts.
 fn free_port_pair() -> u16 {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap();
     loop {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let p = l.local_addr().unwrap().port();
-        if p > 55000 {
+        if p > 55000 || given.iter().any(|&g| [p, p + 10000].contains(&g) || g + 10000 == p) {
             continue;
         }
         if TcpListener::bind(("127.0.0.1", p + 10000)).is_ok() {
+            given.push(p);
             return p;
         }
     }
