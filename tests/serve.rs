@@ -6,7 +6,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -502,17 +502,8 @@ except nbd.Error as e:
     assert "ESHUTDOWN" in str(e), e
 print("ok")
 "#;
-    let mut py = Command::new("/usr/bin/python3")
-        .args(["-c", script])
-        .env("URI", s.uri())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    let mut stdout = std::io::BufReader::new(py.stdout.take().unwrap());
-    std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+    let (mut py, mut stdout, line) =
+        spawn_until_line(Command::new("/usr/bin/python3").args(["-c", script]).env("URI", s.uri()));
     assert_eq!(line.trim(), "connected");
     let sock = s.sock.clone();
     let pid = s.child.id();

@@ -4,8 +4,9 @@
 pub mod certs;
 pub mod s3;
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, ChildStdout, Command, Output, Stdio};
 
 use lightfoot::io::residency;
 
@@ -72,16 +73,37 @@ pub fn tool(name: &str, package: &str) -> Command {
 /// python3-libnbd), `$URI` set to `uri`. Under `timeout 300`: a client left waiting for a
 /// reply fails its test (status 124) instead of holding CI until its limit.
 pub fn libnbd(script: &str, uri: &str) -> Output {
+    libnbd_within(300, script, uri)
+}
+
+/// [`libnbd`] under `timeout SECS`.
+pub fn libnbd_within(secs: u64, script: &str, uri: &str) -> Output {
+    libnbd_command(secs, script, uri).output().expect("run timeout and /usr/bin/python3")
+}
+
+/// The command [`libnbd_within`] runs, for a client to spawn and talk to through pipes.
+pub fn libnbd_command(secs: u64, script: &str, uri: &str) -> Command {
     let probe = Command::new("/usr/bin/python3").args(["-c", "import nbd"]).output();
     assert!(
         probe.map(|o| o.status.success()).unwrap_or(false),
         "python3-libnbd is missing: `make test` installs it"
     );
-    Command::new("timeout")
-        .args(["-k", "10", "300", "/usr/bin/python3", "-c", script])
-        .env("URI", uri)
-        .output()
-        .expect("run timeout and /usr/bin/python3")
+    let mut c = Command::new("timeout");
+    c.args(["-k", "10", &secs.to_string(), "/usr/bin/python3", "-c", script]).env("URI", uri);
+    c
+}
+
+/// Spawns `cmd` with pipes to its stdin, stdout and stderr and waits for the first line it
+/// prints: a client that says how far it got, then waits on its stdin to go on. Returns the
+/// child (stdin open, stdout taken), the rest of its stdout, and that line (empty if it ended
+/// first).
+pub fn spawn_until_line(cmd: &mut Command) -> (Child, BufReader<ChildStdout>, String) {
+    let mut child =
+        cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn");
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    (child, stdout, line)
 }
 
 /// True as root; otherwise says on stderr that the test (`what`: its name and why it needs
