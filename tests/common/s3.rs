@@ -1,9 +1,14 @@
-//! A real S3-compatible store for the tests: SeaweedFS (`weed server -s3`: master, volume
-//! server, filer and S3 gateway in one process) on loopback ports of its own, in a scratch
-//! folder, killed when the test ends. It is a [`Gateway`]: what a test does through the S3
-//! API. [`S3Served`] is a `lightfoot serve` of an image in it. `scripts/build-seaweedfs.sh`
-//! builds `weed` once per machine (`make test` runs it first; `WEED=` points at one already
-//! built).
+//! Real S3-compatible stores for the tests: SeaweedFS on loopback ports of their own, in a
+//! scratch folder, killed when the test ends.
+//!
+//! - [`Seaweed`]: `weed server -s3`, master, volume server, filer and S3 gateway in one
+//!   process.
+//! - [`Cluster`]: the same as separate processes, with two volume servers that each hold a
+//!   replica of every object, for the fault tests to kill and restart one part at a time.
+//!
+//! Both are a [`Gateway`]: what a test does through the S3 API. [`S3Served`] is a
+//! `lightfoot serve` of an image in either. `scripts/build-seaweedfs.sh` builds `weed` once per
+//! machine (`make test` runs it first; `WEED=` points at one already built).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -228,6 +233,244 @@ pub trait Gateway {
         c.env("AWS_CONFIG_FILE", "/dev/null").env("AWS_SHARED_CREDENTIALS_FILE", "/dev/null");
         c.envs(self.env());
         c
+    }
+}
+
+/// One `weed` process of a [`Cluster`], with the arguments to start it again as it was (same
+/// ports, same folder), its output appended to `NAME.log`.
+struct Daemon {
+    name: &'static str,
+    weed: PathBuf,
+    args: Vec<String>,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Daemon {
+    /// `weed COMMAND ARGS...` on loopback, listening there and advertised there to the others
+    /// (the default is the machine's first address).
+    fn new(weed: &Path, dir: &Path, name: &'static str, command: &str, args: Vec<String>) -> Daemon {
+        let mut all = vec![command.to_string(), "-ip=127.0.0.1".into(), "-ip.bind=127.0.0.1".into()];
+        all.extend(args);
+        Daemon {
+            name,
+            weed: weed.to_path_buf(),
+            args: all,
+            log: dir.join(format!("{name}.log")),
+            child: None,
+        }
+    }
+
+    fn start(&mut self) {
+        assert!(self.child.is_none(), "{} is running already", self.name);
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let child = Command::new(&self.weed)
+            .args(&self.args)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start weed {}: {e}", self.name));
+        self.child = Some(child);
+    }
+
+    /// SIGKILL, and reaped: nothing of it is left when this returns.
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn alive(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// The last lines of its log, for a failed assertion.
+    fn tail(&self) -> String {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        let last = lines[lines.len().saturating_sub(20)..].join("\n");
+        format!("weed {}, the end of its log:\n{last}", self.name)
+    }
+}
+
+/// SeaweedFS as separate processes: a master with `-defaultReplication=001` (every volume
+/// on two volume servers of one rack), two volume servers, a filer and an S3 gateway. Writes
+/// need both replicas; reads need one. The parts can be killed (SIGKILL) and volume servers
+/// started again on their ports and folders, as after a crash.
+pub struct Cluster {
+    s3_port: u16,
+    master_port: u16,
+    volume_ports: [u16; 2],
+    master: Daemon,
+    volumes: [Daemon; 2],
+    filer: Daemon,
+    s3: Daemon,
+    _dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    /// Starts the parts in order, each once the one it needs answers: the master; both volume
+    /// servers, until the master lists them (with replication 001 a volume grows only on two
+    /// servers, and the filer's first write would fail with one); then the filer and the
+    /// gateway, until the gateway answers S3 requests. About 5 s. The first write into a bucket
+    /// ([`Gateway::bucket`] waits for it) takes 10 s more: a new filer announces itself to the
+    /// master only after 10 s of seeing no other filer, and the gateway's writes wait for the
+    /// lock ring that announcement forms ("FILER LOCK: no lock server found" until then).
+    pub fn start() -> Cluster {
+        let weed = weed();
+        let dir = tempfile::Builder::new().prefix("lightfoot-weed-cluster").tempdir().unwrap();
+        let d = dir.path();
+        let [master_port, v0, v1, filer_port, s3_port] = [(); 5].map(|_| free_port_pair());
+        let folder = |name: &str| {
+            let p = d.join(name);
+            std::fs::create_dir(&p).unwrap();
+            p.display().to_string()
+        };
+        let daemon = |name, command, args| Daemon::new(&weed, d, name, command, args);
+        let master = daemon(
+            "master",
+            "master",
+            vec![
+                format!("-port={master_port}"),
+                format!("-mdir={}", folder("master")),
+                "-defaultReplication=001".into(),
+                "-peers=none".into(),
+                "-telemetry=false".into(),
+            ],
+        );
+        let volumes = [("volume0", v0), ("volume1", v1)].map(|(name, port)| {
+            daemon(
+                name,
+                "volume",
+                vec![
+                    format!("-port={port}"),
+                    format!("-dir={}", folder(name)),
+                    format!("-master=127.0.0.1:{master_port}"),
+                    // A bucket is a collection with volumes of its own (two at a time with
+                    // 001), beside the filer's six: room for a few buckets.
+                    "-max=16".into(),
+                ],
+            )
+        });
+        let filer = daemon(
+            "filer",
+            "filer",
+            vec![
+                format!("-port={filer_port}"),
+                format!("-master=127.0.0.1:{master_port}"),
+                format!("-defaultStoreDir={}", folder("filer")),
+                // Not its default /tmp/seaweedfs-filer-PORT.sock, which a kill leaves behind.
+                format!("-localSocket={}", d.join("filer.sock").display()),
+            ],
+        );
+        let s3 = daemon(
+            "s3",
+            "s3",
+            vec![
+                format!("-port={s3_port}"),
+                format!("-filer=127.0.0.1:{filer_port}"),
+                format!("-localSocket={}", d.join("s3.sock").display()),
+                // Off: their default ports (8181, 9101) are the same for every gateway.
+                "-port.iceberg=0".into(),
+                "-port.lance=0".into(),
+            ],
+        );
+        let mut c =
+            Cluster { s3_port, master_port, volume_ports: [v0, v1], master, volumes, filer, s3, _dir: dir };
+        c.master.start();
+        // Ours and alive: were it to die on a port taken meanwhile, another store's master
+        // there would answer, and take our volume servers.
+        let up = within(30, || {
+            c.master.alive()
+                && http(master_port, "GET", "/dir/status", b"").is_some_and(|(code, _)| code == 200)
+        });
+        assert!(up && c.master.alive(), "the master did not start: {}", c.master.tail());
+        for v in &mut c.volumes {
+            v.start();
+        }
+        let mut want = c.volume_ports.to_vec();
+        want.sort_unstable();
+        let both = within(30, || c.data_nodes() == want);
+        assert!(both, "the master lists volume servers {:?}, not {want:?}", c.data_nodes());
+        c.filer.start();
+        c.s3.start();
+        // An S3 answer (a list of buckets) from ours: another store's server could hold the port.
+        let answers = within(60, || {
+            c.s3.alive()
+                && c.request("GET", "/", b"")
+                    .is_some_and(|(code, body)| code == 200 && body.contains("ListAllMyBucketsResult"))
+        });
+        assert!(
+            answers && c.s3.alive(),
+            "the S3 gateway does not answer: {}\n{}",
+            c.s3.tail(),
+            c.filer.tail()
+        );
+        c
+    }
+
+    /// The ports of the volume servers the master counts as up, in order.
+    fn data_nodes(&self) -> Vec<u16> {
+        let Some((200, body)) = http(self.master_port, "GET", "/dir/status", b"") else {
+            return Vec::new();
+        };
+        let status: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        let mut ports: Vec<u16> = status["Topology"]["DataCenters"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|dc| dc["Racks"].as_array().into_iter().flatten())
+            .flat_map(|rack| rack["DataNodes"].as_array().into_iter().flatten())
+            .filter_map(|n| n["Url"].as_str()?.rsplit_once(':')?.1.parse().ok())
+            .collect();
+        ports.sort_unstable();
+        ports
+    }
+
+    /// SIGKILLs volume server `i` (0 or 1) and waits until the master has dropped it: from
+    /// then on, the volumes hold one replica and take no writes.
+    pub fn kill_volume(&mut self, i: usize) {
+        self.volumes[i].kill();
+        let port = self.volume_ports[i];
+        assert!(
+            within(30, || !self.data_nodes().contains(&port)),
+            "the master still lists the killed volume server {port}"
+        );
+    }
+
+    /// Starts volume server `i` again (same port, same folder) and waits until the master
+    /// lists it.
+    pub fn restart_volume(&mut self, i: usize) {
+        self.volumes[i].start();
+        let port = self.volume_ports[i];
+        assert!(
+            within(30, || self.data_nodes().contains(&port)),
+            "volume server {port} did not come back: {}",
+            self.volumes[i].tail()
+        );
+    }
+
+    /// SIGKILLs the S3 gateway: every S3 request is refused from then on.
+    pub fn kill_gateway(&mut self) {
+        self.s3.kill();
+    }
+}
+
+impl Gateway for Cluster {
+    fn s3_port(&self) -> u16 {
+        self.s3_port
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.s3.kill();
+        self.filer.kill();
+        for v in &mut self.volumes {
+            v.kill();
+        }
+        self.master.kill();
     }
 }
 
