@@ -7,7 +7,8 @@
 //! - writes with one of the two down fail with EIO within the retry bound, never hang, and
 //!   the same server takes writes again once it is back;
 //! - with no data readable, then with the gateway down too, `copy` fails naming the object
-//!   and `serve` answers EIO, both within the bound, and `serve` keeps running;
+//!   (and the offset, once past the open) and `serve` answers EIO, both within the bound, and
+//!   `serve` keeps running;
 //! - what a client flushed survives a kill -9 of the server.
 //!
 //! The bound: store::Limits retries a request for at most 10 s (and 20 retries), an attempt
@@ -224,7 +225,7 @@ print(json.dumps(r))
 /// 1. Both volume servers down: the filer still answers LISTs, and 404s from its metadata,
 ///    but every GET of data gets 500 at once. An image without a manifest (as nbdkit's plugin
 ///    writes them) opens from its LIST alone, so `copy` gets as far as the blocks and fails
-///    naming the object. A read gets EIO.
+///    naming the object and its offset in the image. A read gets EIO.
 /// 2. The gateway killed too (every connection refused): `copy` fails at open naming the
 ///    object it could not read. A read gets EIO.
 #[test]
@@ -237,7 +238,11 @@ fn a_failing_store_fails_copy_and_reads_within_the_bound() {
     c.kill_volume(0);
     c.kill_volume(1);
     let msg = copy_and_read_fail(&c, &mut s, dir.path());
-    assert!(msg.contains("read s3://disks/img/0"), "the message names no block: {msg}");
+    // "read s3://disks/img/000000000000000b at offset 720896 (length 65536): …"
+    let named = msg.split("read s3://disks/img/").nth(1).unwrap_or_else(|| panic!("no object named: {msg}"));
+    let block = u64::from_str_radix(&named[..16], 16).unwrap_or_else(|e| panic!("{e}: {msg}"));
+    let at = format!(" at offset {} (length {OBJECT})", block * OBJECT);
+    assert!(named[16..].starts_with(&at), "wanted '{at}' after the object's name: {msg}");
 
     c.kill_gateway();
     let msg = copy_and_read_fail(&c, &mut s, dir.path());

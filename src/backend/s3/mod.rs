@@ -340,7 +340,11 @@ impl S3Backend {
             futures::stream::iter(want.into_iter().map(|(b, r, at)| async move {
                 let key = self.block_key(b);
                 let whole = r.start == 0 && r.end == object_size;
-                let got = self.store.get(&key, (!whole).then(|| r.clone()), None).await?;
+                let got = self
+                    .store
+                    .get(&key, (!whole).then(|| r.clone()), None)
+                    .await
+                    .map_err(|e| in_image(e, b, &r, object_size))?;
                 if let Some((_, meta)) = &got {
                     if meta.size != object_size {
                         return Err(wrong_size(&self.store.uri(&key), meta.size, object_size));
@@ -375,7 +379,7 @@ impl S3Backend {
         let results: Vec<(usize, Bytes)> = self.store.run(
             futures::stream::iter(pieces.into_iter().map(|(at, i)| async move {
                 let n = PIECE.min(total - i as u64);
-                match self.store.get(&self.key, Some(at..at + n), etag).await? {
+                match self.store.get(&self.key, Some(at..at + n), etag).await.map_err(|e| e.at(at, n))? {
                     Some((b, _)) if b.len() as u64 == n => Ok((i, b)),
                     Some((b, meta)) => {
                         Err(Error::new(ErrorKind::Io, "read").path(&self.name).at(at, n).detail(format!(
@@ -470,6 +474,7 @@ impl S3Backend {
         store.run(
             futures::stream::iter(updates.into_iter().map(|(b, r, piece)| async move {
                 let key = self.block_key(b);
+                let here = |e: Error| in_image(e, b, &r, os);
                 let _g = lock_of(b).lock().await;
                 let exists = present.lock().unwrap().contains(&b);
                 let body = if r.start == 0 && r.end == os {
@@ -480,7 +485,7 @@ impl S3Backend {
                         return Ok(());
                     }
                     let mut obj = match exists {
-                        true => match store.get(&key, None, None).await? {
+                        true => match store.get(&key, None, None).await.map_err(here)? {
                             Some((old, meta)) if meta.size == os && old.len() as u64 == os => {
                                 BytesMut::from(&old[..])
                             }
@@ -496,7 +501,7 @@ impl S3Backend {
                     }
                     obj.freeze()
                 };
-                store.put(&key, body, PutMode::Overwrite).await?;
+                store.put(&key, body, PutMode::Overwrite).await.map_err(here)?;
                 present.lock().unwrap().insert(b);
                 Ok::<_, Error>(())
             }))
@@ -692,6 +697,13 @@ fn config_of(opts: &S3Options, name: &str) -> Result<S3Config> {
             S3Config::from_env().map_err(|e| Error::new(ErrorKind::InvalidInput, "open").path(name).detail(e))
         }
     }
+}
+
+/// `e`, a failed request for block `b`, with the part of the image the caller asked for in it
+/// (`range` within that block): the store's error names the object, and a user (or `copy`'s
+/// message) wants the offset in the image too, as every other backend gives it.
+fn in_image(e: Error, b: u64, range: &Range<u64>, object_size: u64) -> Error {
+    e.at(b * object_size + range.start, range.end - range.start)
 }
 
 fn bad(name: &str, detail: String) -> Error {
