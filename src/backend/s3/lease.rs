@@ -43,6 +43,10 @@ const MARGIN: Duration = Duration::from_secs(8);
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Record {
     holder: String,
+    /// Random, one writer's own: tells its lease from another writer's of the same `holder`
+    /// text (containers can share a pid and a hostname). Absent from older leases.
+    #[serde(default)]
+    token: String,
     /// Seconds since the epoch.
     expires: u64,
 }
@@ -78,6 +82,7 @@ struct State {
     store: Arc<Store>,
     name: String,
     holder: String,
+    token: String,
     etag: Mutex<Option<String>>,
     /// When (ms since the epoch) the last successful renewal was started.
     renewed_ms: AtomicU64,
@@ -97,8 +102,9 @@ impl Lease {
         let name = format!("{key}/{LEASE}");
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let holder = format!("lightfoot pid {} on {}", std::process::id(), host.trim());
+        let token = new_token();
         let started = now_ms();
-        let body = || record(&holder);
+        let body = || record(&holder, &token);
         let etag = match store.run(store.put(&name, body(), PutMode::Create))? {
             Some((etag, version)) => {
                 warn_if_versioned(&store, &name, version.as_deref());
@@ -143,6 +149,7 @@ impl Lease {
             store,
             name,
             holder,
+            token,
             etag: Mutex::new(etag),
             renewed_ms: AtomicU64::new(started),
             lost: AtomicBool::new(false),
@@ -179,27 +186,73 @@ impl State {
                 return;
             }
             drop(stop);
-            let started = now_ms();
-            let etag = self.etag.lock().unwrap().clone();
-            let update = UpdateVersion { e_tag: etag, version: None };
-            match self.store.run(self.store.put(&self.name, record(&self.holder), PutMode::Update(update))) {
-                Ok(Some((etag, _))) => {
-                    *self.etag.lock().unwrap() = etag;
-                    self.renewed_ms.store(started, Relaxed);
-                }
-                Ok(None) => {
-                    tracing::error!(
-                        "{}: the lease was taken by another writer: writes stop",
-                        self.store.uri(&self.name)
-                    );
-                    self.lost.store(true, Relaxed);
-                    return;
-                }
-                // Tried again at the next round; writes stop by themselves if it never works.
-                Err(e) => tracing::warn!("renewing the lease: {e}"),
+            if !self.renew() {
+                tracing::error!(
+                    "{}: the lease was taken by another writer: writes stop",
+                    self.store.uri(&self.name)
+                );
+                self.lost.store(true, Relaxed);
+                return;
             }
             stop = self.stop.lock().unwrap();
         }
+    }
+
+    /// One renewal; false when the lease has become another writer's. A failure to reach the
+    /// store is not that: it is tried again at the next round, and writes stop by themselves
+    /// if it never works.
+    fn renew(&self) -> bool {
+        // Twice at most: again at once when the lease turns out to be still ours.
+        for _ in 0..2 {
+            let started = now_ms();
+            let etag = self.etag.lock().unwrap().clone();
+            let update = UpdateVersion { e_tag: etag, version: None };
+            match self.store.run(self.store.put(
+                &self.name,
+                record(&self.holder, &self.token),
+                PutMode::Update(update),
+            )) {
+                Ok(Some((etag, _))) => {
+                    *self.etag.lock().unwrap() = etag;
+                    self.renewed_ms.store(started, Relaxed);
+                    return true;
+                }
+                // The ETag changed. Our own renewal that timed out may have landed since: a
+                // store can finish a request its client gave up on (SeaweedFS's gateway goes
+                // on for 30 s waiting for a writable volume, and stores it then, its If-Match
+                // still true). The lease is still ours if it still carries our token: go on
+                // from its ETag.
+                Ok(None) => match self.still_ours() {
+                    Ok(Some(etag)) => {
+                        tracing::warn!(
+                            "{}: a late renewal of ours landed: going on",
+                            self.store.uri(&self.name)
+                        );
+                        *self.etag.lock().unwrap() = etag;
+                    }
+                    Ok(None) => return false,
+                    Err(e) => {
+                        tracing::warn!("renewing the lease: {e}");
+                        return true;
+                    }
+                },
+                Err(e) => {
+                    tracing::warn!("renewing the lease: {e}");
+                    return true;
+                }
+            }
+        }
+        true
+    }
+
+    /// The ETag of the lease if it is this writer's (its token), `None` if it is gone or
+    /// someone else's.
+    fn still_ours(&self) -> Result<Option<Option<String>>> {
+        let Some((bytes, meta)) = self.store.run(self.store.get(&self.name, None, None))? else {
+            return Ok(None);
+        };
+        let ours = serde_json::from_slice::<Record>(&bytes).is_ok_and(|r| r.token == self.token);
+        Ok(ours.then_some(meta.etag))
     }
 }
 
@@ -230,8 +283,19 @@ impl Drop for Lease {
     }
 }
 
-fn record(holder: &str) -> Bytes {
-    let r = Record { holder: holder.to_string(), expires: now_secs() + TTL.as_secs() };
+/// 64 random bits in hex: std's hasher keys come from the OS's randomness, fresh in each
+/// process.
+fn new_token() -> String {
+    use std::hash::BuildHasher;
+    format!(
+        "{:016x}",
+        std::collections::hash_map::RandomState::new().hash_one((std::process::id(), now_ms()))
+    )
+}
+
+fn record(holder: &str, token: &str) -> Bytes {
+    let r =
+        Record { holder: holder.to_string(), token: token.to_string(), expires: now_secs() + TTL.as_secs() };
     Bytes::from(serde_json::to_vec(&r).expect("lease serializes"))
 }
 
