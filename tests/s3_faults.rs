@@ -6,7 +6,7 @@
 //! - reads go on with either volume server killed, through `serve` and `copy`;
 //! - writes with one of the two down fail with EIO within the retry bound, never hang, and
 //!   the same server takes writes again once it is back;
-//! - with no data readable, then with the gateway down too, `copy` fails naming the object
+//! - with no data readable, then with the gateway down, `copy` fails naming the object
 //!   (and the offset, once past the open) and `serve` answers EIO, both within the bound, and
 //!   `serve` keeps running;
 //! - what a client flushed survives a kill -9 of the server.
@@ -235,8 +235,8 @@ print(json.dumps(r))
 ///    but every GET of data gets 500 at once. An image without a manifest (as nbdkit's plugin
 ///    writes them) opens from its LIST alone, so `copy` gets as far as the blocks and fails
 ///    naming the object and its offset in the image. A read gets EIO.
-/// 2. The gateway killed too (every connection refused): `copy` fails at open naming the
-///    object it could not read. A read gets EIO.
+/// 2. The volume servers back, the gateway killed (every connection refused): `copy` fails
+///    at open naming the object it could not read. A read gets EIO.
 #[test]
 fn a_failing_store_fails_copy_and_reads_within_the_bound() {
     let dir = scratch();
@@ -253,6 +253,9 @@ fn a_failing_store_fails_copy_and_reads_within_the_bound() {
     let at = format!(" at offset {} (length {OBJECT})", block * OBJECT);
     assert!(named[16..].starts_with(&at), "wanted '{at}' after the object's name: {msg}");
 
+    // The gateway alone: with the volume servers back, everything but it works.
+    c.restart_volume(0);
+    c.restart_volume(1);
     c.kill_gateway();
     let msg = copy_and_read_fail(&c, &mut s, dir.path());
     assert!(msg.contains("s3://disks/img/"), "the message names no object: {msg}");
