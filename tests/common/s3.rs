@@ -248,9 +248,15 @@ struct Daemon {
 
 impl Daemon {
     /// `weed COMMAND ARGS...` on loopback, listening there and advertised there to the others
-    /// (the default is the machine's first address).
+    /// (the default is the machine's first address), logging to stderr only (the default
+    /// also writes files in /tmp that outlive the test).
     fn new(weed: &Path, dir: &Path, name: &'static str, command: &str, args: Vec<String>) -> Daemon {
-        let mut all = vec![command.to_string(), "-ip=127.0.0.1".into(), "-ip.bind=127.0.0.1".into()];
+        let mut all = vec![
+            "-logtostderr=true".to_string(),
+            command.to_string(),
+            "-ip=127.0.0.1".into(),
+            "-ip.bind=127.0.0.1".into(),
+        ];
         all.extend(args);
         Daemon {
             name,
