@@ -324,6 +324,32 @@ h.flush()
     }
 }
 
+/// Writes are conditional on the version they build on: an object created behind the server's
+/// back (by a writer that ignores the lease, as nbdkit's plugin does) is read and patched,
+/// not replaced by zeroes around the server's bytes.
+#[test]
+fn an_object_changed_behind_the_server_is_not_overwritten_unseen() {
+    let w = Seaweed::start();
+    w.bucket("disks");
+    let dir = scratch();
+    let s = S3Served::start(&w, dir.path(), "s3://disks/cw", &["--object-size", "4K", "--size", "64K"]);
+    // Object 5 did not exist at open; someone else writes it whole.
+    let (code, _) = w.request("PUT", "/disks/cw/0000000000000005", &[b'o'; 4096]).unwrap();
+    assert_eq!(code, 200);
+    let script = r#"
+import os, nbd
+h = nbd.NBD()
+h.connect_uri(os.environ["URI"])
+h.pwrite(b"n" * 100, 5 * 4096 + 1000)
+h.flush()
+got = h.pread(4096, 5 * 4096)
+assert got == b"o" * 1000 + b"n" * 100 + b"o" * 2996, got[:1200]
+"#;
+    let out = libnbd(script, &s.uri());
+    assert!(out.status.success(), "{}", text(&out));
+    s.stop();
+}
+
 /// One writer per block image: a second writer is refused while the first holds the lease,
 /// a reader sees the image as all data then (its map of objects could go stale), and
 /// --break-lease takes the image over: the first writer's writes fail with EIO from its next
@@ -572,10 +598,12 @@ fn secrets_never_show() {
         .unwrap();
     assert!(within(30, || sock.exists()));
     let uri = format!("nbd+unix:///?socket={}", sock.display());
-    let out = libnbd("import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\nh.pwrite(b'y' * 5000, 1000)\nh.pread(9000, 0)\nh.flush()\n", &uri);
-    assert!(out.status.success(), "{}", text(&out));
+    let client = libnbd("import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\nh.pwrite(b'y' * 5000, 1000)\nh.pread(9000, 0)\nh.flush()\n", &uri);
+    // Stopped before anything is asserted: a failed assertion must not leave it running.
     let _ = Command::new("kill").arg(server.id().to_string()).status();
     let out = server.wait_with_output().unwrap();
+    assert!(client.status.success(), "{}", text(&client));
+    seen += &text(&client);
     assert!(text(&out).contains("object storage: "), "--stats counts no requests: {}", text(&out));
     seen += &text(&out);
     assert!(seen.contains("TRACE") || seen.contains("DEBUG"), "ran without verbose output: {seen}");

@@ -93,6 +93,7 @@ impl Seaweed {
             format!("https://localhost:{port}")
         });
         let child = Command::new(weed())
+            .arg("-logtostderr=true")
             .arg("server")
             .arg(format!("-dir={}", dir.path().display()))
             // Volume slots are counted against free disk in units of the volume size limit
@@ -110,6 +111,12 @@ impl Seaweed {
             .arg(format!("-volume.port={volume}"))
             .arg(format!("-filer.port={filer}"))
             .arg(format!("-s3.port={s3}"))
+            // The filer's and the gateway's sockets go into the scratch folder, not /tmp, where
+            // every killed store would leave them (and its logs to weed.log: -logtostderr,
+            // before `server`). Its gRPC sockets, /tmp/seaweedfs-*-grpc-PORT.sock, have no flag.
+            .arg(format!("-filer.localSocket={}", dir.path().join("filer.sock").display()))
+            .arg(format!("-s3.localSocket={}", dir.path().join("s3.sock").display()))
+            .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
             .args(&extra)
             .stdout(log.try_clone().unwrap())
             .stderr(log)

@@ -21,13 +21,13 @@ pub mod lease;
 pub mod store;
 mod upload;
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
-use object_store::PutMode;
+use object_store::{PutMode, UpdateVersion};
 
 pub use config::{S3Config, S3Uri};
 pub use store::{Limits, Requests, Store};
@@ -49,6 +49,9 @@ const PIECE: u64 = 8 << 20;
 
 /// Stripes of the per-object write locks.
 const LOCKS: usize = 1024;
+
+/// Block number → ETag of the existing objects of a block image.
+type Present = BTreeMap<u64, Option<String>>;
 
 /// How an `s3://` endpoint is opened.
 #[derive(Debug, Clone, Default)]
@@ -87,9 +90,10 @@ enum Layout {
     Upload(upload::Upload),
     Blocks {
         object_size: u64,
-        /// The blocks that exist, from a LIST at open kept current by this process's own
-        /// writes and deletes (see [`S3Backend::extents`]).
-        present: Mutex<BTreeSet<u64>>,
+        /// The blocks that exist, with the ETag of the version this process last saw (`None`:
+        /// the store gave none), from a LIST at open kept current by this process's own
+        /// writes and deletes (see [`S3Backend::extents`] and [`S3Backend::change`]).
+        present: Mutex<Present>,
         /// No other writer can change the image behind the map: this process holds the
         /// lease, or nobody did when it was opened read-only.
         map_current: bool,
@@ -218,8 +222,9 @@ impl S3Backend {
         };
         // Which blocks exist, and that each is whole.
         let listed = store.run(store.list(&key))?;
-        let mut present = BTreeSet::new();
-        for (k, len) in listed {
+        let mut present = Present::new();
+        for (k, meta) in listed {
+            let len = meta.size;
             let Some(b) = block_number(&key, &k) else { continue };
             if b >= blocks {
                 tracing::warn!("{}: beyond the image's {blocks} objects: ignored", store.uri(&k));
@@ -230,7 +235,7 @@ impl S3Backend {
                     "the object is {len} bytes, not the image's object size {object_size}"
                 )));
             }
-            present.insert(b);
+            present.insert(b, meta.etag);
         }
         if opts.writable && manifest.is_none() {
             let m = Manifest { format: FORMAT.into(), version: 1, size, object_size };
@@ -318,7 +323,7 @@ impl S3Backend {
         buf: &mut [u8],
         offset: u64,
         object_size: u64,
-        present: &Mutex<BTreeSet<u64>>,
+        present: &Mutex<Present>,
     ) -> Result<()> {
         let pieces = split(offset, buf.len() as u64, object_size);
         let want: Vec<(u64, Range<u64>, usize)> = {
@@ -327,7 +332,7 @@ impl S3Backend {
             let mut v = Vec::new();
             for (b, r) in pieces {
                 let n = (r.end - r.start) as usize;
-                if p.contains(&b) {
+                if p.contains_key(&b) {
                     v.push((b, r, at));
                 } else {
                     buf[at..at + n].fill(0);
@@ -446,7 +451,7 @@ impl S3Backend {
         if !deletes.is_empty() {
             let known: Vec<u64> = {
                 let p = present.lock().unwrap();
-                deletes.iter().copied().filter(|b| p.contains(b)).collect()
+                deletes.iter().copied().filter(|b| p.contains_key(b)).collect()
             };
             if !known.is_empty() {
                 let mut stripes: Vec<usize> =
@@ -476,34 +481,64 @@ impl S3Backend {
                 let key = self.block_key(b);
                 let here = |e: Error| in_image(e, b, &r, os);
                 let _g = lock_of(b).lock().await;
-                let exists = present.lock().unwrap().contains(&b);
-                let body = if r.start == 0 && r.end == os {
-                    Bytes::copy_from_slice(piece.expect("a whole object of zeroes is deleted"))
-                } else {
-                    if !exists && piece.is_none() {
-                        // Zeroing part of a missing object: it reads as zeroes already.
+                let whole = r.start == 0 && r.end == os;
+                // Every PUT is conditional on the version it was based on (If-Match, or
+                // If-None-Match: * for an object we know not to exist). A write of ours that
+                // the store still carries out after we gave up on it (a timed-out request can
+                // land later) then cannot replace a later one, and an object someone else
+                // changed is read again rather than overwritten unseen.
+                // `known`: None, no object; Some(etag), the version this write builds on.
+                let mut known: Option<Option<String>> = present.lock().unwrap().get(&b).cloned();
+                for _ in 0..3 {
+                    let body = if whole {
+                        Bytes::copy_from_slice(piece.expect("a whole object of zeroes is deleted"))
+                    } else {
+                        if known.is_none() && piece.is_none() {
+                            // Zeroing part of a missing object: it reads as zeroes already.
+                            return Ok(());
+                        }
+                        let mut obj = BytesMut::zeroed(os as usize);
+                        if known.is_some() {
+                            known = match store.get(&key, None, None).await.map_err(here)? {
+                                Some((old, meta)) if meta.size == os && old.len() as u64 == os => {
+                                    obj.copy_from_slice(&old);
+                                    Some(meta.etag)
+                                }
+                                Some((_, meta)) => return Err(wrong_size(&store.uri(&key), meta.size, os)),
+                                None => None,
+                            };
+                        }
+                        let dst = &mut obj[r.start as usize..r.end as usize];
+                        match piece {
+                            Some(p) => dst.copy_from_slice(p),
+                            None => dst.fill(0),
+                        }
+                        obj.freeze()
+                    };
+                    let mode = match &known {
+                        None => PutMode::Create,
+                        Some(Some(e)) => {
+                            PutMode::Update(UpdateVersion { e_tag: Some(e.clone()), version: None })
+                        }
+                        // A store that gives no ETags: nothing to be conditional on.
+                        Some(None) => PutMode::Overwrite,
+                    };
+                    if let Some((etag, _)) = store.put(&key, body, mode).await.map_err(here)? {
+                        present.lock().unwrap().insert(b, etag);
                         return Ok(());
                     }
-                    let mut obj = match exists {
-                        true => match store.get(&key, None, None).await.map_err(here)? {
-                            Some((old, meta)) if meta.size == os && old.len() as u64 == os => {
-                                BytesMut::from(&old[..])
-                            }
-                            Some((_, meta)) => return Err(wrong_size(&store.uri(&key), meta.size, os)),
-                            None => BytesMut::zeroed(os as usize),
-                        },
-                        false => BytesMut::zeroed(os as usize),
+                    // Changed behind this write: learn what is there now, and go again.
+                    tracing::debug!("{}: changed by another request: written again", store.uri(&key));
+                    known = store.head(&key).await.map_err(here)?.map(|m| m.etag);
+                    let mut p = present.lock().unwrap();
+                    match &known {
+                        Some(e) => p.insert(b, e.clone()),
+                        None => p.remove(&b),
                     };
-                    let dst = &mut obj[r.start as usize..r.end as usize];
-                    match piece {
-                        Some(p) => dst.copy_from_slice(p),
-                        None => dst.fill(0),
-                    }
-                    obj.freeze()
-                };
-                store.put(&key, body, PutMode::Overwrite).await.map_err(here)?;
-                present.lock().unwrap().insert(b);
-                Ok::<_, Error>(())
+                }
+                Err(here(Error::new(ErrorKind::Io, "write").path(store.uri(&key)).detail(
+                    "the object kept changing while it was being written (another writer without the lease?)",
+                )))
             }))
             .buffer_unordered(IN_FLIGHT)
             .try_collect::<Vec<()>>(),
@@ -629,8 +664,11 @@ impl Backend for S3Backend {
         let p = present.lock().unwrap();
         let mut out: Vec<Extent> = Vec::new();
         for (b, r) in split(offset, len.min(self.size.saturating_sub(offset)), *object_size) {
-            let e =
-                if p.contains(&b) { Extent::data(r.end - r.start) } else { Extent::hole(r.end - r.start) };
+            let e = if p.contains_key(&b) {
+                Extent::data(r.end - r.start)
+            } else {
+                Extent::hole(r.end - r.start)
+            };
             match out.last_mut() {
                 Some(last) if last.hole == e.hole => last.len += e.len,
                 _ => out.push(e),

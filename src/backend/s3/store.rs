@@ -291,13 +291,13 @@ impl Store {
         Ok(())
     }
 
-    /// Every object under `prefix` + `/`, with its size.
-    pub async fn list(&self, prefix: &str) -> Result<Vec<(String, u64)>> {
+    /// Every object under `prefix` + `/`, with its size and ETag.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<(String, Meta)>> {
         self.counters.list.fetch_add(1, Relaxed);
         let items: Vec<_> = self
             .s3
             .list(Some(&Path::from(prefix)))
-            .map_ok(|m| (m.location.to_string(), m.size))
+            .map_ok(|m| (m.location.to_string(), Meta { size: m.size, etag: m.e_tag }))
             .try_collect()
             .await
             .map_err(|e| self.error("list", prefix, &e))?;
