@@ -25,16 +25,10 @@ if [ -x "$bin" ]; then
     echo "$bin"
     exit 0
 fi
-command -v go >/dev/null || { echo "build-seaweedfs: needs the Go toolchain (go) or WEED=" >&2; exit 1; }
-
+. "$(dirname "$0")/go-module.sh"
 mkdir -p "$cache"
-work=$(mktemp -d)
-trap 'chmod -R u+w "$work" 2>/dev/null; rm -rf "$work"' EXIT
 echo "build-seaweedfs: building weed $VERSION (about 5 minutes, once)" >&2
-dir=$(go mod download -json "github.com/seaweedfs/seaweedfs@$VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
-[ -d "$dir" ] || { echo "build-seaweedfs: go mod download gave no folder for $VERSION" >&2; exit 1; }
-cp -R "$dir" "$work/src"
-chmod -R u+w "$work/src"
+go_module_source build-seaweedfs github.com/seaweedfs/seaweedfs "$VERSION"
 (cd "$work/src" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$work/weed" ./weed)
 mv "$work/weed" "$bin"
 echo "$bin"

@@ -26,17 +26,10 @@ if [ -x "$dest/toxiproxy-server" ] && [ -x "$dest/toxiproxy-cli" ]; then
     echo "$dest/toxiproxy-server"
     exit 0
 fi
-command -v go >/dev/null || PATH=$PATH:/usr/local/go/bin
-command -v go >/dev/null || { echo "build-toxiproxy: needs the Go toolchain (go) or TOXIPROXY=" >&2; exit 1; }
-
+. "$(dirname "$0")/go-module.sh"
 mkdir -p "$cache"
-work=$(mktemp -d)
-trap 'chmod -R u+w "$work" 2>/dev/null; rm -rf "$work"' EXIT
 echo "build-toxiproxy: building toxiproxy $VERSION (once)" >&2
-dir=$(go mod download -json "github.com/Shopify/toxiproxy/v2@$VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
-[ -d "$dir" ] || { echo "build-toxiproxy: go mod download gave no folder for $VERSION" >&2; exit 1; }
-cp -R "$dir" "$work/src"
-chmod -R u+w "$work/src"
+go_module_source build-toxiproxy github.com/Shopify/toxiproxy/v2 "$VERSION"
 (
     cd "$work/src"
     # The version the binaries report (`toxiproxy-server -version`), as upstream's Makefile sets it.
