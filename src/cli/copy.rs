@@ -269,13 +269,12 @@ pub fn run(args: CopyArgs) -> i32 {
             return 2;
         }
     };
-    // Requests of whole objects into an s3:// block image: a piece of one would be read,
-    // patched and written back by the next request again.
-    let request_size = args.request_size.or_else(|| {
-        let o = args.s3.object_size? as usize;
-        (o > 8 << 20).then_some(o.min(256 << 20))
-    });
-    let asked = Asked { workers: args.workers, request_size, connections: args.connections };
+    let asked = Asked {
+        workers: args.workers,
+        request_size: args.request_size,
+        connections: args.connections,
+        object_size: args.s3.object_size,
+    };
     let plan = match Plan::new(&src_ep, &dst_ep, asked) {
         Ok(p) => p,
         Err(e) => {

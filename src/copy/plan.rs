@@ -7,12 +7,14 @@ use super::{CopyOptions, Endpoint};
 use crate::backend::nbd::Target;
 use crate::error::{Error, ErrorKind, Result};
 
-/// What the user set (`--workers`, `--request-size`, `--connections`); `None`: choose.
+/// What the user set (`--workers`, `--request-size`, `--connections`, `--object-size`);
+/// `None`: choose.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Asked {
     pub workers: Option<u16>,
     pub request_size: Option<usize>,
     pub connections: Option<u16>,
+    pub object_size: Option<u64>,
 }
 
 /// How a copy between two endpoints is carried out.
@@ -61,10 +63,14 @@ impl Plan {
         } else {
             2
         });
+        // Into an s3:// block image, at least a whole object a request (up to the largest
+        // request): a piece of one would be read, patched and written back by the next
+        // request again.
+        let whole_objects = asked.object_size.map_or(0, |o| o.min(256 << 20) as usize);
         let request_size = asked.request_size.unwrap_or(if over_nbd {
             256 << 10
         } else if over_s3 {
-            8 << 20
+            whole_objects.max(8 << 20)
         } else {
             4 << 20
         });
@@ -125,6 +131,18 @@ mod tests {
         let few =
             Plan::new(&ep("nbd://h/e"), &ep("/b"), Asked { workers: Some(4), ..Asked::default() }).unwrap();
         assert_eq!((few.workers, few.interleave, few.many_in_flight), (4, false, false));
+    }
+
+    #[test]
+    fn object_storage_takes_whole_objects_a_request() {
+        let asked = |object_size| Asked { object_size, ..Asked::default() };
+        let plan = |o| Plan::new(&ep("/a"), &ep("s3://b/k"), asked(o)).unwrap();
+        assert_eq!((plan(None).workers, plan(None).request_size), (8, 8 << 20));
+        assert_eq!(plan(Some(1 << 20)).request_size, 8 << 20);
+        assert_eq!(plan(Some(32 << 20)).request_size, 32 << 20);
+        assert_eq!(plan(Some(1 << 30)).request_size, 256 << 20);
+        let set = Asked { request_size: Some(1 << 20), ..asked(Some(32 << 20)) };
+        assert_eq!(Plan::new(&ep("/a"), &ep("s3://b/k"), set).unwrap().request_size, 1 << 20);
     }
 
     #[test]
