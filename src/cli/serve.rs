@@ -245,12 +245,6 @@ pub fn run(a: ServeArgs) -> i32 {
         max_request: a.prefetch_max_request,
         ..PrefetchConfig::default()
     };
-    let remote = path.to_str().is_some_and(S3Uri::is_s3);
-    let cfg = StackConfig {
-        read_only: a.read_only,
-        prefetch: a.prefetch.then_some(prefetch).map(|p| if remote { p.for_round_trips() } else { p }),
-        coalesce: a.coalesce.then_some(coalesce).map(|c| if remote { c.for_round_trips() } else { c }),
-    };
     let s3 = match path.to_str().filter(|p| S3Uri::is_s3(p)) {
         None if a.s3.object_size.is_some() => {
             super::report(&"--object-size and --size are for s3:// images");
@@ -274,6 +268,12 @@ pub fn run(a: ServeArgs) -> i32 {
                 }
             }
         }
+    };
+    let remote = s3.is_some();
+    let cfg = StackConfig {
+        read_only: a.read_only,
+        prefetch: a.prefetch.then_some(prefetch).map(|p| if remote { p.for_round_trips() } else { p }),
+        coalesce: a.coalesce.then_some(coalesce).map(|c| if remote { c.for_round_trips() } else { c }),
     };
     let s3_stats = s3.clone();
     // Every open is a file of its own (readahead state and writeback errors are per open
