@@ -47,8 +47,13 @@ const IN_FLIGHT: usize = 64;
 /// Largest piece of a one-object image fetched by one range GET.
 const PIECE: u64 = 8 << 20;
 
-/// Stripes of the per-object write locks.
-const LOCKS: usize = 1024;
+/// Stripes of the per-object write locks: 2^10.
+const LOCK_BITS: u32 = 10;
+
+/// The stripe of the write lock of block `b`.
+fn lock_stripe(b: u64) -> usize {
+    crate::io::spread(b, LOCK_BITS)
+}
 
 /// Block number → ETag of the existing objects of a block image.
 type Present = BTreeMap<u64, Option<String>>;
@@ -254,7 +259,7 @@ impl S3Backend {
                 present: Mutex::new(present),
                 map_current,
                 lease,
-                locks: (0..LOCKS).map(|_| tokio::sync::Mutex::new(())).collect(),
+                locks: (0..1 << LOCK_BITS).map(|_| tokio::sync::Mutex::new(())).collect(),
             },
             size,
             writable: opts.writable,
@@ -274,6 +279,7 @@ impl S3Backend {
             key: uri.key.clone(),
             store,
             layout: Layout::Upload(up),
+            // Unused: the upload keeps its own (see `Backend::size`).
             size: size.unwrap_or(0),
             writable: true,
         })
@@ -444,7 +450,7 @@ impl S3Backend {
                 updates.push((b, r, piece));
             }
         }
-        let lock_of = |b: u64| &locks[(b as usize).wrapping_mul(0x9E37_79B9) % LOCKS];
+
         let store = &self.store;
         // Deletes first, batched, under the locks of their objects (taken in stripe order:
         // no two callers wait on each other).
@@ -454,8 +460,7 @@ impl S3Backend {
                 deletes.iter().copied().filter(|b| p.contains_key(b)).collect()
             };
             if !known.is_empty() {
-                let mut stripes: Vec<usize> =
-                    known.iter().map(|&b| (b as usize).wrapping_mul(0x9E37_79B9) % LOCKS).collect();
+                let mut stripes: Vec<usize> = known.iter().map(|&b| lock_stripe(b)).collect();
                 stripes.sort_unstable();
                 stripes.dedup();
                 store.run(async {
@@ -480,7 +485,7 @@ impl S3Backend {
             futures::stream::iter(updates.into_iter().map(|(b, r, piece)| async move {
                 let key = self.block_key(b);
                 let here = |e: Error| in_image(e, b, &r, os);
-                let _g = lock_of(b).lock().await;
+                let _g = locks[lock_stripe(b)].lock().await;
                 let whole = r.start == 0 && r.end == os;
                 // Every PUT is conditional on the version it was based on (If-Match, or
                 // If-None-Match: * for an object we know not to exist). A write of ours that
@@ -554,7 +559,7 @@ impl Backend for S3Backend {
 
     fn size(&self) -> Option<u64> {
         match &self.layout {
-            Layout::Upload(_) if self.size == 0 => None,
+            Layout::Upload(up) => up.size(),
             _ => Some(self.size),
         }
     }
@@ -573,7 +578,7 @@ impl Backend for S3Backend {
             can_extents: matches!(self.layout, Layout::Blocks { map_current: true, .. }),
             sequential: false,
             // An upload of a size not known in advance takes what comes.
-            growable: matches!(self.layout, Layout::Upload(_)) && self.size == 0,
+            growable: matches!(&self.layout, Layout::Upload(up) if up.size().is_none()),
             rotational: false,
             block: BlockSizes {
                 minimum: 1,

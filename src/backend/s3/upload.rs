@@ -66,6 +66,11 @@ impl Upload {
         Ok(Upload { part_size, size, state: Mutex::new(State { upload: Some(upload), ..State::default() }) })
     }
 
+    /// The object's size, where known in advance.
+    pub fn size(&self) -> Option<u64> {
+        self.size
+    }
+
     fn part_len(&self, p: u64, end: u64) -> u64 {
         self.part_size.min(end - p * self.part_size)
     }
