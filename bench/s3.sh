@@ -17,6 +17,8 @@
 # largest object nbdkit's plugin takes, at s3://bench/data-64K, and of lightfoot's own object
 # size BEST at s3://bench/data-BEST. Both servers read and write the same objects: the layout
 # is nbdkit's (KEY/%016x); lightfoot's manifest KEY/lightfoot.json is invisible to nbdkit.
+# For nbdcopy also as one object (the other layout, read-only for both servers), at
+# s3://bench/data-one (written by `lightfoot copy` without --object-size: a multipart upload).
 #
 # The jobs (JOBS), each run by every configuration below, one after the other:
 #   nbdcopy    `nbdcopy URI null:`: the whole image read sequentially (nbdcopy's defaults:
@@ -49,12 +51,18 @@
 #                  seqread, --coalesce in randwrite, each also without
 #   lightfoot BEST [--prefetch|--coalesce]
 #                  the same at lightfoot's own object size BEST (s3://bench/data-BEST)
+#   lightfoot one object
+#                  nbdcopy only: lightfoot serve -r --stats --json s3://bench/data-one (one
+#                  object: range GETs pinned to its ETag)
 #   nbdkit S3      nbdkit -f S3 endpoint-url=… access-key=… secret-key=… bucket=bench key=…
 #                  size=SIZE object-size=64K (nbdkit 1.32's defaults: 16 threads); in seqread
 #                  and randwrite with --filter=blocksize in front: the plugin advertises its
 #                  object size as the minimum block size, so a libnbd client cannot send 4 KiB
 #                  requests without it (the filter turns them into 64 KiB reads and
 #                  read-modify-writes, as nbdkit's users run it). nbdcopy and trim need no filter.
+#   nbdkit S3 one object
+#                  nbdcopy only: the same plugin without size= and object-size=, key=data-one
+#                  (one object: a range GET per request)
 #   lightfoot copy lightfoot copy --json SRC s3://bench/up-lightfoot: one object (a multipart
 #                  upload), as the peers write; back: lightfoot copy --json
 #                  s3://bench/up-lightfoot dst.img. ONE_OBJECT=0 uploads block objects instead
@@ -330,14 +338,21 @@ else
 	echo "size=$SIZE_BYTES random" >"$SRC.layout"
 fi
 
-# write_image KEY OBJECT_SIZE: SRC into s3://bench/KEY as block objects, directly (untimed).
+# write_image KEY OBJECT_SIZE: SRC into s3://bench/KEY as block objects, directly (untimed);
+# OBJECT_SIZE "one": as one object.
 write_image() {
-	AWS_ENDPOINT_URL=$DIRECT "$LIGHTFOOT" copy "$SRC" "s3://$BUCKET/$1" --object-size "$2" \
+	local os=(--object-size "$2")
+	[[ $2 != one ]] || os=()
+	AWS_ENDPOINT_URL=$DIRECT "$LIGHTFOOT" copy "$SRC" "s3://$BUCKET/$1" "${os[@]}" \
 		>>"$DIR/logs/setup.log" 2>&1 || die "could not write s3://$BUCKET/$1 (see $DIR/logs/setup.log)"
 }
-say "writing the images into the store (64K objects${BEST_BYTES:+, $BEST objects})"
+# The one-object image only when nbdcopy runs.
+NEED_ONE=""
+[[ " $JOBS " != *" nbdcopy "* ]] || NEED_ONE=1
+say "writing the images into the store (64K objects${BEST_BYTES:+, $BEST objects}${NEED_ONE:+, one object})"
 write_image "data-$PEER_OBJECT" "$PEER_OBJECT"
 [[ -z $BEST_BYTES ]] || write_image "data-$BEST" "$BEST"
+[[ -z $NEED_ONE ]] || write_image data-one one
 
 # The store's volumes keep overwritten and deleted objects until vacuumed: after every run,
 # untimed (the master answers when the compaction is done).
@@ -345,13 +360,15 @@ vacuum() { curl -s -o /dev/null --max-time 600 "http://127.0.0.1:$P_MASTER/vol/v
 
 # --- configurations ----------------------------------------------------------------------
 
-# Keys: lf-SIZE[-prefetch|-coalesce] (lightfoot serve at object size SIZE), nbdkit,
+# Keys: lf-SIZE[-prefetch|-coalesce] (lightfoot serve at object size SIZE), lf-one and
+# nbdkit-one (one object), nbdkit,
 # nbdkit-bs (with the blocksize filter); for copy: lightfoot, lightfoot-object, rclone, aws.
 configs_of() { # JOB: the configuration keys, in order
 	local p=lf-$PEER_OBJECT b=""
 	[[ -z $BEST_BYTES ]] || b=lf-$BEST
 	case $1 in
-	nbdcopy | trim) echo "$p" ${b:+"$b"} nbdkit ;;
+	nbdcopy) echo "$p" ${b:+"$b"} nbdkit lf-one nbdkit-one ;;
+	trim) echo "$p" ${b:+"$b"} nbdkit ;;
 	seqread) echo "$p" "$p-prefetch" ${b:+"$b" "$b-prefetch"} nbdkit-bs ;;
 	randwrite) echo "$p" "$p-coalesce" ${b:+"$b" "$b-coalesce"} nbdkit-bs ;;
 	copy-up)
@@ -370,9 +387,11 @@ configs_of() { # JOB: the configuration keys, in order
 
 config_name() {
 	case $1 in
+	lf-one) echo "lightfoot one object" ;;
 	lf-*-prefetch | lf-*-coalesce) echo "lightfoot $(object_of "$1") --${1##*-}" ;;
 	lf-*) echo "lightfoot $(object_of "$1")" ;;
 	nbdkit) echo "nbdkit S3 $PEER_OBJECT" ;;
+	nbdkit-one) echo "nbdkit S3 one object" ;;
 	nbdkit-bs) echo "nbdkit S3 $PEER_OBJECT + blocksize" ;;
 	lightfoot) echo "lightfoot copy" ;;
 	lightfoot-object) echo "lightfoot copy (one object)" ;;
@@ -381,9 +400,9 @@ config_name() {
 	esac
 }
 
-object_of() { # CONFIG: its object size
+object_of() { # CONFIG: its object size ("one": one object)
 	local s=${1#lf-}
-	[[ $1 == lf-* ]] && echo "${s%%-*}" || echo "$PEER_OBJECT"
+	if [[ $1 == *-one ]]; then echo one; elif [[ $1 == lf-* ]]; then echo "${s%%-*}"; else echo "$PEER_OBJECT"; fi
 }
 
 # server_cmd CONFIG JOB KEY: the server's command line in SCMD.
@@ -396,15 +415,19 @@ server_cmd() {
 		local extra=()
 		[[ $1 == *-prefetch ]] && extra=(--prefetch)
 		[[ $1 == *-coalesce ]] && extra=(--coalesce)
+		local geometry=(--object-size "$os" --size "$SIZE_BYTES")
+		[[ $os != one ]] || geometry=()
 		SCMD=("$LIGHTFOOT" serve --unix "$SOCK" --pid-file "$PIDF" --stats --json "${ro[@]}" "${extra[@]}"
-			"s3://$BUCKET/$3" --object-size "$os" --size "$SIZE_BYTES")
+			"s3://$BUCKET/$3" "${geometry[@]}")
 		;;
 	nbdkit*)
 		local filter=()
 		[[ $1 == nbdkit-bs ]] && filter=(--filter=blocksize)
+		local geometry=("size=$SIZE_BYTES" "object-size=$os")
+		[[ $os != one ]] || geometry=()
 		SCMD=(nbdkit -f -U "$SOCK" -P "$PIDF" "${ro[@]}" "${filter[@]}" S3 "endpoint-url=$ENDPOINT"
 			"access-key=$AWS_ACCESS_KEY_ID" "secret-key=$AWS_SECRET_ACCESS_KEY" "bucket=$BUCKET"
-			"key=$3" "size=$SIZE_BYTES" "object-size=$os")
+			"key=$3" "${geometry[@]}")
 		;;
 	esac
 }
@@ -503,7 +526,8 @@ run_nbd() { # ROUND LATENCY JOB CONFIG
 	local round=$1 lat=$2 job=$3 c=$4 base key os align err=""
 	base=$DIR/logs/r$1-${2}ms-$3-$4
 	os=$(object_of "$c")
-	align=$(to_bytes "$os" object)
+	align=$SIZE_BYTES
+	[[ $os == one ]] || align=$(to_bytes "$os" object)
 	if [[ $job == trim ]]; then
 		key=trim-$os
 		write_image "$key" "$os"

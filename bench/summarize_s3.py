@@ -31,6 +31,8 @@ COPY_JOBS = {
     "copy-down": "s3:// -> local file (the local file is the destination)",
 }
 NAMES = {
+    "lf-one": "lightfoot one object",
+    "nbdkit-one": "nbdkit S3 one object",
     "nbdkit": "nbdkit S3 64K",
     "nbdkit-bs": "nbdkit S3 64K + blocksize",
     "lightfoot": "lightfoot copy",
@@ -100,7 +102,11 @@ def steal(rows):
 def nbd_table(rows, job):
     title, unit = NBD_JOBS[job]
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    peer = next((c for c in configs if c.startswith("nbdkit")), None)
+    blocks = next((c for c in configs if c.startswith("nbdkit") and c != "nbdkit-one"), None)
+
+    def peer_of(c):
+        # Each layout against nbdkit in the same layout.
+        return "nbdkit-one" if c.endswith("-one") and "nbdkit-one" in configs else blocks
     better = "below 1: lightfoot faster" if unit == "s" else "above 1: lightfoot faster"
     out = [f"#### {job}: {title}", ""]
     head = f"| configuration | runs ok | {unit} | lightfoot / nbdkit ({better}) | store GET / PUT / DELETE / LIST "
@@ -117,7 +123,8 @@ def nbd_table(rows, job):
     for c in configs:
         mine = [r for r in rows if r["config"] == c]
         ok, text = runs(mine)
-        x = "–" if c == peer or peer is None else fmt(ratio(rows, c, peer), 3)
+        peer = peer_of(c)
+        x = "–" if c.startswith("nbdkit") or peer is None else fmt(ratio(rows, c, peer), 3)
         line = (f"| {name(c)} | {text} | {fmt(median(figure(r) for r in ok), 2 if unit != 'IOPS' else 0)} "
                 f"| {x} | {requests(ok, '', ['get', 'put', 'delete', 'list'])} ")
         if job in ("seqread", "randwrite"):

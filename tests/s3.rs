@@ -432,8 +432,8 @@ while time.time() < end:
 }
 
 /// A store with identities: a wrong secret is a clear error at open (and the secret stays
-/// out of it), and a caller that may not read gets an error, never zeroes (S3 answers 403
-/// where a missing key is not to be told apart from a forbidden one).
+/// out of it), a caller that may not read gets an error, never zeroes (S3 answers 403 where a
+/// missing key is not to be told apart from a forbidden one), and a skewed clock is named.
 #[test]
 fn refused_requests_are_errors_not_zeroes() {
     let config = r#"{"identities": [
@@ -473,6 +473,19 @@ fn refused_requests_are_errors_not_zeroes() {
     let out = as_("blind", "blind-secret-4567", &["copy", "s3://disks/img", b]);
     assert!(!out.status.success(), "a caller that may not read got data (or zeroes): {}", text(&out));
     assert!(text(&out).contains("AccessDenied: these credentials may not do this"), "{}", text(&out));
+    // A clock a year off: the store refuses the signature's date, and that is what is said.
+    let skewed = format!("http://127.0.0.1:{}", common::s3::skewing_proxy(w.s3_port()));
+    let out = w
+        .command("timeout")
+        .args(["-k", "10", "60", bin(), "copy", "s3://disks/img", b])
+        .env("AWS_ENDPOINT_URL", &skewed)
+        .env("AWS_ACCESS_KEY_ID", "writer")
+        .env("AWS_SECRET_ACCESS_KEY", "writer-secret-0123")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a request dated a year ago was let in: {}", text(&out));
+    assert!(text(&out).contains("RequestTimeTooSkewed: this machine's clock"), "{}", text(&out));
+    assert!(!back.exists(), "a failed copy created its destination");
 }
 
 /// A store with a certificate of its own CA: trusted through AWS_CA_BUNDLE, refused without

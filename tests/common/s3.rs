@@ -544,3 +544,62 @@ impl S3Served {
         self.served.kill9();
     }
 }
+
+/// A proxy on loopback in front of `port` that makes every request look a year older, as a
+/// client with a skewed clock sends it: the year in each `x-amz-date` header goes back by one
+/// (same length, so nothing else moves). The store sees a signed request dated a year ago and
+/// answers as it would that client (SeaweedFS checks the date before the signature). A header
+/// split across two reads would pass unchanged: the test then fails, it cannot pass wrongly.
+/// Returns the proxy's port; it serves until the test process ends.
+pub fn skewing_proxy(port: u16) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for client in listener.incoming().flatten() {
+            let Ok(store) = TcpStream::connect(("127.0.0.1", port)) else { continue };
+            let (mut c_in, mut s_out) = (client.try_clone().unwrap(), store.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 1 << 16];
+                while let Ok(n) = c_in.read(&mut buf) {
+                    if n == 0 || s_out.write_all(a_year_back(&mut buf[..n])).is_err() {
+                        break;
+                    }
+                }
+                let _ = s_out.shutdown(std::net::Shutdown::Write);
+            });
+            let (mut s_in, mut c_out) = (store, client);
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut s_in, &mut c_out);
+                let _ = c_out.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    proxy
+}
+
+/// `bytes` with the year of every `x-amz-date: YYYYMMDDTHHMMSSZ` one less (29 February
+/// becomes the 28th).
+fn a_year_back(bytes: &mut [u8]) -> &[u8] {
+    const NAME: &[u8] = b"x-amz-date:";
+    let mut i = 0;
+    while i + NAME.len() + 17 <= bytes.len() {
+        if bytes[i..i + NAME.len()].eq_ignore_ascii_case(NAME) {
+            let mut d = i + NAME.len();
+            while d < bytes.len() && bytes[d] == b' ' {
+                d += 1;
+            }
+            if d + 8 <= bytes.len() {
+                if let Some(year) =
+                    std::str::from_utf8(&bytes[d..d + 4]).ok().and_then(|y| y.parse::<u32>().ok())
+                {
+                    bytes[d..d + 4].copy_from_slice(format!("{:04}", year - 1).as_bytes());
+                    if &bytes[d + 4..d + 8] == b"0229" {
+                        bytes[d + 7] = b'8';
+                    }
+                }
+            }
+        }
+        i += 1;
+    }
+    bytes
+}

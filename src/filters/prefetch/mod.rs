@@ -12,7 +12,7 @@
 //!
 //! A read of at most `max_request` bytes is shown to the detector and served from the buffer
 //! when the buffer holds all of it, from the layer below otherwise. A read of a stream queues
-//! read-ahead of the next chunks past its frontier for background threads; the stream's window
+//! read-ahead of the chunks from its frontier on for background threads; the stream's window
 //! starts at 2 chunks, doubles (to 16) each time the stream is served from the buffer, and
 //! halves (to 1) each time a chunk read ahead for it is evicted before it was read. A stream
 //! that stops reading stops getting read-ahead; its chain ages out of the detector. The
@@ -220,7 +220,11 @@ impl ReadAhead {
     /// The read-ahead a read of a stream calls for.
     fn plan(&self, st: &mut State, chain: ChainId, frontier: u64, hit: bool) -> Vec<Job> {
         let cfg = &self.cfg;
-        let first = frontier.div_ceil(CHUNK) * CHUNK;
+        // From the chunk the frontier is in, not the next one: the stream's next reads are in
+        // it. Over a round trip of milliseconds, leaving it out made each of the up to 63 reads
+        // left in it (4 KiB each) a miss of a round trip, at every stream's start. The part of
+        // it already read is marked read when it lands.
+        let first = frontier / CHUNK * CHUNK;
         let w = st.windows.entry(chain).or_insert(Window { chunks: cfg.window_min, next: first });
         if hit {
             // The stream reads what was read ahead: look further.
@@ -503,8 +507,9 @@ mod tests {
             p.read(&mut got, i * K4).unwrap();
         }
         wait_until("read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
-        // Read-ahead starts at the next chunk.
-        for i in CHUNK / K4..3 * CHUNK / K4 {
+        // Read-ahead starts at the chunk the stream's frontier is in: the very next read is
+        // a hit, and so is every one up to the window's end.
+        for i in STREAM..3 * CHUNK / K4 {
             let n = p.read_at_hand(&mut got, i * K4).expect("a hit").unwrap();
             inner.read(&mut want, i * K4).unwrap();
             assert_eq!((n, got), (4096, want), "block {i}");
@@ -553,8 +558,9 @@ mod tests {
 
     #[test]
     fn a_stream_whose_read_ahead_goes_unread_gets_a_smaller_window() {
-        // Room for two chunks: stream B's read-ahead evicts stream A's, which A never read.
-        let cfg = PrefetchConfig { size: 2 * CHUNK, ..PrefetchConfig::default() };
+        // Room for three chunks, what a new stream reads ahead (the chunk it is in and two
+        // more): stream B's read-ahead evicts stream A's, which A never read.
+        let cfg = PrefetchConfig { size: 3 * CHUNK, ..PrefetchConfig::default() };
         let p = Front::whole(Prefetch::new(patterned(8 * MIB), cfg));
         let idle = || p.shared.state.lock().unwrap().in_flight.is_empty();
         let window_below = |limit: u64| {
