@@ -12,14 +12,18 @@ demo: build
 	./scripts/demo.sh
 
 # `make install` (after `make`): the binary, its man pages and its bash, zsh and fish
-# completions under $(DESTDIR)$(PREFIX), the completions where Debian's shells look for them.
+# completions under $(DESTDIR)$(PREFIX), the completions where Debian's shells look for them,
+# and `lightfoot run`'s preload library in $(libdir) (never setuid, never /etc/ld.so.preload),
+# where the installed binary looks for it: ../lib/lightfoot/ from its own directory.
 # It never builds: run as root, cargo would leave root-owned files in target/ and ~/.cargo.
 # The pages and completions come from the installed binary itself (`lightfoot __generate`,
 # src/cli/generate.rs), so they describe exactly its flags and are never checked in to drift.
 PREFIX ?= /usr/local
 BIN ?= $(or $(CARGO_TARGET_DIR),target)/release/lightfoot
+PRELOAD ?= $(dir $(BIN))liblightfoot_preload.so
 # Each directory can be set on the command line too (docs/install.md: zsh and fish).
 bindir = $(PREFIX)/bin
+libdir = $(PREFIX)/lib/lightfoot
 man1dir = $(PREFIX)/share/man/man1
 bashcompdir = $(PREFIX)/share/bash-completion/completions
 zshcompdir = $(PREFIX)/share/zsh/vendor-completions
@@ -32,16 +36,21 @@ fishcompdir = $(PREFIX)/share/fish/vendor_completions.d
 # (reproducible builds).
 install:
 	@test -x "$(BIN)" || { echo "make install: $(BIN) is missing: run \`make\` first" >&2; exit 1; }
-	@sources=$$(sed 's/^[^:]*://' "$(BIN).d" 2>/dev/null) || sources=$$(find src -type f); \
-	for f in $$sources; do \
-		if [ "$$f" -nt "$(BIN)" ]; then \
-			echo "make install: $(BIN) is older than $$f: run \`make\` first" >&2; exit 1; \
-		fi; \
+	@test -f "$(PRELOAD)" || { echo "make install: $(PRELOAD) is missing: run \`make\` first" >&2; exit 1; }
+	@for art in "$(BIN)" "$(PRELOAD)"; do \
+		dep=$${art%.so}.d; \
+		sources=$$(sed 's/^[^:]*://' "$$dep" 2>/dev/null) || sources=$$(find src preload/src -type f); \
+		for f in $$sources; do \
+			if [ "$$f" -nt "$$art" ]; then \
+				echo "make install: $$art is older than $$f: run \`make\` first" >&2; exit 1; \
+			fi; \
+		done; \
 	done
 	umask 022 && \
-	install -d "$(DESTDIR)$(bindir)" "$(DESTDIR)$(man1dir)" "$(DESTDIR)$(bashcompdir)" \
+	install -d "$(DESTDIR)$(bindir)" "$(DESTDIR)$(libdir)" "$(DESTDIR)$(man1dir)" "$(DESTDIR)$(bashcompdir)" \
 		"$(DESTDIR)$(zshcompdir)" "$(DESTDIR)$(fishcompdir)" && \
 	install -m 755 "$(BIN)" "$(DESTDIR)$(bindir)/lightfoot" && \
+	install -m 644 "$(PRELOAD)" "$(DESTDIR)$(libdir)/liblightfoot_preload.so" && \
 	date=$$(date -u -d "@$${SOURCE_DATE_EPOCH:-$$(stat -c %Y "$(BIN)")}" +%F) && \
 	"$(BIN)" __generate man --date "$$date" "$(DESTDIR)$(man1dir)" && \
 	"$(BIN)" __generate completion bash > "$(DESTDIR)$(bashcompdir)/lightfoot" && \
@@ -49,6 +58,8 @@ install:
 	"$(BIN)" __generate completion fish > "$(DESTDIR)$(fishcompdir)/lightfoot.fish"
 
 uninstall:
+	rm -f "$(DESTDIR)$(libdir)/liblightfoot_preload.so"
+	-rmdir "$(DESTDIR)$(libdir)" 2>/dev/null
 	rm -f "$(DESTDIR)$(bindir)/lightfoot" \
 		"$(DESTDIR)$(man1dir)"/lightfoot.1 "$(DESTDIR)$(man1dir)"/lightfoot-*.1 \
 		"$(DESTDIR)$(bashcompdir)/lightfoot" "$(DESTDIR)$(zshcompdir)/_lightfoot" \

@@ -9,6 +9,8 @@
 //!   an export's users through a front per user, stacked in one place ([`filters::Stack`]).
 //! - [`backend`]: the [`backend::Backend`] trait and where bytes live: files and block
 //!   devices, memory, `null:`, pipes.
+//! - [`run`]: `lightfoot run -- CMD`'s side of the preload library (`preload/`): its records
+//!   and the final sweep.
 //! - [`io`]: the cache policy (`--cache=neutral|keep|drop|direct`) and every system call that
 //!   touches the page cache ([`io::PolicyFile`], [`io::policy::choose`]).
 //! - [`proto`]: the NBD wire format only (no sockets, no threads, no policy); [`stream`]: the
@@ -32,6 +34,7 @@ pub mod error;
 pub mod filters;
 pub mod io;
 pub mod proto;
+pub mod run;
 pub mod server;
 pub mod stream;
 #[cfg(any(test, feature = "testing"))]

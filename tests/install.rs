@@ -18,6 +18,7 @@ const PAGES: &[(&str, &str, &str)] = &[
     ("lightfoot-cache.1", "lightfoot cache", "--help"),
     ("lightfoot-cache-stat.1", "lightfoot cache stat", "--range"),
     ("lightfoot-cache-evict.1", "lightfoot cache evict", "--sync"),
+    ("lightfoot-run.1", "lightfoot run", "--json"),
 ];
 
 /// mandoc messages that come from clap_mangen's own markup, which we cannot change; any other
@@ -83,6 +84,18 @@ fn install_puts_the_binary_pages_and_completions_where_debian_looks() {
     want.sort();
     assert_eq!(pages, want, "a page per command, named as git and nbdkit name theirs");
 
+    // `lightfoot run`'s library, found by the installed binary in ../lib/lightfoot/.
+    let lib = usr.join("lib/lightfoot/liblightfoot_preload.so");
+    assert!(lib.is_file(), "no {}", lib.display());
+    let out = Command::new(usr.join("bin/lightfoot"))
+        .args(["run", "--", "sh", "-c", "echo \"$LD_PRELOAD\""])
+        .env_remove("LD_PRELOAD")
+        .env_remove("LIGHTFOOT_PRELOAD")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), lib.canonicalize().unwrap().to_str().unwrap());
+
     let zsh = read(&usr.join("share/zsh/vendor-completions/_lightfoot"));
     assert!(zsh.starts_with("#compdef lightfoot"), "zsh completion: {zsh:.200}");
     let fish = read(&usr.join("share/fish/vendor_completions.d/lightfoot.fish"));
@@ -112,7 +125,7 @@ fn bash_completes_commands_and_flags() {
         String::from_utf8(out.stdout).unwrap()
     };
     let offered = probe("lightfoot ''");
-    for command in ["copy", "serve", "cache"] {
+    for command in ["copy", "serve", "cache", "run"] {
         assert!(offered.split_whitespace().any(|w| w == command), "{command} not offered: {offered}");
     }
     assert!(!offered.contains("__generate"), "the internal command is offered: {offered}");
@@ -174,8 +187,9 @@ fn every_page_passes_mandoc_lint() {
     }
 }
 
-/// `make install` runs as root and must not build: without a binary, or with one older than
-/// the sources it was built from, it stops and says to run `make`, installing nothing.
+/// `make install` runs as root and must not build: without a binary, or with a binary or a
+/// preload library older than the sources it was built from, it stops and says to run `make`,
+/// installing nothing.
 #[test]
 fn install_refuses_a_missing_or_stale_binary() {
     let scratch = tempfile::tempdir().unwrap();
@@ -188,14 +202,32 @@ fn install_refuses_a_missing_or_stale_binary() {
     assert!(!out.status.success() && text(&out).contains("is missing: run `make` first"), "{}", text(&out));
     assert!(!dest.exists(), "installed without a binary");
 
-    // A copy of the binary and its dep-info, dated before the sources it names.
+    // Copies of the binary and of `lightfoot run`'s library with their dep-info; one of them
+    // at a time dated before the sources it names.
     let stale = scratch.path().join("lightfoot");
-    std::fs::copy(bin(), &stale).unwrap();
-    std::fs::copy(format!("{}.d", bin()), scratch.path().join("lightfoot.d")).unwrap();
-    let old = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(946_684_800);
-    std::fs::File::options().write(true).open(&stale).unwrap().set_modified(old).unwrap();
-    let out = try_install(&stale);
-    assert!(!out.status.success() && text(&out).contains("is older than"), "{}", text(&out));
-    assert!(text(&out).contains("run `make` first"), "{}", text(&out));
-    assert!(!dest.exists(), "installed a stale binary");
+    let lib = Path::new(bin()).with_file_name("liblightfoot_preload");
+    for (from, to) in [
+        (PathBuf::from(bin()), stale.clone()),
+        (PathBuf::from(format!("{}.d", bin())), scratch.path().join("lightfoot.d")),
+        (lib.with_extension("so"), scratch.path().join("liblightfoot_preload.so")),
+        (lib.with_extension("d"), scratch.path().join("liblightfoot_preload.d")),
+    ] {
+        std::fs::copy(&from, &to).unwrap_or_else(|e| panic!("{}: {e}", from.display()));
+    }
+    let date = |path: &Path, secs: u64| {
+        let t = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(secs);
+        std::fs::File::options().write(true).open(path).unwrap().set_modified(t).unwrap();
+    };
+    let (old, now) =
+        (946_684_800, std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs());
+    for outdated in [stale.clone(), scratch.path().join("liblightfoot_preload.so")] {
+        date(&stale, now);
+        date(&scratch.path().join("liblightfoot_preload.so"), now);
+        date(&outdated, old);
+        let out = try_install(&stale);
+        assert!(!out.status.success() && text(&out).contains("is older than"), "{}", text(&out));
+        assert!(text(&out).contains(&format!("{} is older", outdated.display())), "{}", text(&out));
+        assert!(text(&out).contains("run `make` first"), "{}", text(&out));
+        assert!(!dest.exists(), "installed a stale {}", outdated.display());
+    }
 }

@@ -1,6 +1,6 @@
-//! Command line: `lightfoot copy`, `lightfoot serve`, `lightfoot cache stat|evict`. The only
-//! place that prints and chooses exit codes: 0 success, 1 failure, 2 usage error, 130
-//! interrupted, 141 broken pipe (copy to `-`).
+//! Command line: `lightfoot copy`, `lightfoot serve`, `lightfoot cache stat|evict`, `lightfoot
+//! run`. The only place that prints and chooses exit codes: 0 success, 1 failure, 2 usage
+//! error, 130 interrupted, 141 broken pipe (copy to `-`); `run` exits with its command's status.
 
 use clap::{Parser, Subcommand};
 
@@ -8,6 +8,7 @@ mod cache;
 mod copy;
 mod generate;
 mod human;
+mod run;
 mod serve;
 
 #[derive(Parser)]
@@ -22,7 +23,7 @@ storage).",
     propagate_version = true,
     after_long_help = "Exit status: 0 success, 1 failure, 2 usage error, 130 interrupted (copy); \
 `lightfoot COMMAND --help` tells more. Documentation: docs/ (README.md, docs/copy.md, \
-docs/serve.md, docs/cache.md, docs/cache-policy.md)."
+docs/serve.md, docs/cache.md, docs/cache-policy.md, docs/run.md)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -38,6 +39,7 @@ enum Command {
         after_long_help = "Exit status: 0 if every file was done, 1 otherwise, 2 usage error. See docs/cache.md."
     )]
     Cache(cache::CacheCommand),
+    Run(run::RunArgs),
 }
 
 /// Exit status for an interrupted job (128 + SIGINT, as shells report it).
@@ -56,6 +58,7 @@ pub fn run() -> i32 {
         Command::Copy(args) => copy::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Cache(cmd) => cache::run(cmd),
+        Command::Run(args) => run::run(args),
     }
 }
 

@@ -48,7 +48,10 @@ pub use net::{
     activate_socket, keepalive_times, socket_activation, tcp_connect, tcp_keepalive, unix_connect,
     unix_connect_nonblocking, KEEPALIVE_COUNT, KEEPALIVE_IDLE, KEEPALIVE_INTERVAL,
 };
-pub use process::{catch_sigusr1, euid, exit_with_parent, lock_dir, signal_group, take_sigusr1};
+pub use process::{
+    block_forwarded, catch_sigusr1, euid, exit_with_parent, lock_dir, next_forwarded, send_signal,
+    signal_group, take_sigusr1, unblock_forwarded_on_exec, FORWARDED,
+};
 
 fn check(ret: libc::c_long) -> io::Result<usize> {
     if ret < 0 {

@@ -83,3 +83,77 @@ pub fn lock_dir(dir: &std::path::Path, wait: std::time::Duration) -> io::Result<
         }
     }
 }
+
+/// The signals `lightfoot run` passes on to its command when they are sent to lightfoot itself.
+pub const FORWARDED: [libc::c_int; 6] =
+    [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT, libc::SIGUSR1, libc::SIGUSR2];
+
+fn forwarded_set() -> libc::sigset_t {
+    // SAFETY: an all-zero sigset_t is a valid value for sigemptyset to initialise.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a live sigset_t; sigemptyset/sigaddset only write into it.
+    unsafe {
+        libc::sigemptyset(&mut set);
+        for s in FORWARDED {
+            libc::sigaddset(&mut set, s);
+        }
+    }
+    set
+}
+
+/// Blocks [`FORWARDED`] in the calling thread (and the threads it starts afterwards), so that
+/// they wait for [`next_forwarded`] instead of ending lightfoot. Call it before any thread is
+/// started. A child spawned by std starts with an empty mask of its own.
+pub fn block_forwarded() -> io::Result<()> {
+    let set = forwarded_set();
+    // SAFETY: `set` is initialised; the old mask is not wanted (null).
+    let r = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+    if r != 0 {
+        return Err(io::Error::from_raw_os_error(r));
+    }
+    Ok(())
+}
+
+/// Waits for one of [`FORWARDED`] (blocked by [`block_forwarded`]); the signal, and whether a
+/// process sent it (`kill`, `sigqueue`: si_code ≤ 0) rather than the kernel (a terminal's
+/// Ctrl-C, which reaches the whole foreground process group, the command included, on its own).
+pub fn next_forwarded() -> (libc::c_int, bool) {
+    let set = forwarded_set();
+    loop {
+        // SAFETY: an all-zero siginfo_t is valid for the kernel to fill in.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `set` and `info` are live for the call.
+        let s = unsafe { libc::sigwaitinfo(&set, &mut info) };
+        if s > 0 {
+            return (s, info.si_code <= 0);
+        }
+    }
+}
+
+/// Sends `sig` to the process `pid`.
+pub fn send_signal(pid: u32, sig: libc::c_int) -> io::Result<()> {
+    // SAFETY: kill touches no memory.
+    if unsafe { libc::kill(pid as libc::pid_t, sig) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Has `cmd`'s child unblock [`FORWARDED`] before it executes its program: a blocked signal
+/// mask is inherited across `exec`, and a command that cannot get SIGTERM is not the command
+/// the user ran.
+pub fn unblock_forwarded_on_exec(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    let set = forwarded_set();
+    // SAFETY: the closure runs in the child between fork and exec and calls only
+    // pthread_sigmask, which is async-signal-safe; `set` is a copy owned by the closure.
+    unsafe {
+        cmd.pre_exec(move || {
+            let r = libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+            if r != 0 {
+                return Err(io::Error::from_raw_os_error(r));
+            }
+            Ok(())
+        })
+    };
+}

@@ -1,0 +1,284 @@
+//! What the library knows of each file descriptor, in a fixed table of atomics: no allocation
+//! and no lock on the data path, so a wrapper called from a signal handler, or in a thread while
+//! another is inside one, never waits or corrupts anything. Every race can only leave pages
+//! cached that could have been dropped, never drop pages that were cached before.
+//!
+//! A descriptor is looked at on its first data call (not at `open`: descriptors inherited
+//! across `exec`, made by a shell's redirection or by `dup` are never seen opened). A regular
+//! file opened without `O_DIRECT` is *tracked*: the blocks of [`BLOCK`] bytes that held any page
+//! then are recorded in a bitmap (the first sight, before the program's first read or write
+//! brings anything in), and a record goes to the run's log for `lightfoot run`'s final sweep.
+//! Everything else (pipes, sockets, terminals, directories, O_DIRECT files) passes through.
+//!
+//! Evict-behind: when a call moves a descriptor off a block, that block's pages are dropped
+//! unless it held pages at first sight. With writes, the pages of a block are dirty when it is
+//! left; the drop starts their writeback, and the block [`LAG`] blocks behind is dropped again,
+//! by when its writeback has normally completed. At `close` every block of the file not cached
+//! at first sight is dropped (what readahead brought in past the last read included).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+
+use libc::c_int;
+
+use crate::record;
+use crate::sys;
+
+/// The unit of the residency record and of eviction: DONTNEED drops only whole folios, and
+/// readahead builds folios of up to 2 MiB, naturally aligned (KERNEL-NOTES: a smaller range
+/// drops nothing).
+pub const SHIFT: u32 = 21;
+pub const BLOCK: u64 = 1 << SHIFT;
+
+/// How many blocks behind a writer its pages are dropped a second time (8 MiB: one block's
+/// writeback has normally completed by then).
+const LAG: u64 = 4;
+
+/// Descriptors at or above this pass through untracked.
+pub const MAX_FDS: usize = 65536;
+
+const UNKNOWN: u32 = 0;
+const PASS: u32 = 1;
+const TRACKED: u32 = 2;
+/// Being looked at by another thread (or by the code a signal interrupted): pass through.
+const BUSY: u32 = 3;
+
+pub struct Slot {
+    state: AtomicU32,
+    dev: AtomicU64,
+    ino: AtomicU64,
+    /// The bitmap of blocks cached at first sight (an anonymous mapping), and its length.
+    map: AtomicUsize,
+    map_len: AtomicUsize,
+    /// Blocks at first sight: those at or past it held nothing then.
+    blocks: AtomicU64,
+    /// 1 + the block the last data call ended in; 0 before the first.
+    cur: AtomicU64,
+    /// A write went through this descriptor.
+    wrote: AtomicU32,
+    /// Pages were cached at first sight but no bitmap could be made: every block counts as
+    /// cached.
+    all_cached: AtomicU32,
+}
+
+#[allow(clippy::declare_interior_mutable_const)] // only as the table's initialiser
+const EMPTY: Slot = Slot {
+    state: AtomicU32::new(UNKNOWN),
+    dev: AtomicU64::new(0),
+    ino: AtomicU64::new(0),
+    map: AtomicUsize::new(0),
+    map_len: AtomicUsize::new(0),
+    blocks: AtomicU64::new(0),
+    cur: AtomicU64::new(0),
+    wrote: AtomicU32::new(0),
+    all_cached: AtomicU32::new(0),
+};
+
+static SLOTS: [Slot; MAX_FDS] = [EMPTY; MAX_FDS];
+
+fn slot(fd: c_int) -> Option<&'static Slot> {
+    SLOTS.get(usize::try_from(fd).ok()?)
+}
+
+impl Slot {
+    /// Whether `block` held pages at first sight.
+    fn was_cached(&self, block: u64) -> bool {
+        if block >= self.blocks.load(Relaxed) {
+            return false;
+        }
+        let map = self.map.load(Relaxed) as *const u8;
+        if map.is_null() {
+            // No bitmap: nothing was cached at first sight, or the mapping failed (then keep
+            // everything).
+            return self.all_cached.load(Relaxed) != 0;
+        }
+        // SAFETY: `block < blocks` and the mapping holds `blocks` bits; it stays mapped while
+        // the slot is TRACKED, and only `forget` (on this descriptor's close) unmaps it.
+        (unsafe { *map.add((block / 8) as usize) } >> (block % 8)) & 1 == 1
+    }
+
+    /// Drops the pages of `block` unless it held pages at first sight.
+    fn drop_block(&self, fd: c_int, block: u64) {
+        if !self.was_cached(block) {
+            sys::drop_pages(fd, block << SHIFT, BLOCK);
+        }
+    }
+
+    /// Drops every block of the file not cached at first sight, in runs, and everything past
+    /// the blocks at first sight.
+    fn drop_all(&self, fd: c_int) {
+        let blocks = self.blocks.load(Relaxed);
+        let mut run: Option<u64> = None;
+        for b in 0..blocks {
+            match (self.was_cached(b), run) {
+                (false, None) => run = Some(b),
+                (true, Some(s)) => {
+                    sys::drop_pages(fd, s << SHIFT, (b - s) << SHIFT);
+                    run = None;
+                }
+                _ => {}
+            }
+        }
+        sys::drop_pages(fd, run.unwrap_or(blocks) << SHIFT, 0);
+    }
+
+    /// Back to unknown, the bitmap unmapped (`unmap`) or left mapped: where another thread may
+    /// be reading it right now (a descriptor found to name another file mid-run), a few KiB are
+    /// leaked rather than risk that.
+    fn forget(&self, unmap: bool) {
+        let (map, len) = (self.map.swap(0, AcqRel), self.map_len.swap(0, AcqRel));
+        if map != 0 && unmap {
+            // SAFETY: the mapping was made by `adopt` for this slot, and nothing reads it once
+            // the pointer is swapped out (readers load it afresh each time).
+            unsafe { sys::unmap(map as *mut u8, len) };
+        }
+        self.cur.store(0, Relaxed);
+        self.wrote.store(0, Relaxed);
+        self.state.store(UNKNOWN, Release);
+    }
+}
+
+/// The slot of `fd` if the descriptor is tracked, looking at it first if it is new.
+pub fn tracked(fd: c_int) -> Option<&'static Slot> {
+    let s = slot(fd)?;
+    match s.state.load(Acquire) {
+        TRACKED => Some(s),
+        UNKNOWN => adopt(fd, s).then_some(s),
+        _ => None,
+    }
+}
+
+/// Looks at a descriptor seen for the first time; whether it is now tracked.
+fn adopt(fd: c_int, s: &Slot) -> bool {
+    if !crate::active() || s.state.compare_exchange(UNKNOWN, BUSY, Acquire, Relaxed).is_err() {
+        return false;
+    }
+    let verdict = look(fd, s);
+    s.state.store(if verdict { TRACKED } else { PASS }, Release);
+    verdict
+}
+
+fn look(fd: c_int, s: &Slot) -> bool {
+    let Some(st) = sys::fstat(fd) else { return false };
+    let Some(flags) = sys::status_flags(fd) else { return false };
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG || flags & (libc::O_DIRECT | libc::O_PATH) != 0 {
+        return false;
+    }
+    let size = st.st_size.max(0) as u64;
+    let blocks = size.div_ceil(BLOCK);
+    let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
+    // One look at the whole file first: a file with nothing cached (the common case) needs no
+    // more, nor a bitmap.
+    let cached = match sys::cached_pages(fd, 0, 0) {
+        Ok(n) => n,
+        Err(e) => {
+            record::write(fd, &st, size, 0, record::not_covered(e, writable), &[]);
+            return false;
+        }
+    };
+    let (mut map, mut len) = (std::ptr::null_mut::<u8>(), 0);
+    if cached > 0 && blocks > 0 {
+        len = (blocks.div_ceil(8) as usize).next_multiple_of(4096);
+        map = sys::map(len);
+        if !map.is_null() {
+            // SAFETY: `map` is a fresh, zeroed, writable mapping of `len` bytes, ours alone.
+            let bits = unsafe { std::slice::from_raw_parts_mut(map, len) };
+            classify(fd, bits, 0, blocks, cached, size);
+        }
+    }
+    s.dev.store(st.st_dev, Relaxed);
+    s.ino.store(st.st_ino, Relaxed);
+    s.blocks.store(blocks, Relaxed);
+    s.map.store(map as usize, Release);
+    s.map_len.store(len, Relaxed);
+    s.cur.store(0, Relaxed);
+    s.wrote.store(0, Relaxed);
+    s.all_cached.store(u32::from(map.is_null() && cached > 0), Relaxed);
+    let bits: &[u8] = if map.is_null() {
+        &[]
+    } else {
+        // SAFETY: as above; read only from here on.
+        unsafe { std::slice::from_raw_parts(map, blocks.div_ceil(8) as usize) }
+    };
+    let flags = if writable { record::WRITABLE } else { 0 }
+        | if map.is_null() && cached > 0 { record::ALL_CACHED } else { 0 };
+    record::write(fd, &st, size, cached, flags, bits);
+    true
+}
+
+/// Sets the bits of the blocks in `[lo, hi)` that hold pages, halving the range while it holds
+/// some: `cached` pages are known to be in it. A failed look counts as cached (keeps pages).
+fn classify(fd: c_int, bits: &mut [u8], lo: u64, hi: u64, cached: u64, size: u64) {
+    if cached == 0 {
+        return;
+    }
+    if hi - lo == 1 {
+        bits[(lo / 8) as usize] |= 1 << (lo % 8);
+        return;
+    }
+    let mid = lo + (hi - lo) / 2;
+    for (a, b) in [(lo, mid), (mid, hi)] {
+        let len = (b << SHIFT).min(size).saturating_sub(a << SHIFT);
+        let n = sys::cached_pages(fd, a << SHIFT, len.max(1)).unwrap_or(1);
+        classify(fd, bits, a, b, n, size);
+    }
+}
+
+/// After a data call on a tracked descriptor that moved bytes `[start, end)`: the block it
+/// left, if any, is dropped.
+pub fn moved(fd: c_int, s: &Slot, start: u64, end: u64, write: bool) {
+    if end <= start {
+        return;
+    }
+    if write {
+        s.wrote.store(1, Relaxed);
+    }
+    let (first, last) = (start >> SHIFT, (end - 1) >> SHIFT);
+    let prev = s.cur.swap(last + 1, Relaxed);
+    if prev == 0 || (first..=last).contains(&(prev - 1)) {
+        return;
+    }
+    // A block boundary (once per 2 MiB for a sequential reader): check that the descriptor is
+    // still the file first seen. A close the library did not see (glibc's internal ones) may
+    // have given the number to another file, whose cached pages the old bitmap knows nothing of.
+    if !same_file(fd, s) {
+        s.forget(false);
+        return;
+    }
+    let left = prev - 1;
+    s.drop_block(fd, left);
+    if s.wrote.load(Relaxed) != 0 && left >= LAG {
+        s.drop_block(fd, left - LAG);
+    }
+}
+
+fn same_file(fd: c_int, s: &Slot) -> bool {
+    sys::fstat(fd).is_some_and(|st| st.st_dev == s.dev.load(Relaxed) && st.st_ino == s.ino.load(Relaxed))
+}
+
+/// Before `fd` is closed (or replaced by `dup2`): drops every block of its file not cached at
+/// first sight, and forgets it.
+pub fn finish(fd: c_int) {
+    let Some(s) = slot(fd) else { return };
+    match s.state.load(Acquire) {
+        TRACKED => {
+            if s.state.compare_exchange(TRACKED, BUSY, Acquire, Relaxed).is_err() {
+                return;
+            }
+            if same_file(fd, s) {
+                s.drop_all(fd);
+            }
+            s.forget(true);
+        }
+        PASS => s.state.store(UNKNOWN, Release),
+        _ => {}
+    }
+}
+
+/// At exit: every descriptor still tracked is finished (programs often leave them open).
+pub fn finish_all() {
+    for (fd, s) in SLOTS.iter().enumerate() {
+        if s.state.load(Relaxed) == TRACKED {
+            finish(fd as c_int);
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! `lightfoot run [OPTIONS] -- CMD [ARGS…]`: runs CMD so that the page cache holds what it held
+//! before once CMD ends (src/run says how; docs/run.md what it covers).
+
+use std::ffi::OsString;
+use std::os::unix::process::ExitStatusExt;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+
+use clap::Args;
+
+use super::human::bytes as human;
+use lightfoot::io::sys;
+use lightfoot::run::{self, FileReport};
+
+/// lightfoot's own failure (not CMD's), as `env` and `timeout` report it.
+const EXIT_OWN_FAILURE: i32 = 125;
+const EXIT_NOT_EXECUTABLE: i32 = 126;
+const EXIT_NOT_FOUND: i32 = 127;
+
+#[derive(Args, Debug)]
+#[command(
+    about = "Run a command so that it leaves the page cache as it found it",
+    long_about = "Run CMD with its arguments so that when it ends the page cache holds what it held \
+before: pages of files that were cached before CMD first touched them stay cached, pages its reads \
+and writes brought in are dropped, while it runs (behind each read, at each close) and at the end. \
+CMD's output, exit status and errors are its own.\n\n\
+How: a preload library (liblightfoot_preload.so, found beside this binary or in ../lib/lightfoot/ \
+from it; LIGHTFOOT_PRELOAD overrides) is added to LD_PRELOAD for CMD and every program it starts. \
+It records which 2 MiB blocks of each regular file held pages when the program first read or \
+wrote it, drops the others behind the program, and leaves records that a final sweep uses when CMD \
+ends: dirty pages are written back and every block that held no page before is dropped. Pipes, \
+sockets, terminals and O_DIRECT files are left alone.\n\n\
+Not covered (docs/run.md): statically linked programs (Go binaries such as restic), mmap and \
+io_uring I/O, programs that clear their environment, setuid programs; files the user may not \
+write (their residency is not visible) are reported as not covered.",
+    after_long_help = "Exit status: CMD's own; 128+N if CMD was killed by signal N; 125 lightfoot's own \
+failure; 126 CMD not executable; 127 CMD not found. Signals sent to lightfoot (TERM, INT, HUP, QUIT, \
+USR1, USR2) are passed on to CMD; a terminal's Ctrl-C reaches CMD directly.\n\n\
+Examples:\n  lightfoot run -- tar cf /backup/home.tar /home\n  lightfoot run -v -- rsync -a /srv/ /mnt/backup/srv/\n  lightfoot run --json -- sh -c 'cat big.img | gzip > big.img.gz'\n\nSee docs/run.md."
+)]
+pub struct RunArgs {
+    /// After CMD ends, print each file it read or wrote on stderr: cached before, after, and how
+    /// it was covered (-vv: also debug messages)
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+
+    /// After CMD ends, print a JSON summary on stderr (stdout is CMD's): the files, their page
+    /// cache before and after, CMD's exit status
+    #[arg(long)]
+    json: bool,
+
+    /// The command and its arguments (after `--`)
+    #[arg(value_name = "CMD", required = true, trailing_var_arg = true, allow_hyphen_values = true, num_args = 1..)]
+    command: Vec<OsString>,
+}
+
+pub fn run(a: RunArgs) -> i32 {
+    super::init_logging(a.verbose);
+    let fail = |msg: String| {
+        eprintln!("lightfoot run: {msg}");
+        EXIT_OWN_FAILURE
+    };
+    let lib = match run::find_preload() {
+        Ok(p) => p,
+        Err(e) => return fail(e),
+    };
+    if lib.as_os_str().as_encoded_bytes().iter().any(|&b| b == b':' || b == b' ') {
+        return fail(format!("{}: LD_PRELOAD cannot name a path with ':' or a space", lib.display()));
+    }
+    let dir = match run::make_run_dir() {
+        Ok(d) => d,
+        Err(e) => return fail(e.to_string()),
+    };
+    let code = run_in(&a, &lib, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    code
+}
+
+fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
+    // Before any thread: the forwarder below is the only one that takes these signals.
+    if let Err(e) = sys::block_forwarded() {
+        eprintln!("lightfoot run: signals: {e}");
+        return EXIT_OWN_FAILURE;
+    }
+    let mut preload = OsString::new();
+    if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
+        // The user's preloads first: ours chains to them through RTLD_NEXT.
+        preload.push(old);
+        preload.push(":");
+    }
+    preload.push(lib);
+    let cmd = &a.command;
+    let mut command = Command::new(&cmd[0]);
+    command.args(&cmd[1..]).env("LD_PRELOAD", &preload).env("LIGHTFOOT_RUN_DIR", dir);
+    sys::unblock_forwarded_on_exec(&mut command);
+    let child = command.spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => {
+            let name = cmd[0].to_string_lossy();
+            return match e.kind() {
+                std::io::ErrorKind::NotFound => {
+                    eprintln!("lightfoot run: {name}: command not found");
+                    EXIT_NOT_FOUND
+                }
+                std::io::ErrorKind::PermissionDenied => {
+                    eprintln!("lightfoot run: {name}: not executable: {e}");
+                    EXIT_NOT_EXECUTABLE
+                }
+                _ => {
+                    eprintln!("lightfoot run: {name}: {e}");
+                    EXIT_NOT_EXECUTABLE
+                }
+            };
+        }
+    };
+    let pid = Arc::new(AtomicU32::new(child.id()));
+    let done = Arc::new(AtomicBool::new(false));
+    {
+        let (pid, done) = (pid.clone(), done.clone());
+        std::thread::spawn(move || loop {
+            let (sig, from_a_process) = sys::next_forwarded();
+            // A terminal's signal already reached CMD (same process group); once CMD is reaped
+            // its pid may be another process's.
+            if from_a_process && !done.load(Ordering::Acquire) {
+                let _ = sys::send_signal(pid.load(Ordering::Relaxed), sig);
+            }
+        });
+    }
+    let status = child.wait();
+    done.store(true, Ordering::Release);
+    let status = match status {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("lightfoot run: waiting for {}: {e}", cmd[0].to_string_lossy());
+            return EXIT_OWN_FAILURE;
+        }
+    };
+    let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+    let files = match run::sweep(dir) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("lightfoot run: the final sweep failed: {e}");
+            return if code == 0 { EXIT_OWN_FAILURE } else { code };
+        }
+    };
+    for f in files.iter().filter(|f| f.note.is_some()) {
+        eprintln!("lightfoot run: {}: {}", f.path.display(), f.note.as_deref().unwrap_or_default());
+    }
+    if a.verbose > 0 {
+        for f in &files {
+            print_file(f);
+        }
+    }
+    if a.json {
+        let v = serde_json::json!({ "exit_status": code, "files": files });
+        eprintln!("{v}");
+    }
+    code
+}
+
+fn print_file(f: &FileReport) {
+    let after = f.cached_after.map_or_else(|| "unknown".to_string(), human);
+    eprintln!(
+        "lightfoot run: {}: cached {} before, {} after{}; {}",
+        f.path.display(),
+        human(f.cached_before),
+        after,
+        if f.written { " (written)" } else { "" },
+        f.mechanism
+    );
+}
