@@ -14,6 +14,10 @@ command -v nbdkit    >/dev/null || need+=(nbdkit)
 /usr/bin/python3 -c 'import nbd' 2>/dev/null || need+=(python3-libnbd)
 command -v fio       >/dev/null || need+=(fio)
 command -v nocache   >/dev/null || need+=(nocache)
+# tests/run.rs runs rsync under `lightfoot run` (it writes a temporary name and renames it);
+# bench/run.sh also restic.
+command -v rsync     >/dev/null || need+=(rsync)
+command -v restic    >/dev/null || need+=(restic)
 [ -x /usr/bin/time ] || need+=(time)
 command -v losetup   >/dev/null || need+=(mount)
 command -v setpriv   >/dev/null || need+=(util-linux)

@@ -174,6 +174,8 @@ fn writers_leave_nothing_cached() {
         ("dd if=f of=h bs=1M status=none", "h"),
         ("cat f > i", "i"),
         ("cat f | dd of=j bs=256K status=none", "j"),
+        // rsync writes a temporary name, then renames it: the record has the temporary one.
+        ("rsync f r", "r"),
     ] {
         evict(&f);
         let summary = run_sh(d, script);
@@ -213,4 +215,35 @@ fn pipes_and_o_direct_pass_through() {
     let summary = run_sh(d, "dd if=f iflag=direct of=/dev/null bs=1M status=none");
     assert!(reported(&summary, "/f").is_empty(), "an O_DIRECT file was looked at: {summary}");
     assert_kept(cached(&f, 0, Some(8 * MIB)), 8 * MIB, "O_DIRECT reader");
+}
+
+/// While a reader runs, what it read stays behind it only a block or two (plus the kernel's
+/// readahead ahead of it), not the whole of what it read: a reader that has read 40 MB of a
+/// 64 MiB file in 10 KiB calls (as tar reads), holding the file open, has at most 16 MiB of it
+/// cached. The bare reader has all 40 MB: the check can fail.
+#[test]
+fn a_reader_holds_little_while_it_runs() {
+    let dir = scratch();
+    let d = dir.path();
+    let f = d.join("f");
+    random_file(&f, 64 * MIB);
+    let script = format!(
+        "import os, subprocess\nfd = os.open('f', os.O_RDONLY)\nn = 0\nwhile n < 40_000_000:\n    n += len(os.read(fd, 10240))\n\
+         out = subprocess.run(['{}', 'cache', 'stat', '--json', 'f'], capture_output=True, env={{}}).stdout\nprint(__import__('json').loads(out)[0]['cached_bytes'])\n",
+        bin()
+    );
+    let held = |under: bool| -> u64 {
+        evict(&f);
+        let mut c = Command::new(if under { bin() } else { "/usr/bin/python3" });
+        if under {
+            c.args(["run", "--", "/usr/bin/python3"]);
+        }
+        let out = c.args(["-c", &script]).current_dir(d).output().unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    };
+    let bare = held(false);
+    assert!(bare >= 38 * MIB, "a bare reader held only {bare} bytes: the check could not fail");
+    let under = held(true);
+    assert!(under <= 16 * MIB, "a reader under lightfoot run held {under} bytes of the 40 MB it read");
 }

@@ -223,8 +223,10 @@ fn classify(fd: c_int, bits: &mut [u8], lo: u64, hi: u64, cached: u64, size: u64
     }
 }
 
-/// After a data call on a tracked descriptor that moved bytes `[start, end)`: the block it
-/// left, if any, is dropped.
+/// After a data call on a tracked descriptor that moved bytes `[start, end)`: the blocks it is
+/// done with are dropped. The call ends in block `last`, which stays; the block the previous
+/// call ended in is left unless it is `last` (a read straddling a boundary leaves the block it
+/// began in), and so are the blocks the call went through whole before `last`.
 pub fn moved(fd: c_int, s: &Slot, start: u64, end: u64, write: bool) {
     if end <= start {
         return;
@@ -234,7 +236,8 @@ pub fn moved(fd: c_int, s: &Slot, start: u64, end: u64, write: bool) {
     }
     let (first, last) = (start >> SHIFT, (end - 1) >> SHIFT);
     let prev = s.cur.swap(last + 1, Relaxed);
-    if prev == 0 || (first..=last).contains(&(prev - 1)) {
+    let left_prev = prev != 0 && prev - 1 != last;
+    if !left_prev && first == last {
         return;
     }
     // A block boundary (once per 2 MiB for a sequential reader): check that the descriptor is
@@ -244,10 +247,16 @@ pub fn moved(fd: c_int, s: &Slot, start: u64, end: u64, write: bool) {
         s.forget(false);
         return;
     }
-    let left = prev - 1;
-    s.drop_block(fd, left);
-    if s.wrote.load(Relaxed) != 0 && left >= LAG {
-        s.drop_block(fd, left - LAG);
+    if left_prev {
+        s.drop_block(fd, prev - 1);
+        if s.wrote.load(Relaxed) != 0 && prev > LAG {
+            s.drop_block(fd, prev - 1 - LAG);
+        }
+    }
+    for b in first..last {
+        if !(left_prev && b == prev - 1) {
+            s.drop_block(fd, b);
+        }
     }
 }
 

@@ -109,6 +109,7 @@ pub fn parse(bytes: &[u8]) -> Vec<Record> {
 /// What the run did to one file.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct FileReport {
+    /// Where the file is when the sweep ends (renamed since: its new name).
     pub path: PathBuf,
     /// Processes that looked at it (records).
     pub opens: usize,
@@ -139,6 +140,7 @@ pub fn sweep(dir: &Path) -> Result<Vec<FileReport>> {
         by_file.entry(key).or_default().push(r);
     }
     let page = sys::page_size() as u64;
+    let mut renamed = Renamed::new();
     Ok(order
         .into_iter()
         .map(|key| {
@@ -158,8 +160,11 @@ pub fn sweep(dir: &Path) -> Result<Vec<FileReport>> {
             if let Some(why) = first.why_not_covered() {
                 report.mechanism = format!("not covered: {why}");
             }
-            match finish_file(first, written) {
-                Ok(after) => report.cached_after = after,
+            match finish_file(first, written, &mut renamed) {
+                Ok((path, after)) => {
+                    report.path = path;
+                    report.cached_after = after;
+                }
                 Err(e) => report.note = Some(e.to_string()),
             }
             report
@@ -167,29 +172,55 @@ pub fn sweep(dir: &Path) -> Result<Vec<FileReport>> {
         .collect())
 }
 
-/// Writes back and drops what one file holds beyond its first sight; what it holds after.
-fn finish_file(first: &Record, written: bool) -> Result<Option<u64>> {
-    let path = &first.path;
-    let file = match residency::open(path) {
-        Ok(f) => f,
-        // Removed since (a temporary file, a file renamed over): nothing of it to drop.
-        Err(_) if !path.exists() => return Ok(None),
-        Err(e) => return Err(e),
-    };
+/// Where each file of a directory is now, by (device, inode): read once per directory the
+/// sweep needs it for.
+type Renamed = HashMap<PathBuf, HashMap<(u64, u64), PathBuf>>;
+
+/// The file of a record: at its path, or, when that name is gone or names another file, under
+/// the name it was renamed to in the same directory (rsync, tar and editors write a temporary
+/// name and rename it over the real one once it is written: the record has the temporary one).
+fn locate(first: &Record, renamed: &mut Renamed) -> Option<PathBuf> {
+    let same =
+        |p: &Path| std::fs::symlink_metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == (first.dev, first.ino));
+    if same(&first.path) {
+        return Some(first.path.clone());
+    }
+    let dir = first.path.parent()?.to_path_buf();
+    let entries = renamed.entry(dir.clone()).or_insert_with(|| {
+        std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let m = e.metadata().ok().filter(|m| m.is_file())?;
+                Some(((m.dev(), m.ino()), e.path()))
+            })
+            .collect()
+    });
+    entries.get(&(first.dev, first.ino)).cloned()
+}
+
+/// Writes back and drops what one file holds beyond its first sight; where it is and what it
+/// holds after (`None`: the file is gone, nothing of it is left to drop).
+fn finish_file(first: &Record, written: bool, renamed: &mut Renamed) -> Result<(PathBuf, Option<u64>)> {
+    let Some(path) = locate(first, renamed) else { return Ok((first.path.clone(), None)) };
+    let at = |after: Option<u64>| Ok((path.clone(), after));
+    let path = &path;
+    let file = residency::open(path)?;
     let meta = file.metadata().map_err(|e| Error::io("stat", e).path(path))?;
     if (meta.dev(), meta.ino()) != (first.dev, first.ino) {
         return Err(Error::new(crate::error::ErrorKind::InvalidInput, "sweep")
             .path(path)
-            .detail("replaced by another file since the command first read or wrote it: left alone"));
+            .detail("replaced by another file while the sweep looked at it: left alone"));
     }
     if !first.covered() {
-        return Ok(residency::measure(&file, path, 0, None).ok().map(|r| r.cached_bytes()));
+        return at(residency::measure(&file, path, 0, None).ok().map(|r| r.cached_bytes()));
     }
     if written {
         write_back(&file, path)?;
     }
     drop_new_blocks(&file, first);
-    Ok(residency::measure(&file, path, 0, None).ok().map(|r| r.cached_bytes()))
+    at(residency::measure(&file, path, 0, None).ok().map(|r| r.cached_bytes()))
 }
 
 /// Waits until the file's dirty pages are written back, on a descriptor of lightfoot's own (the
