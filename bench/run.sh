@@ -20,10 +20,9 @@
 # least 1 s).
 #
 # Each run: remove the program's output, drop the page cache (echo 3), warm the working set,
-# note the system's Cached (/proc/meminfo), run the variant timed (wall clock) while sampling
-# Cached every 50 ms, then measure: the working set still cached (cachestat), the tree and the
-# output left in the cache, and the peak growth of Cached above its level before the run (the
-# most the command held at once, with whatever else the host did).
+# run the variant timed (wall clock) while sampling the cache, then measure: the working set
+# still cached (cachestat), the tree and the output left in the cache, and the peak cache of the large file and its copy while it ran
+# (cachestat every 50 ms; see sampler.py below).
 #
 # Rounds are the outer loop, alternating the order of the variants. Medians per program and
 # variant; ratios of time against bare within each round, then their median.
@@ -104,7 +103,43 @@ script_of() { # PROGRAM: its shell command, run in DIR
 	esac
 }
 
-cached_meminfo() { awk '/^Cached:/ {print $2 * 1024}' /proc/meminfo; }
+# The peak: every 50 ms, the pages cached of the large file and of its copy (tree/big, out.img,
+# and the files at the top of out/, where rsync's temporary name is), by cachestat; the most
+# seen is written to the file named by its argument (at once: the first figure says it runs;
+# Debian's python3, whose start is not slowed by a version manager's shim). Small files are left out (each is read
+# and closed in one go); restic's repository too.
+cat >"$DIR/sampler.py" <<'EOF'
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+class Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+class Stat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recent")]
+def cached(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        st = Stat()
+        libc.syscall(451, fd, ctypes.byref(Range(0, 0)), ctypes.byref(st), 0)
+        return st.cache * 4096
+    finally:
+        os.close(fd)
+peak = -1
+while True:
+    paths = ["tree/big", "out.img"]
+    try:
+        paths += [e.path for e in os.scandir("out") if e.is_file(follow_symlinks=False)]
+    except OSError:
+        pass
+    n = sum(cached(p) for p in paths)
+    if n > peak:
+        peak = n
+        with open(sys.argv[1], "w") as f:
+            f.write(f"{peak}\n")
+    time.sleep(0.05)
+EOF
 cached_files() { # FILE...: bytes cached, summed (cachestat through lightfoot cache stat)
 	"$LF" cache stat --json "$@" 2>/dev/null | python3 -c 'import json,sys; print(sum(x.get("cached_bytes", 0) for x in json.load(sys.stdin)))'
 }
@@ -117,7 +152,7 @@ warm() { # the working set, twice: its pages become active
 }
 
 CSV=$DIR/run.csv
-echo "round,program,variant,seconds,ws_kept_bytes,ws_bytes,left_tree_bytes,left_output_bytes,peak_growth_bytes,moved_bytes" >"$CSV"
+echo "round,program,variant,seconds,ws_kept_bytes,ws_bytes,left_tree_bytes,left_output_bytes,peak_bytes,moved_bytes" >"$CSV"
 declare -A BARE_TIMES
 
 for ((round = 1; round <= ROUNDS; round++)); do
@@ -134,10 +169,11 @@ for ((round = 1; round <= ROUNDS; round++)); do
 			sync
 			echo 3 >/proc/sys/vm/drop_caches
 			warm
-			base=$(cached_meminfo)
-			( peak=0; while :; do c=$(cached_meminfo); ((c > peak)) && peak=$c && echo "$peak" >"$DIR/peak"; sleep 0.05; done ) &
+			rm -f "$DIR/peak"
+			/usr/bin/python3 "$DIR/sampler.py" "$DIR/peak" &
 			sampler=$!
-			echo "$base" >"$DIR/peak"
+			# Started only once it samples (it writes its first figure then).
+			until [[ -s $DIR/peak ]]; do sleep 0.01; done
 			t0=$EPOCHREALTIME
 			case $v in
 			bare) sh -c "$cmd" ;;
@@ -160,36 +196,15 @@ for ((round = 1; round <= ROUNDS; round++)); do
 			left_out=0
 			# shellcheck disable=SC2086
 			[[ -z $outs ]] || left_out=$(cached_files $outs)
-			peak=$(($(<"$DIR/peak") - base))
+			peak=$(<"$DIR/peak")
 			moved=$((BIG_B + SMALL_COUNT * SMALL_B))
 			[[ $p != dd ]] || moved=$BIG_B
 			echo "$round,$p,$v,$secs,$ws_kept,$WS_B,$left_tree,$left_out,$peak,$moved" >>"$CSV"
-			say "round $round $p $v: $secs s, working set kept $((ws_kept >> 20))/$((WS_B >> 20)) MiB, left: tree $((left_tree >> 20)) MiB, output $((left_out >> 20)) MiB, peak +$((peak >> 20)) MiB"
+			say "round $round $p $v: $secs s, working set kept $((ws_kept >> 20))/$((WS_B >> 20)) MiB, left: tree $((left_tree >> 20)) MiB, output $((left_out >> 20)) MiB, peak $((peak >> 20)) MiB"
 		done
 	done
 done
 rm -rf out out.img
 
-python3 - "$CSV" <<'EOF' | tee "$DIR/table-run.md"
-import csv, statistics, sys
-rows = list(csv.DictReader(open(sys.argv[1])))
-M = 1 << 20
-print("| program | variant | s (median) | time / bare (same-round median) | working set kept | left: tree + output, % of moved | peak cache growth MiB |")
-print("|---|---|---|---|---|---|---|")
-for p in dict.fromkeys(r["program"] for r in rows):
-    for v in dict.fromkeys(r["variant"] for r in rows):
-        mine = [r for r in rows if r["program"] == p and r["variant"] == v]
-        if not mine:
-            continue
-        med = lambda k: statistics.median(float(r[k]) for r in mine)
-        ratios = []
-        for r in mine:
-            b = [x for x in rows if x["program"] == p and x["variant"] == "bare" and x["round"] == r["round"]]
-            if b and float(b[0]["seconds"]) > 0:
-                ratios.append(float(r["seconds"]) / float(b[0]["seconds"]))
-        ratio = f"{statistics.median(ratios):.3f}" if ratios and v not in ("bare", "control") else "–"
-        kept = statistics.median(int(r["ws_kept_bytes"]) / int(r["ws_bytes"]) for r in mine)
-        left = statistics.median((int(r["left_tree_bytes"]) + int(r["left_output_bytes"])) / int(r["moved_bytes"]) for r in mine)
-        print(f"| {p} | {v} | {med('seconds'):.2f} | {ratio} | {kept * 100:.2f} % | {left * 100:.2f} % | {med('peak_growth_bytes') / M:.0f} |")
-EOF
+python3 "$HERE/summarize_run.py" "$CSV" | tee "$DIR/table-run.md"
 say "raw runs: $CSV"

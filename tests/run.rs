@@ -247,3 +247,44 @@ fn a_reader_holds_little_while_it_runs() {
     let under = held(true);
     assert!(under <= 16 * MIB, "a reader under lightfoot run held {under} bytes of the 40 MB it read");
 }
+
+/// An in-kernel copy of a whole file in one call (`cp` asks for that with `copy_file_range`) is
+/// done a piece at a time, so the pages of both ends can be dropped as it goes: one call
+/// copies at most 8 MiB under lightfoot run (the call may always copy less than asked; its
+/// callers loop), and the source and the copy hold little while the copy runs.
+#[test]
+fn in_kernel_copies_go_a_piece_at_a_time() {
+    let dir = scratch();
+    let d = dir.path();
+    let f = d.join("f");
+    random_file(&f, 64 * MIB);
+    evict(&f);
+    let script = format!(
+        "import os, subprocess\nsrc = os.open('f', os.O_RDONLY)\ndst = os.open('g', os.O_WRONLY | os.O_CREAT, 0o644)\n\
+         first = os.copy_file_range(src, dst, 1 << 40)\nn = first\nwhile n < 40_000_000:\n    n += os.copy_file_range(src, dst, 1 << 40)\n\
+         out = subprocess.run(['{}', 'cache', 'stat', '--json', 'f'], capture_output=True, env={{}}).stdout\n\
+         print(first, __import__('json').loads(out)[0]['cached_bytes'])\n",
+        bin()
+    );
+    let out = Command::new(bin())
+        .args(["run", "--", "/usr/bin/python3", "-c", &script])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let got = String::from_utf8_lossy(&out.stdout);
+    let v: Vec<u64> = got.split_whitespace().map(|x| x.parse().unwrap()).collect();
+    assert_eq!(v[0], 8 * MIB, "one copy_file_range call copied {} bytes", v[0]);
+    assert!(v[1] <= 16 * MIB, "the source held {} bytes while the copy ran", v[1]);
+    assert!(
+        cached(&d.join("g"), 0, None) <= MIB,
+        "the copy left {} bytes cached",
+        cached(&d.join("g"), 0, None)
+    );
+    let bare = Command::new("/usr/bin/python3")
+        .args(["-c", "import os; s = os.open('f', os.O_RDONLY); d = os.open('h', os.O_WRONLY | os.O_CREAT, 0o644); print(os.copy_file_range(s, d, 1 << 40))"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&bare.stdout).trim(), (64 * MIB).to_string(), "bare: {}", text(&bare));
+}

@@ -485,8 +485,14 @@ pub unsafe extern "C" fn pwritev64v2(
 
 // ---- exports: copies inside the kernel -----------------------------------------------------------
 
-/// The real call first (a reflink or a server-side copy keeps working), then both ends are
-/// accounted as a read and a write.
+/// At most this much per in-kernel copy (`copy_file_range`, `sendfile`): `cp` asks for the
+/// whole file in one call, which would bring all of it into the cache (both ends) before the
+/// library could drop anything. Both calls may copy less than asked (their callers loop), so a
+/// smaller count changes nothing else; a reflink of each piece still shares the blocks.
+const COPY_PIECE: size_t = 8 << 20;
+
+/// The real call first (a reflink or a server-side copy keeps working), at most [`COPY_PIECE`]
+/// at a time, then both ends are accounted as a read and a write.
 ///
 /// # Safety
 /// As `copy_file_range(2)`.
@@ -510,7 +516,7 @@ pub unsafe extern "C" fn copy_file_range(
             off_in,
             fd_out,
             off_out,
-            len,
+            if active() { len.min(COPY_PIECE) } else { len },
             flags
         )
     });
@@ -532,7 +538,7 @@ pub unsafe extern "C" fn sendfile(out_fd: c_int, in_fd: c_int, off: *mut off_t, 
             out_fd,
             in_fd,
             off,
-            count
+            count.min(COPY_PIECE)
         )
     });
     after_write(out_fd, out_slot, None, r);
@@ -558,7 +564,7 @@ pub unsafe extern "C" fn sendfile64(
             out_fd,
             in_fd,
             off,
-            count
+            count.min(COPY_PIECE)
         )
     });
     after_write(out_fd, out_slot, None, r);
