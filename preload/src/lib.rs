@@ -123,7 +123,7 @@ fn real(cache: &AtomicUsize, name: &std::ffi::CStr) -> usize {
 
 /// Calls the real `$name` with `$args`, typed `$ty`.
 macro_rules! call_real {
-    ($name:literal, $ty:ty, $($arg:expr),*) => {{
+    ($name:expr, $ty:ty, $($arg:expr),*) => {{
         static CACHE: AtomicUsize = AtomicUsize::new(0);
         let f = real(&CACHE, $name);
         // SAFETY: `f` is the address of the C function `$name`, whose prototype is `$ty`.
@@ -161,327 +161,59 @@ fn offset(o: off64_t) -> Option<u64> {
     u64::try_from(o).ok()
 }
 
-// ---- exports: reads ------------------------------------------------------------------------
+// ---- exports: reads and writes -------------------------------------------------------------
 
-/// # Safety
-/// As `read(2)`.
-#[no_mangle]
-pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
-    data_call(fd, None, false, || {
-        call_real!(c"read", unsafe extern "C" fn(c_int, *mut c_void, size_t) -> ssize_t, fd, buf, n)
-    })
+/// Defines an exported data call: `name(args) -> ssize_t`, the real `name` called through
+/// [`data_call`] with `at` (the call's offset, or `None` for the file position) and whether it
+/// writes. Every name glibc exports for these calls gets one: a program binds whichever its
+/// headers chose (`pread` or `pread64`, the fortified `__read_chk`).
+macro_rules! data_export {
+    ($(#[doc = $doc:literal])* $name:ident($fd:ident: c_int $(, $arg:ident: $ty:ty)*), at: $at:expr, write: $write:expr) => {
+        $(#[doc = $doc])*
+        ///
+        /// # Safety
+        /// As the C function of this name: the caller's pointers are passed on unchanged.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($fd: c_int $(, $arg: $ty)*) -> ssize_t {
+            data_call($fd, $at, $write, || {
+                call_real!(
+                    match_name!($name),
+                    unsafe extern "C" fn(c_int $(, $ty)*) -> ssize_t,
+                    $fd
+                    $(, $arg)*
+                )
+            })
+        }
+    };
 }
 
-/// # Safety
-/// As glibc's fortified `read`.
-#[no_mangle]
-pub unsafe extern "C" fn __read_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t) -> ssize_t {
-    data_call(fd, None, false, || {
-        call_real!(
-            c"__read_chk",
-            unsafe extern "C" fn(c_int, *mut c_void, size_t, size_t) -> ssize_t,
-            fd,
-            buf,
-            n,
-            buflen
-        )
-    })
+/// The C name of an identifier, as a `&CStr` literal.
+macro_rules! match_name {
+    ($name:ident) => {
+        // SAFETY: concat! of an identifier and "\0" is a NUL-terminated string with no other NUL.
+        unsafe { std::ffi::CStr::from_bytes_with_nul_unchecked(concat!(stringify!($name), "\0").as_bytes()) }
+    };
 }
 
-/// # Safety
-/// As `pread(2)`.
-#[no_mangle]
-pub unsafe extern "C" fn pread(fd: c_int, buf: *mut c_void, n: size_t, off: off_t) -> ssize_t {
-    data_call(fd, offset(off), false, || {
-        call_real!(
-            c"pread",
-            unsafe extern "C" fn(c_int, *mut c_void, size_t, off_t) -> ssize_t,
-            fd,
-            buf,
-            n,
-            off
-        )
-    })
-}
-
-/// # Safety
-/// As `pread64`.
-#[no_mangle]
-pub unsafe extern "C" fn pread64(fd: c_int, buf: *mut c_void, n: size_t, off: off64_t) -> ssize_t {
-    data_call(fd, offset(off), false, || {
-        call_real!(
-            c"pread64",
-            unsafe extern "C" fn(c_int, *mut c_void, size_t, off64_t) -> ssize_t,
-            fd,
-            buf,
-            n,
-            off
-        )
-    })
-}
-
-/// # Safety
-/// As glibc's fortified `pread`.
-#[no_mangle]
-pub unsafe extern "C" fn __pread_chk(
-    fd: c_int,
-    buf: *mut c_void,
-    n: size_t,
-    off: off_t,
-    buflen: size_t,
-) -> ssize_t {
-    data_call(fd, offset(off), false, || {
-        call_real!(
-            c"__pread_chk",
-            unsafe extern "C" fn(c_int, *mut c_void, size_t, off_t, size_t) -> ssize_t,
-            fd,
-            buf,
-            n,
-            off,
-            buflen
-        )
-    })
-}
-
-/// # Safety
-/// As glibc's fortified `pread64`.
-#[no_mangle]
-pub unsafe extern "C" fn __pread64_chk(
-    fd: c_int,
-    buf: *mut c_void,
-    n: size_t,
-    off: off64_t,
-    buflen: size_t,
-) -> ssize_t {
-    data_call(fd, offset(off), false, || {
-        call_real!(
-            c"__pread64_chk",
-            unsafe extern "C" fn(c_int, *mut c_void, size_t, off64_t, size_t) -> ssize_t,
-            fd,
-            buf,
-            n,
-            off,
-            buflen
-        )
-    })
-}
-
-/// # Safety
-/// As `readv(2)`.
-#[no_mangle]
-pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
-    data_call(fd, None, false, || {
-        call_real!(c"readv", unsafe extern "C" fn(c_int, *const iovec, c_int) -> ssize_t, fd, iov, cnt)
-    })
-}
-
-/// # Safety
-/// As `preadv(2)`.
-#[no_mangle]
-pub unsafe extern "C" fn preadv(fd: c_int, iov: *const iovec, cnt: c_int, off: off_t) -> ssize_t {
-    data_call(fd, offset(off), false, || {
-        call_real!(
-            c"preadv",
-            unsafe extern "C" fn(c_int, *const iovec, c_int, off_t) -> ssize_t,
-            fd,
-            iov,
-            cnt,
-            off
-        )
-    })
-}
-
-/// # Safety
-/// As `preadv64`.
-#[no_mangle]
-pub unsafe extern "C" fn preadv64(fd: c_int, iov: *const iovec, cnt: c_int, off: off64_t) -> ssize_t {
-    data_call(fd, offset(off), false, || {
-        call_real!(
-            c"preadv64",
-            unsafe extern "C" fn(c_int, *const iovec, c_int, off64_t) -> ssize_t,
-            fd,
-            iov,
-            cnt,
-            off
-        )
-    })
-}
-
-/// # Safety
-/// As `preadv2(2)`.
-#[no_mangle]
-pub unsafe extern "C" fn preadv2(
-    fd: c_int,
-    iov: *const iovec,
-    cnt: c_int,
-    off: off_t,
-    flags: c_int,
-) -> ssize_t {
-    data_call(fd, offset(off), false, || {
-        call_real!(
-            c"preadv2",
-            unsafe extern "C" fn(c_int, *const iovec, c_int, off_t, c_int) -> ssize_t,
-            fd,
-            iov,
-            cnt,
-            off,
-            flags
-        )
-    })
-}
-
-/// # Safety
-/// As `preadv64v2`.
-#[no_mangle]
-pub unsafe extern "C" fn preadv64v2(
-    fd: c_int,
-    iov: *const iovec,
-    cnt: c_int,
-    off: off64_t,
-    flags: c_int,
-) -> ssize_t {
-    data_call(fd, offset(off), false, || {
-        call_real!(
-            c"preadv64v2",
-            unsafe extern "C" fn(c_int, *const iovec, c_int, off64_t, c_int) -> ssize_t,
-            fd,
-            iov,
-            cnt,
-            off,
-            flags
-        )
-    })
-}
-
-// ---- exports: writes -----------------------------------------------------------------------
-
-/// # Safety
-/// As `write(2)`.
-#[no_mangle]
-pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
-    data_call(fd, None, true, || {
-        call_real!(c"write", unsafe extern "C" fn(c_int, *const c_void, size_t) -> ssize_t, fd, buf, n)
-    })
-}
-
-/// # Safety
-/// As `pwrite(2)`.
-#[no_mangle]
-pub unsafe extern "C" fn pwrite(fd: c_int, buf: *const c_void, n: size_t, off: off_t) -> ssize_t {
-    data_call(fd, offset(off), true, || {
-        call_real!(
-            c"pwrite",
-            unsafe extern "C" fn(c_int, *const c_void, size_t, off_t) -> ssize_t,
-            fd,
-            buf,
-            n,
-            off
-        )
-    })
-}
-
-/// # Safety
-/// As `pwrite64`.
-#[no_mangle]
-pub unsafe extern "C" fn pwrite64(fd: c_int, buf: *const c_void, n: size_t, off: off64_t) -> ssize_t {
-    data_call(fd, offset(off), true, || {
-        call_real!(
-            c"pwrite64",
-            unsafe extern "C" fn(c_int, *const c_void, size_t, off64_t) -> ssize_t,
-            fd,
-            buf,
-            n,
-            off
-        )
-    })
-}
-
-/// # Safety
-/// As `writev(2)`.
-#[no_mangle]
-pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
-    data_call(fd, None, true, || {
-        call_real!(c"writev", unsafe extern "C" fn(c_int, *const iovec, c_int) -> ssize_t, fd, iov, cnt)
-    })
-}
-
-/// # Safety
-/// As `pwritev(2)`.
-#[no_mangle]
-pub unsafe extern "C" fn pwritev(fd: c_int, iov: *const iovec, cnt: c_int, off: off_t) -> ssize_t {
-    data_call(fd, offset(off), true, || {
-        call_real!(
-            c"pwritev",
-            unsafe extern "C" fn(c_int, *const iovec, c_int, off_t) -> ssize_t,
-            fd,
-            iov,
-            cnt,
-            off
-        )
-    })
-}
-
-/// # Safety
-/// As `pwritev64`.
-#[no_mangle]
-pub unsafe extern "C" fn pwritev64(fd: c_int, iov: *const iovec, cnt: c_int, off: off64_t) -> ssize_t {
-    data_call(fd, offset(off), true, || {
-        call_real!(
-            c"pwritev64",
-            unsafe extern "C" fn(c_int, *const iovec, c_int, off64_t) -> ssize_t,
-            fd,
-            iov,
-            cnt,
-            off
-        )
-    })
-}
-
-/// # Safety
-/// As `pwritev2(2)`.
-#[no_mangle]
-pub unsafe extern "C" fn pwritev2(
-    fd: c_int,
-    iov: *const iovec,
-    cnt: c_int,
-    off: off_t,
-    flags: c_int,
-) -> ssize_t {
-    data_call(fd, offset(off), true, || {
-        call_real!(
-            c"pwritev2",
-            unsafe extern "C" fn(c_int, *const iovec, c_int, off_t, c_int) -> ssize_t,
-            fd,
-            iov,
-            cnt,
-            off,
-            flags
-        )
-    })
-}
-
-/// # Safety
-/// As `pwritev64v2`.
-#[no_mangle]
-pub unsafe extern "C" fn pwritev64v2(
-    fd: c_int,
-    iov: *const iovec,
-    cnt: c_int,
-    off: off64_t,
-    flags: c_int,
-) -> ssize_t {
-    data_call(fd, offset(off), true, || {
-        call_real!(
-            c"pwritev64v2",
-            unsafe extern "C" fn(c_int, *const iovec, c_int, off64_t, c_int) -> ssize_t,
-            fd,
-            iov,
-            cnt,
-            off,
-            flags
-        )
-    })
-}
+data_export!(read(fd: c_int, buf: *mut c_void, n: size_t), at: None, write: false);
+data_export!(__read_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t), at: None, write: false);
+data_export!(pread(fd: c_int, buf: *mut c_void, n: size_t, off: off_t), at: offset(off), write: false);
+data_export!(pread64(fd: c_int, buf: *mut c_void, n: size_t, off: off64_t), at: offset(off), write: false);
+data_export!(__pread_chk(fd: c_int, buf: *mut c_void, n: size_t, off: off_t, buflen: size_t), at: offset(off), write: false);
+data_export!(__pread64_chk(fd: c_int, buf: *mut c_void, n: size_t, off: off64_t, buflen: size_t), at: offset(off), write: false);
+data_export!(readv(fd: c_int, iov: *const iovec, cnt: c_int), at: None, write: false);
+data_export!(preadv(fd: c_int, iov: *const iovec, cnt: c_int, off: off_t), at: offset(off), write: false);
+data_export!(preadv64(fd: c_int, iov: *const iovec, cnt: c_int, off: off64_t), at: offset(off), write: false);
+data_export!(preadv2(fd: c_int, iov: *const iovec, cnt: c_int, off: off_t, flags: c_int), at: offset(off), write: false);
+data_export!(preadv64v2(fd: c_int, iov: *const iovec, cnt: c_int, off: off64_t, flags: c_int), at: offset(off), write: false);
+data_export!(write(fd: c_int, buf: *const c_void, n: size_t), at: None, write: true);
+data_export!(pwrite(fd: c_int, buf: *const c_void, n: size_t, off: off_t), at: offset(off), write: true);
+data_export!(pwrite64(fd: c_int, buf: *const c_void, n: size_t, off: off64_t), at: offset(off), write: true);
+data_export!(writev(fd: c_int, iov: *const iovec, cnt: c_int), at: None, write: true);
+data_export!(pwritev(fd: c_int, iov: *const iovec, cnt: c_int, off: off_t), at: offset(off), write: true);
+data_export!(pwritev64(fd: c_int, iov: *const iovec, cnt: c_int, off: off64_t), at: offset(off), write: true);
+data_export!(pwritev2(fd: c_int, iov: *const iovec, cnt: c_int, off: off_t, flags: c_int), at: offset(off), write: true);
+data_export!(pwritev64v2(fd: c_int, iov: *const iovec, cnt: c_int, off: off64_t, flags: c_int), at: offset(off), write: true);
 
 // ---- exports: copies inside the kernel -----------------------------------------------------------
 
