@@ -31,7 +31,8 @@ It records which 2 MiB blocks of each regular file held pages when the program f
 wrote it, drops the others behind the program, and leaves records that a final sweep uses when CMD \
 ends: dirty pages are written back and every block that held no page before is dropped. Pipes, \
 sockets, terminals and O_DIRECT files are left alone.\n\n\
-Not covered (docs/run.md): statically linked programs (Go binaries such as restic), mmap and \
+Not covered (docs/run.md): programs that make their own system calls (statically linked ones, \
+Go programs such as restic), mmap and \
 io_uring I/O, programs that clear their environment, setuid programs; files the user may not \
 write (their residency is not visible) are reported as not covered.",
     after_long_help = "Exit status: CMD's own; 128+N if CMD was killed by signal N; 125 lightfoot's own \
