@@ -12,11 +12,12 @@
 //!
 //! Evict-behind: when a call moves a descriptor off a block, that block's pages are dropped
 //! unless it held pages at first sight. With writes, the pages of a block are dirty when it is
-//! left; the drop starts their writeback, and the block [`LAG`] blocks behind is dropped again,
-//! by when its writeback has normally completed. At `close` every block of the file not cached
+//! left; the drop starts their writeback, and the writer then waits for the writeback of the
+//! block [`LAG`] blocks behind and drops it (write-behind, on a descriptor of the library's
+//! own: [`Slot::wait_and_drop`]). At `close` every block of the file not cached
 //! at first sight is dropped (what readahead brought in past the last read included).
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 
 use libc::c_int;
 
@@ -29,8 +30,8 @@ use crate::sys;
 pub const SHIFT: u32 = 21;
 pub const BLOCK: u64 = 1 << SHIFT;
 
-/// How many blocks behind a writer its pages are dropped a second time (8 MiB: one block's
-/// writeback has normally completed by then).
+/// How many blocks behind a writer its pages are waited for and dropped: 8 MiB of writeback in
+/// flight, enough to keep the device busy, little enough to bound what a writer holds.
 const LAG: u64 = 4;
 
 /// Descriptors at or above this pass through untracked.
@@ -55,6 +56,9 @@ pub struct Slot {
     cur: AtomicU64,
     /// A write went through this descriptor.
     wrote: AtomicU32,
+    /// 1 + a descriptor of the library's own on the same file (0: none yet), for waiting on
+    /// writeback: see [`Slot::wait_and_drop`].
+    own: AtomicI32,
     /// Pages were cached at first sight but no bitmap could be made: every block counts as
     /// cached.
     all_cached: AtomicU32,
@@ -70,6 +74,7 @@ const EMPTY: Slot = Slot {
     blocks: AtomicU64::new(0),
     cur: AtomicU64::new(0),
     wrote: AtomicU32::new(0),
+    own: AtomicI32::new(0),
     all_cached: AtomicU32::new(0),
 };
 
@@ -121,6 +126,33 @@ impl Slot {
         sys::drop_pages(fd, run.unwrap_or(blocks) << SHIFT, 0);
     }
 
+    /// Waits for the writeback of `block` and drops it, unless it held pages at first sight.
+    /// The wait runs on a descriptor of the library's own (the file reopened through
+    /// `/proc/self/fd`): waiting reports a writeback error to the open file description it
+    /// waits on and marks the error seen there, so on the program's own descriptor it would
+    /// take from the program the error its `fsync` must get. On another description the
+    /// program's is untouched. Where the file cannot be reopened (a mode that forbids reading
+    /// to a user who is not root, no /proc), there is no wait: the pages stay until the final
+    /// sweep.
+    fn wait_and_drop(&self, fd: c_int, block: u64) {
+        if self.was_cached(block) {
+            return;
+        }
+        let mut own = self.own.load(Acquire);
+        if own == 0 {
+            let Some(o) = sys::reopen(fd) else { return };
+            own = match self.own.compare_exchange(0, o + 1, AcqRel, Acquire) {
+                Ok(_) => o + 1,
+                Err(other) => {
+                    sys::close_own(o);
+                    other
+                }
+            };
+        }
+        sys::wait_written(own - 1, block << SHIFT, BLOCK);
+        sys::drop_pages(own - 1, block << SHIFT, BLOCK);
+    }
+
     /// Back to unknown, the bitmap unmapped (`unmap`) or left mapped: where another thread may
     /// be reading it right now (a descriptor found to name another file mid-run), a few KiB are
     /// leaked rather than risk that.
@@ -133,6 +165,10 @@ impl Slot {
         }
         self.cur.store(0, Relaxed);
         self.wrote.store(0, Relaxed);
+        let own = self.own.swap(0, AcqRel);
+        if own > 0 {
+            sys::close_own(own - 1);
+        }
         self.state.store(UNKNOWN, Release);
     }
 }
@@ -247,15 +283,18 @@ pub fn moved(fd: c_int, s: &Slot, start: u64, end: u64, write: bool) {
         s.forget(false);
         return;
     }
-    if left_prev {
-        s.drop_block(fd, prev - 1);
-        if s.wrote.load(Relaxed) != 0 && prev > LAG {
-            s.drop_block(fd, prev - 1 - LAG);
-        }
-    }
-    for b in first..last {
-        if !(left_prev && b == prev - 1) {
-            s.drop_block(fd, b);
+    let wrote = s.wrote.load(Relaxed) != 0;
+    let left = left_prev
+        .then(|| prev - 1)
+        .into_iter()
+        .chain((first..last).filter(|&b| !(left_prev && b == prev - 1)));
+    for b in left {
+        // Clean pages go; dirty ones start their writeback.
+        s.drop_block(fd, b);
+        // Write-behind: a writer waits for the writeback of the block LAG behind and drops
+        // it, so its dirty pages stay within about LAG blocks instead of piling up.
+        if wrote && b >= LAG {
+            s.wait_and_drop(fd, b - LAG);
         }
     }
 }

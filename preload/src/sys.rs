@@ -174,3 +174,56 @@ pub fn pid() -> u32 {
     // SAFETY: getpid touches no memory.
     (unsafe { libc::syscall(libc::SYS_getpid) }) as u32
 }
+
+/// The file of `fd` opened again (`/proc/self/fd/FD`, read-only, close-on-exec): a new open
+/// file description of the library's own, moved to 512 or above where the limit allows, so
+/// the program's next `open` gets the number it would have got.
+pub fn reopen(fd: c_int) -> Option<c_int> {
+    let mut link = [0u8; 32];
+    let prefix = b"/proc/self/fd/";
+    link[..prefix.len()].copy_from_slice(prefix);
+    let mut n = prefix.len();
+    let mut digits = [0u8; 11];
+    let (mut d, mut v) = (0, fd as u32);
+    loop {
+        digits[d] = b'0' + (v % 10) as u8;
+        d += 1;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    for i in (0..d).rev() {
+        link[n] = digits[i];
+        n += 1;
+    }
+    // SAFETY: `link` is NUL-terminated (zeroes past the digits); the call only reads it.
+    let o = unsafe {
+        libc::syscall(libc::SYS_openat, libc::AT_FDCWD, link.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0)
+    } as c_int;
+    if o < 0 {
+        return None;
+    }
+    // SAFETY: F_DUPFD_CLOEXEC touches no memory.
+    let high = unsafe { libc::fcntl(o, libc::F_DUPFD_CLOEXEC, 512) };
+    if high < 0 {
+        return Some(o);
+    }
+    close_own(o);
+    Some(high)
+}
+
+/// Closes a descriptor of the library's own (around the exported `close`).
+pub fn close_own(fd: c_int) {
+    // SAFETY: the descriptor is the library's, which nothing else uses.
+    unsafe { libc::syscall(libc::SYS_close, fd) };
+}
+
+/// Waits until `[off, off+len)` is written back (starting what is dirty): `sync_file_range`
+/// with WAIT_BEFORE, WRITE and WAIT_AFTER. Errors are left to the program's own `fsync`.
+pub fn wait_written(fd: c_int, off: u64, len: u64) {
+    let flags =
+        libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+    // SAFETY: touches no memory.
+    unsafe { libc::sync_file_range(fd, off as libc::off64_t, len as libc::off64_t, flags) };
+}
