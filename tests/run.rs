@@ -29,6 +29,18 @@ fn run_sh(dir: &Path, script: &str) -> serde_json::Value {
     serde_json::from_str(last).unwrap_or_else(|e| panic!("{script}: no JSON summary ({e}): {err}"))
 }
 
+/// What a `/usr/bin/python3 -c SCRIPT` run in `dir` printed, as a number: bare, or under
+/// `lightfoot run`.
+fn printed_by(dir: &Path, script: &str, under: bool) -> u64 {
+    let mut c = Command::new(if under { bin() } else { "/usr/bin/python3" });
+    if under {
+        c.args(["run", "--", "/usr/bin/python3"]);
+    }
+    let out = c.args(["-c", script]).current_dir(dir).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
 /// The files of a summary that name `name`.
 fn reported<'a>(summary: &'a serde_json::Value, name: &str) -> Vec<&'a serde_json::Value> {
     summary["files"]
@@ -234,13 +246,7 @@ fn a_reader_holds_little_while_it_runs() {
     );
     let held = |under: bool| -> u64 {
         evict(&f);
-        let mut c = Command::new(if under { bin() } else { "/usr/bin/python3" });
-        if under {
-            c.args(["run", "--", "/usr/bin/python3"]);
-        }
-        let out = c.args(["-c", &script]).current_dir(d).output().unwrap();
-        assert!(out.status.success(), "{}", text(&out));
-        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+        printed_by(d, &script, under)
     };
     let bare = held(false);
     assert!(bare >= 38 * MIB, "a bare reader held only {bare} bytes: the check could not fail");
@@ -306,15 +312,7 @@ fn a_writer_holds_little_while_it_runs() {
          print(__import__('json').loads(out)[0]['cached_bytes'])\nos.fsync(fd)\n",
         bin()
     );
-    let held = |under: bool| -> u64 {
-        let mut c = Command::new(if under { bin() } else { "/usr/bin/python3" });
-        if under {
-            c.args(["run", "--", "/usr/bin/python3"]);
-        }
-        let out = c.args(["-c", &script]).current_dir(d).output().unwrap();
-        assert!(out.status.success(), "{}", text(&out));
-        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
-    };
+    let held = |under: bool| printed_by(d, &script, under);
     let bare = held(false);
     assert!(bare >= 250 * MIB, "a bare writer held only {bare} bytes: the check could not fail");
     evict(&d.join("g"));

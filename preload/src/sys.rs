@@ -114,9 +114,11 @@ pub unsafe fn unmap(p: *mut u8, len: usize) {
     unsafe { libc::munmap(p as *mut c_void, len) };
 }
 
-/// The path `/proc/self/fd/FD` links to, into `buf`; its length (0 if unknown).
-pub fn path_of(fd: c_int, buf: &mut [u8]) -> usize {
-    let mut link = *b"/proc/self/fd/\0\0\0\0\0\0\0\0\0\0\0\0";
+/// `/proc/self/fd/FD`, NUL-terminated (zeroes past the digits), without allocating.
+fn fd_link(fd: c_int) -> [u8; 32] {
+    let mut link = [0u8; 32];
+    const PREFIX: &[u8] = b"/proc/self/fd/";
+    link[..PREFIX.len()].copy_from_slice(PREFIX);
     let mut digits = [0u8; 11];
     let (mut n, mut v) = (0, fd as u32);
     loop {
@@ -128,8 +130,14 @@ pub fn path_of(fd: c_int, buf: &mut [u8]) -> usize {
         }
     }
     for i in 0..n {
-        link[14 + i] = digits[n - 1 - i];
+        link[PREFIX.len() + i] = digits[n - 1 - i];
     }
+    link
+}
+
+/// The path `/proc/self/fd/FD` links to, into `buf`; its length (0 if unknown).
+pub fn path_of(fd: c_int, buf: &mut [u8]) -> usize {
+    let link = fd_link(fd);
     // SAFETY: `link` is NUL-terminated (the array's tail is zeroes), `buf` is writable for its length.
     let r = unsafe {
         libc::readlink(link.as_ptr() as *const libc::c_char, buf.as_mut_ptr() as *mut libc::c_char, buf.len())
@@ -179,24 +187,7 @@ pub fn pid() -> u32 {
 /// file description of the library's own, moved to 512 or above where the limit allows, so
 /// the program's next `open` gets the number it would have got.
 pub fn reopen(fd: c_int) -> Option<c_int> {
-    let mut link = [0u8; 32];
-    let prefix = b"/proc/self/fd/";
-    link[..prefix.len()].copy_from_slice(prefix);
-    let mut n = prefix.len();
-    let mut digits = [0u8; 11];
-    let (mut d, mut v) = (0, fd as u32);
-    loop {
-        digits[d] = b'0' + (v % 10) as u8;
-        d += 1;
-        v /= 10;
-        if v == 0 {
-            break;
-        }
-    }
-    for i in (0..d).rev() {
-        link[n] = digits[i];
-        n += 1;
-    }
+    let link = fd_link(fd);
     // SAFETY: `link` is NUL-terminated (zeroes past the digits); the call only reads it.
     let o = unsafe {
         libc::syscall(libc::SYS_openat, libc::AT_FDCWD, link.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0)
