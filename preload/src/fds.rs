@@ -47,9 +47,8 @@ pub struct Slot {
     state: AtomicU32,
     dev: AtomicU64,
     ino: AtomicU64,
-    /// The bitmap of blocks cached at first sight (an anonymous mapping), and its length.
+    /// The bitmap of blocks cached at first sight (an anonymous mapping of [`map_len`] bytes).
     map: AtomicUsize,
-    map_len: AtomicUsize,
     /// Blocks at first sight: those at or past it held nothing then.
     blocks: AtomicU64,
     /// 1 + the block the last data call ended in; 0 before the first.
@@ -70,7 +69,6 @@ const EMPTY: Slot = Slot {
     dev: AtomicU64::new(0),
     ino: AtomicU64::new(0),
     map: AtomicUsize::new(0),
-    map_len: AtomicUsize::new(0),
     blocks: AtomicU64::new(0),
     cur: AtomicU64::new(0),
     wrote: AtomicU32::new(0),
@@ -157,11 +155,12 @@ impl Slot {
     /// be reading it right now (a descriptor found to name another file mid-run), a few KiB are
     /// leaked rather than risk that.
     fn forget(&self, unmap: bool) {
-        let (map, len) = (self.map.swap(0, AcqRel), self.map_len.swap(0, AcqRel));
+        let map = self.map.swap(0, AcqRel);
         if map != 0 && unmap {
-            // SAFETY: the mapping was made by `adopt` for this slot, and nothing reads it once
-            // the pointer is swapped out (readers load it afresh each time).
-            unsafe { sys::unmap(map as *mut u8, len) };
+            // SAFETY: the mapping was made by `adopt` for this slot, of the length `map_len`
+            // gives for its blocks, and nothing reads it once the pointer is swapped out
+            // (readers load it afresh each time).
+            unsafe { sys::unmap(map as *mut u8, map_len(self.blocks.load(Relaxed))) };
         }
         self.cur.store(0, Relaxed);
         self.wrote.store(0, Relaxed);
@@ -211,9 +210,9 @@ fn look(fd: c_int, s: &Slot) -> bool {
             return false;
         }
     };
-    let (mut map, mut len) = (std::ptr::null_mut::<u8>(), 0);
+    let mut map = std::ptr::null_mut::<u8>();
     if cached > 0 && blocks > 0 {
-        len = (blocks.div_ceil(8) as usize).next_multiple_of(4096);
+        let len = map_len(blocks);
         map = sys::map(len);
         if !map.is_null() {
             // SAFETY: `map` is a fresh, zeroed, writable mapping of `len` bytes, ours alone.
@@ -225,7 +224,6 @@ fn look(fd: c_int, s: &Slot) -> bool {
     s.ino.store(st.st_ino, Relaxed);
     s.blocks.store(blocks, Relaxed);
     s.map.store(map as usize, Release);
-    s.map_len.store(len, Relaxed);
     s.cur.store(0, Relaxed);
     s.wrote.store(0, Relaxed);
     s.all_cached.store(u32::from(map.is_null() && cached > 0), Relaxed);
@@ -297,6 +295,11 @@ pub fn moved(fd: c_int, s: &Slot, start: u64, end: u64, write: bool) {
             s.wait_and_drop(fd, b - LAG);
         }
     }
+}
+
+/// The length of the bitmap mapping for `blocks` blocks: a bit each, in whole pages.
+fn map_len(blocks: u64) -> usize {
+    (blocks.div_ceil(8) as usize).next_multiple_of(4096)
 }
 
 fn same_file(fd: c_int, s: &Slot) -> bool {

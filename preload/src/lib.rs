@@ -139,21 +139,34 @@ macro_rules! call_real {
 /// offset (`None`: the file position, read back after the call), `write` whether it wrote.
 /// The result and `errno` reach the program unchanged.
 fn data_call(fd: c_int, at: Option<u64>, write: bool, f: impl FnOnce() -> ssize_t) -> ssize_t {
-    let slot = if active() { fds::tracked(fd) } else { None };
+    let slot = tracked(fd);
     let r = f();
-    if let (Some(s), true) = (slot, r > 0) {
-        let e = sys::errno();
-        let n = r as u64;
-        let start = match at {
-            Some(o) => Some(o),
-            None => sys::position(fd).and_then(|p| p.checked_sub(n)),
-        };
-        if let Some(start) = start {
-            fds::moved(fd, s, start, start + n, write);
-        }
-        sys::set_errno(e);
-    }
+    account(fd, slot, at, write, r);
     r
+}
+
+/// The slot of `fd` if this process may use the tables and the descriptor is tracked.
+fn tracked(fd: c_int) -> Option<&'static fds::Slot> {
+    if active() {
+        fds::tracked(fd)
+    } else {
+        None
+    }
+}
+
+/// The bookkeeping after a call on `fd` (its `slot`, looked up before the call) that moved `r`
+/// bytes at `at` (`None`: ending at the file position); `errno` is kept as the call left it.
+fn account(fd: c_int, slot: Option<&'static fds::Slot>, at: Option<u64>, write: bool, r: ssize_t) {
+    let Some(s) = slot else { return };
+    if r <= 0 {
+        return;
+    }
+    let e = sys::errno();
+    let n = r as u64;
+    if let Some(start) = at.or_else(|| sys::position(fd).and_then(|p| p.checked_sub(n))) {
+        fds::moved(fd, s, start, start + n, write);
+    }
+    sys::set_errno(e);
 }
 
 /// An explicit offset, or `None` for -1 (the `preadv2` family's "use the file position").
@@ -239,7 +252,7 @@ pub unsafe extern "C" fn copy_file_range(
 ) -> ssize_t {
     // SAFETY: the caller's pointers, valid for reading if not null (as the real call needs).
     let (in_at, out_at) = unsafe { (at(off_in), at(off_out)) };
-    let out_slot = if active() { fds::tracked(fd_out) } else { None };
+    let out_slot = tracked(fd_out);
     let r = data_call(fd_in, in_at, false, || {
         call_real!(
             c"copy_file_range",
@@ -252,7 +265,7 @@ pub unsafe extern "C" fn copy_file_range(
             flags
         )
     });
-    after_write(fd_out, out_slot, out_at, r);
+    account(fd_out, out_slot, out_at, true, r);
     r
 }
 
@@ -262,7 +275,7 @@ pub unsafe extern "C" fn copy_file_range(
 pub unsafe extern "C" fn sendfile(out_fd: c_int, in_fd: c_int, off: *mut off_t, count: size_t) -> ssize_t {
     // SAFETY: the caller's pointer, valid for reading if not null.
     let in_at = unsafe { at(off) };
-    let out_slot = if active() { fds::tracked(out_fd) } else { None };
+    let out_slot = tracked(out_fd);
     let r = data_call(in_fd, in_at, false, || {
         call_real!(
             c"sendfile",
@@ -273,7 +286,7 @@ pub unsafe extern "C" fn sendfile(out_fd: c_int, in_fd: c_int, off: *mut off_t, 
             count.min(COPY_PIECE)
         )
     });
-    after_write(out_fd, out_slot, None, r);
+    account(out_fd, out_slot, None, true, r);
     r
 }
 
@@ -288,7 +301,7 @@ pub unsafe extern "C" fn sendfile64(
 ) -> ssize_t {
     // SAFETY: the caller's pointer, valid for reading if not null.
     let in_at = unsafe { at(off) };
-    let out_slot = if active() { fds::tracked(out_fd) } else { None };
+    let out_slot = tracked(out_fd);
     let r = data_call(in_fd, in_at, false, || {
         call_real!(
             c"sendfile64",
@@ -299,7 +312,7 @@ pub unsafe extern "C" fn sendfile64(
             count.min(COPY_PIECE)
         )
     });
-    after_write(out_fd, out_slot, None, r);
+    account(out_fd, out_slot, None, true, r);
     r
 }
 
@@ -310,20 +323,6 @@ pub unsafe extern "C" fn sendfile64(
 unsafe fn at<T: Copy + Into<i64>>(p: *const T) -> Option<u64> {
     // SAFETY: the caller's promise.
     (!p.is_null()).then(|| unsafe { *p }.into()).and_then(|o| u64::try_from(o).ok())
-}
-
-/// The bookkeeping of the writing end of a copy that moved `r` bytes.
-fn after_write(fd: c_int, slot: Option<&'static fds::Slot>, at: Option<u64>, r: ssize_t) {
-    let Some(s) = slot else { return };
-    if r <= 0 {
-        return;
-    }
-    let e = sys::errno();
-    let n = r as u64;
-    if let Some(start) = at.or_else(|| sys::position(fd).and_then(|p| p.checked_sub(n))) {
-        fds::moved(fd, s, start, start + n, true);
-    }
-    sys::set_errno(e);
 }
 
 // ---- exports: the ends of a descriptor -----------------------------------------------------------
