@@ -16,10 +16,17 @@ fn run(args: &[&str]) -> Output {
     Command::new(bin()).arg("run").args(args).output().unwrap()
 }
 
-/// `sh -c SCRIPT` under `lightfoot run --json`, in `dir`; asserts success; the JSON summary.
+/// `sh -c SCRIPT` under `lightfoot run --json --watch never` (the preload library alone), in
+/// `dir`; asserts success; the JSON summary.
 fn run_sh(dir: &Path, script: &str) -> serde_json::Value {
+    run_sh_watch(dir, script, "never")
+}
+
+/// `sh -c SCRIPT` under `lightfoot run --json --watch WATCH`, in `dir`; asserts success; the
+/// JSON summary.
+fn run_sh_watch(dir: &Path, script: &str, watch: &str) -> serde_json::Value {
     let out = Command::new(bin())
-        .args(["run", "--json", "--", "sh", "-c", script])
+        .args(["run", "--json", "--watch", watch, "--", "sh", "-c", script])
         .current_dir(dir)
         .output()
         .unwrap();
@@ -34,7 +41,7 @@ fn run_sh(dir: &Path, script: &str) -> serde_json::Value {
 fn printed_by(dir: &Path, script: &str, under: bool) -> u64 {
     let mut c = Command::new(if under { bin() } else { "/usr/bin/python3" });
     if under {
-        c.args(["run", "--", "/usr/bin/python3"]);
+        c.args(["run", "--watch", "never", "--", "/usr/bin/python3"]);
     }
     let out = c.args(["-c", script]).current_dir(dir).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
@@ -212,7 +219,7 @@ fn pipes_and_o_direct_pass_through() {
     let dir = scratch();
     let d = dir.path();
     let out = Command::new(bin())
-        .args(["run", "--json", "--", "sh", "-c", "head -c 64M /dev/zero | cat | wc -c"])
+        .args(["run", "--json", "--watch", "never", "--", "sh", "-c", "head -c 64M /dev/zero | cat | wc -c"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
@@ -273,7 +280,7 @@ fn in_kernel_copies_go_a_piece_at_a_time() {
         bin()
     );
     let out = Command::new(bin())
-        .args(["run", "--", "/usr/bin/python3", "-c", &script])
+        .args(["run", "--watch", "never", "--", "/usr/bin/python3", "-c", &script])
         .current_dir(d)
         .output()
         .unwrap();
@@ -319,4 +326,277 @@ fn a_writer_holds_little_while_it_runs() {
     let under = held(true);
     assert!(under <= 16 * MIB, "a writer under lightfoot run held {under} bytes of the 256 MiB it wrote");
     assert!(cached(&d.join("g"), 0, None) <= MIB, "the written file was left cached");
+}
+
+/// A statically linked reader and writer, which no preload library can enter: `scat [-p N]
+/// FILE…` copies the files to stdout with read(2) and write(2); with `-p N` it says `r` on
+/// stderr after N bytes and waits for a byte on stdin before going on. Built once per test
+/// binary (gcc -static, libc6-dev).
+fn static_cat() -> &'static str {
+    static BUILT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| {
+        let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("static-cat");
+        std::fs::create_dir_all(&dir).unwrap();
+        let src = dir.join("scat.c");
+        std::fs::write(
+            &src,
+            r#"#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+static char buf[1 << 16];
+int main(int argc, char **argv) {
+    long long pause_at = -1, done = 0;
+    int i = 1;
+    if (argc > 2 && strcmp(argv[1], "-p") == 0) { pause_at = atoll(argv[2]); i = 3; }
+    for (; i < argc; i++) {
+        int fd = open(argv[i], O_RDONLY);
+        if (fd < 0) return 2;
+        ssize_t n;
+        while ((n = read(fd, buf, sizeof buf)) > 0) {
+            if (write(1, buf, n) != n) return 3;
+            done += n;
+            if (pause_at >= 0 && done >= pause_at) {
+                char c;
+                pause_at = -1;
+                if (write(2, "r\n", 2) != 2 || read(0, &c, 1) < 0) return 4;
+            }
+        }
+        if (n < 0 || close(fd) != 0) return 5;
+    }
+    return 0;
+}
+"#,
+        )
+        .unwrap();
+        let exe = dir.join("scat");
+        let out = Command::new("gcc").args(["-O2", "-static", "-o"]).arg(&exe).arg(&src).output().expect("run gcc");
+        assert!(out.status.success(), "gcc -static (needs libc6-dev): {}", text(&out));
+        exe.to_str().unwrap().to_string()
+    })
+}
+
+/// The watcher (root) covers what the preload library cannot see: a statically linked reader
+/// and writer, the same in a background child, and a reader that maps the file. The working
+/// set cached before stays, the rest goes. With the watcher off the static reader leaves the
+/// file cached: the check can fail.
+#[test]
+fn the_watcher_covers_static_programs_and_mmap() {
+    if !root_or_skip("the_watcher_covers_static_programs_and_mmap: fanotify needs root") {
+        return;
+    }
+    let dir = scratch();
+    let d = dir.path();
+    let f = d.join("f");
+    let size = 64 * MIB;
+    random_file(&f, size);
+    let scat = static_cat();
+    let (ws, wlen) = (16 * MIB, 8 * MIB);
+    let prepare = || {
+        evict(&f);
+        warm(&f, ws, wlen);
+    };
+    prepare();
+    let off = run_sh_watch(d, &format!("{scat} f > /dev/null"), "never");
+    assert!(cached(&f, 0, None) > size / 2, "without the watcher a static reader left little cached: {off}");
+    let mmap = "/usr/bin/python3 -c \"import mmap, sys; f = open('f', 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); f.close(); print(sum(m[i] for i in range(0, len(m), 4096)), file=sys.stderr)\"";
+    for script in [
+        format!("{scat} f > /dev/null"),
+        format!("{scat} f > /dev/null & wait"),
+        format!("sh -c '{scat} f | {scat} /dev/stdin > /dev/null'"),
+        mmap.to_string(),
+    ] {
+        let mut summary = serde_json::Value::Null;
+        let kept = kept_despite_host_reclaim(d, wlen, &script, || {
+            prepare();
+            summary = run_sh_watch(d, &script, "always");
+            cached(&f, ws, Some(wlen))
+        });
+        assert_kept(kept, wlen, &script);
+        let rest = cached(&f, 0, Some(ws)) + cached(&f, ws + wlen, None);
+        assert!(rest <= size / 100, "{script}: {rest} bytes left cached outside the working set: {summary}");
+        assert_eq!(summary["watcher"]["on"], true, "{summary}");
+        let files = reported(&summary, "/f");
+        assert!(!files.is_empty(), "{script}: f not in the summary: {summary}");
+        assert!(files[0]["mechanism"].as_str().unwrap().starts_with("watcher"), "{summary}");
+        assert_eq!(files[0]["cached_before"], wlen, "{summary}");
+    }
+    // A static writer behind a shell's redirection: its output is not left cached, and whole.
+    evict(&f);
+    let summary = run_sh_watch(d, &format!("{scat} f > g"), "always");
+    let g = d.join("g");
+    assert!(cached(&g, 0, None) <= size / 100, "{} bytes of g left cached: {summary}", cached(&g, 0, None));
+    assert!(cached(&f, 0, None) <= size / 100, "the source left cached: {summary}");
+    assert!(same_contents(&f, &g), "the static copy differs");
+}
+
+/// While a static reader runs, the watcher keeps what it has read behind it small: after
+/// 40 MB of a 64 MiB file, with the file still open, at most 24 MiB of it is cached (one block
+/// behind, two readahead windows ahead, and what a tick lets through). Bare, all 40 MB stay:
+/// the check can fail.
+#[test]
+fn the_watcher_holds_a_static_reader_to_little() {
+    if !root_or_skip("the_watcher_holds_a_static_reader_to_little: fanotify needs root") {
+        return;
+    }
+    let dir = scratch();
+    let d = dir.path();
+    let f = d.join("f");
+    random_file(&f, 64 * MIB);
+    let scat = static_cat();
+    let held = |cmd: &mut Command| -> u64 {
+        evict(&f);
+        let mut child = cmd
+            .current_dir(d)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stderr.as_mut().unwrap()), &mut line)
+            .unwrap();
+        assert_eq!(line, "r\n");
+        // Two ticks of the watcher's, and some.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let n = cached(&f, 0, None);
+        std::io::Write::write_all(child.stdin.as_mut().unwrap(), b"x").unwrap();
+        assert!(child.wait().unwrap().success());
+        n
+    };
+    let bare = held(Command::new(scat).args(["-p", "40000000", "f"]));
+    assert!(bare >= 38 * MIB, "a bare reader held only {bare} bytes: the check could not fail");
+    let under = held(Command::new(bin()).args(["run", "--watch", "always", "--", scat, "-p", "40000000", "f"]));
+    assert!(under <= 24 * MIB, "a static reader under the watcher held {under} bytes of the 40 MB it read");
+}
+
+/// restic (a Go program: its own system calls, so no preload) backing up a tree under the
+/// watcher leaves neither the tree nor its repository cached, and the backup restores the
+/// same bytes. Without the watcher it leaves the tree cached: the check can fail.
+#[test]
+fn restic_backup_leaves_the_cache_as_it_found_it() {
+    if !root_or_skip("restic_backup_leaves_the_cache_as_it_found_it: fanotify needs root") {
+        return;
+    }
+    need("restic", "restic");
+    let dir = scratch();
+    let d = dir.path();
+    std::fs::create_dir(d.join("tree")).unwrap();
+    random_file(&d.join("tree/big"), 48 * MIB);
+    for i in 0..40 {
+        random_file(&d.join(format!("tree/small{i}")), 64 << 10);
+    }
+    let moved = 48 * MIB + 40 * (64 << 10);
+    let files = |sub: &str| -> Vec<std::path::PathBuf> {
+        let mut out = Vec::new();
+        let mut stack = vec![d.join(sub)];
+        while let Some(p) = stack.pop() {
+            for e in std::fs::read_dir(&p).unwrap().flatten() {
+                let t = e.file_type().unwrap();
+                if t.is_dir() {
+                    stack.push(e.path());
+                } else if t.is_file() {
+                    out.push(e.path());
+                }
+            }
+        }
+        out
+    };
+    let left = |sub: &str| files(sub).iter().map(|p| cached(p, 0, None)).sum::<u64>();
+    let backup = |watch: &str| -> serde_json::Value {
+        let _ = std::fs::remove_dir_all(d.join("repo"));
+        let init = Command::new("restic").args(["init", "-q", "-r", "repo"]).env("RESTIC_PASSWORD", "x").current_dir(d).output().unwrap();
+        assert!(init.status.success(), "{}", text(&init));
+        for p in files("tree") {
+            evict(&p);
+        }
+        let out = Command::new(bin())
+            .args(["run", "--json", "--watch", watch, "--", "restic", "-q", "-r", "repo", "backup", "tree"])
+            .env("RESTIC_PASSWORD", "x")
+            .current_dir(d)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        serde_json::from_str(err.lines().last().unwrap_or_default()).unwrap()
+    };
+    backup("never");
+    assert!(left("tree") > moved / 2, "without the watcher restic left only {} bytes cached", left("tree"));
+    let summary = backup("always");
+    let (tree, repo) = (left("tree"), left("repo"));
+    assert!(tree + repo <= moved / 100, "restic left {tree} bytes of the tree and {repo} of the repository cached: {summary}");
+    let out = Command::new("restic")
+        .args(["-q", "-r", "repo", "restore", "latest", "--target", "restored"])
+        .env("RESTIC_PASSWORD", "x")
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let restored = d.join("restored/tree/big");
+    assert!(same_contents(&d.join("tree/big"), &restored), "the backup does not restore the same bytes");
+}
+
+/// The watcher runs in a process group of its own: stopping `lightfoot run`'s group (a
+/// terminal's Ctrl-Z) stops CMD but not the watcher, which every open on the watched file
+/// systems waits for while CMD runs, so the host's opens go on.
+#[test]
+fn a_stopped_run_does_not_hold_the_hosts_opens() {
+    if !root_or_skip("a_stopped_run_does_not_hold_the_hosts_opens: fanotify needs root") {
+        return;
+    }
+    use std::os::unix::process::CommandExt;
+    let dir = scratch();
+    let f = dir.path().join("f");
+    std::fs::write(&f, b"hello").unwrap();
+    let (mut child, _out, line) = spawn_until_line(
+        Command::new(bin())
+            .args(["run", "--watch", "always", "--", "sh", "-c", "echo ready; exec sleep 30"])
+            .process_group(0),
+    );
+    assert_eq!(line, "ready\n");
+    // Signals by kill(2), not kill(1): starting a program opens files, which would wait too.
+    let group = -(child.id() as i32);
+    // SAFETY: kill with integer arguments.
+    assert_eq!(unsafe { libc::kill(group, libc::SIGSTOP) }, 0);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let g = f.clone();
+    std::thread::spawn(move || tx.send(std::fs::read(&g).map(|b| b.len())).unwrap());
+    let got = rx.recv_timeout(std::time::Duration::from_secs(10));
+    // SAFETY: as above.
+    unsafe {
+        libc::kill(group, libc::SIGCONT);
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let st = child.wait().unwrap();
+    assert!(matches!(got, Ok(Ok(5))), "an open waited while lightfoot run was stopped: {got:?}");
+    assert_eq!(st.code(), Some(143), "{st}");
+}
+
+/// Without root there is no watcher: -v says so and what that leaves out; `--watch always`
+/// refuses to run CMD.
+#[test]
+fn without_root_the_watcher_is_off_and_says_what_is_not_covered() {
+    if !root_or_skip("without_root_the_watcher…: needs root to switch to nobody") {
+        return;
+    }
+    let dir = scratch();
+    let as_nobody = |args: &[&str]| {
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", bin(), "run"])
+            .args(args)
+            .current_dir(dir.path())
+            .output()
+            .unwrap()
+    };
+    let out = as_nobody(&["-v", "--", "true"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("watcher: off: it needs root (fanotify); statically linked programs, Go programs (restic), mmap"),
+        "{}",
+        text(&out)
+    );
+    let out = as_nobody(&["--watch", "always", "--", "touch", "ran"]);
+    assert_eq!(out.status.code(), Some(125), "{}", text(&out));
+    assert!(text(&out).contains("--watch always, but the watcher is off: it needs root"), "{}", text(&out));
+    assert!(!dir.path().join("ran").exists(), "the command ran without the watcher it was asked for");
 }

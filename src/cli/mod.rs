@@ -53,6 +53,10 @@ pub fn run() -> i32 {
     if std::env::args_os().nth(1).is_some_and(|a| a == generate::COMMAND) {
         return generate::run(std::env::args_os().skip(1));
     }
+    // `lightfoot __watch PARENT` is `lightfoot run`'s watcher process (src/run/watch.rs).
+    if std::env::args_os().nth(1).is_some_and(|a| a == lightfoot::run::watch::COMMAND) {
+        return lightfoot::run::watch::main(std::env::args_os().skip(2));
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Copy(args) => copy::run(args),

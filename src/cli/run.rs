@@ -11,6 +11,7 @@ use clap::Args;
 
 use super::human::bytes as human;
 use lightfoot::io::sys;
+use lightfoot::run::watch::Watcher;
 use lightfoot::run::{self, FileReport};
 
 /// lightfoot's own failure (not CMD's), as `env` and `timeout` report it.
@@ -31,9 +32,15 @@ It records which 2 MiB blocks of each regular file held pages when the program f
 wrote it, drops the others behind the program, and leaves records that a final sweep uses when CMD \
 ends: dirty pages are written back and every block that held no page before is dropped. Pipes, \
 sockets, terminals and O_DIRECT files are left alone.\n\n\
-Not covered (docs/run.md): programs that make their own system calls (statically linked ones, \
-Go programs such as restic), mmap and \
-io_uring I/O, programs that clear their environment, setuid programs; files the user may not \
+The watcher (root; --watch): what the library cannot see, statically linked and Go programs \
+(restic), mmap, io_uring, programs that clear their environment. A process of lightfoot's own, in \
+a process group of its own, watches every file system with a page cache (fanotify): an open by \
+CMD's process tree waits until the file's first sight is taken; while CMD runs, the blocks it \
+brought in are dropped behind each descriptor's position and written back when dirty; at the \
+end every file is written back and dropped to its first sight. Other processes' opens on those \
+file systems wait for one look at their parent chain while CMD runs.\n\n\
+Not covered without root (docs/run.md): programs that make their own system calls, mmap and \
+io_uring I/O, programs that clear their environment, setuid programs. Files the user may not \
 write (their residency is not visible) are reported as not covered.",
     after_long_help = "Exit status: CMD's own; 128+N if CMD was killed by signal N; 125 lightfoot's own \
 failure; 126 CMD not executable; 127 CMD not found. Signals sent to lightfoot (TERM, INT, HUP, QUIT, \
@@ -51,10 +58,27 @@ pub struct RunArgs {
     #[arg(long)]
     json: bool,
 
+    /// Whether to start the watcher, which covers what the preload library cannot see
+    /// (static and Go programs, mmap, io_uring): auto (when root), always (fail without root),
+    /// never
+    #[arg(long, value_enum, value_name = "WHEN", default_value = "auto")]
+    watch: Watch,
+
     /// The command and its arguments (after `--`)
     #[arg(value_name = "CMD", required = true, trailing_var_arg = true, allow_hyphen_values = true, num_args = 1..)]
     command: Vec<OsString>,
 }
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Watch {
+    Auto,
+    Always,
+    Never,
+}
+
+/// Why the watcher is off without root, and what that leaves out.
+const NOT_ROOT: &str = "off: it needs root (fanotify); statically linked programs, Go programs \
+(restic), mmap and io_uring I/O, programs that clear their environment and setuid programs are not covered";
 
 pub fn run(a: RunArgs) -> i32 {
     super::init_logging(a.verbose);
@@ -91,6 +115,28 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
         preload.push(":");
     }
     preload.push(lib);
+    let watcher = match (a.watch, sys::euid() == 0) {
+        (Watch::Never, _) => Err("off (--watch never)".to_string()),
+        (Watch::Auto, false) => Err(NOT_ROOT.to_string()),
+        (Watch::Always, false) => {
+            eprintln!("lightfoot run: --watch always, but the watcher is {NOT_ROOT}");
+            return EXIT_OWN_FAILURE;
+        }
+        (_, true) => match Watcher::start().and_then(|w| {
+            sys::become_subreaper().map_err(|e| format!("cannot become the subreaper of CMD's tree: {e}"))?;
+            Ok(w)
+        }) {
+            Ok(w) => Ok(w),
+            Err(e) if a.watch == Watch::Always => {
+                eprintln!("lightfoot run: the watcher: {e}");
+                return EXIT_OWN_FAILURE;
+            }
+            Err(e) => {
+                eprintln!("lightfoot run: the watcher could not start ({e}): only the preload library covers CMD");
+                Err(format!("off: {e}"))
+            }
+        },
+    };
     let cmd = &a.command;
     let mut command = Command::new(&cmd[0]);
     command.args(&cmd[1..]).env("LD_PRELOAD", &preload).env("LIGHTFOOT_RUN_DIR", dir);
@@ -99,6 +145,9 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
     let mut child = match child {
         Ok(c) => c,
         Err(e) => {
+            if let Ok(w) = watcher {
+                let _ = w.finish(false);
+            }
             let name = cmd[0].to_string_lossy();
             return match e.kind() {
                 std::io::ErrorKind::NotFound => {
@@ -129,7 +178,19 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
             }
         });
     }
-    let status = child.wait();
+    // With the watcher, this process is the subreaper of CMD's tree: orphans are reaped as
+    // they end, and the watcher (a child too) may end first if it fails.
+    let mut watcher_reaped = false;
+    let status = match &watcher {
+        Ok(w) => loop {
+            match sys::wait_any_child() {
+                Ok((p, st)) if p == child.id() => break Ok(st),
+                Ok((p, _)) => watcher_reaped |= p == w.pid(),
+                Err(e) => break Err(e),
+            }
+        },
+        Err(_) => child.wait(),
+    };
     done.store(true, Ordering::Release);
     let status = match status {
         Ok(s) => s,
@@ -139,7 +200,21 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
         }
     };
     let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
-    let files = match run::sweep(dir) {
+    let (watched, watch_state) = match watcher {
+        Ok(w) => match w.finish(watcher_reaped) {
+            Ok(o) => {
+                let state = serde_json::json!({ "on": true, "filesystems": o.filesystems, "notes": o.notes });
+                (o.files, state)
+            }
+            Err(e) => {
+                eprintln!("lightfoot run: {e}");
+                (Vec::new(), serde_json::json!({ "on": false, "why": e }))
+            }
+        },
+        Err(why) => (Vec::new(), serde_json::json!({ "on": false, "why": why })),
+    };
+    sys::reap_ended_children();
+    let files = match run::sweep(dir, watched) {
         Ok(f) => f,
         Err(e) => {
             eprintln!("lightfoot run: the final sweep failed: {e}");
@@ -150,12 +225,21 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
         eprintln!("lightfoot run: {}: {}", f.path.display(), f.note.as_deref().unwrap_or_default());
     }
     if a.verbose > 0 {
+        match watch_state["on"].as_bool() {
+            Some(true) => {
+                eprintln!("lightfoot run: watcher: on, file systems {}", watch_state["filesystems"]);
+                for n in watch_state["notes"].as_array().into_iter().flatten() {
+                    eprintln!("lightfoot run: watcher: {}", n.as_str().unwrap_or_default());
+                }
+            }
+            _ => eprintln!("lightfoot run: watcher: {}", watch_state["why"].as_str().unwrap_or_default()),
+        }
         for f in &files {
             print_file(f);
         }
     }
     if a.json {
-        let v = serde_json::json!({ "exit_status": code, "files": files });
+        let v = serde_json::json!({ "exit_status": code, "watcher": watch_state, "files": files });
         eprintln!("{v}");
     }
     code

@@ -899,7 +899,7 @@ impl Drop for PolicyFile {
 }
 
 /// The readahead window of the device behind `dev` (`queue/read_ahead_kb`), 8 MiB if unknown.
-fn read_ahead_bytes(dev: u64) -> u64 {
+pub(crate) fn read_ahead_bytes(dev: u64) -> u64 {
     let base = format!("/sys/dev/block/{}:{}", libc::major(dev), libc::minor(dev));
     for p in [format!("{base}/queue/read_ahead_kb"), format!("{base}/../queue/read_ahead_kb")] {
         if let Some(kb) = std::fs::read_to_string(p).ok().and_then(|s| s.trim().parse::<u64>().ok()) {

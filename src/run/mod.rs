@@ -19,14 +19,16 @@ use crate::error::{Error, Result};
 use crate::io::residency;
 use crate::io::sys::{self, Advice};
 
+pub mod watch;
+
 /// The record header, as `preload/src/record.rs` writes it (native byte order, `repr(C)`).
 const HEADER: usize = 64;
 const MAGIC: u32 = u32::from_le_bytes(*b"LFR1");
-const WRITABLE: u32 = 1;
-const NOT_COVERED_EPERM: u32 = 2;
-const NOT_COVERED_NOSYS: u32 = 4;
-const NOT_COVERED_OTHER: u32 = 8;
-const ALL_CACHED: u32 = 16;
+pub(crate) const WRITABLE: u32 = 1;
+pub(crate) const NOT_COVERED_EPERM: u32 = 2;
+pub(crate) const NOT_COVERED_NOSYS: u32 = 4;
+pub(crate) const NOT_COVERED_OTHER: u32 = 8;
+pub(crate) const ALL_CACHED: u32 = 16;
 
 /// One record of the library's.
 #[derive(Debug, Clone)]
@@ -46,19 +48,19 @@ pub struct Record {
 }
 
 impl Record {
-    fn covered(&self) -> bool {
+    pub(crate) fn covered(&self) -> bool {
         self.flags & (NOT_COVERED_EPERM | NOT_COVERED_NOSYS | NOT_COVERED_OTHER) == 0
     }
 
     /// Whether block `b` held pages at first sight.
-    fn was_cached(&self, b: u64) -> bool {
+    pub(crate) fn was_cached(&self, b: u64) -> bool {
         if self.flags & ALL_CACHED != 0 {
             return true;
         }
         self.bits.get((b / 8) as usize).is_some_and(|byte| byte >> (b % 8) & 1 == 1)
     }
 
-    fn why_not_covered(&self) -> Option<&'static str> {
+    pub(crate) fn why_not_covered(&self) -> Option<&'static str> {
         if self.flags & NOT_COVERED_EPERM != 0 {
             Some("cachestat refused the file (this user may not write it): its residency is unknown, so nothing of it is dropped")
         } else if self.flags & NOT_COVERED_NOSYS != 0 {
@@ -107,7 +109,7 @@ pub fn parse(bytes: &[u8]) -> Vec<Record> {
 }
 
 /// What the run did to one file.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct FileReport {
     /// Where the file is when the sweep ends (renamed since: its new name).
     pub path: PathBuf,
@@ -126,7 +128,9 @@ pub struct FileReport {
 }
 
 /// The sweep over the records in `dir`: one report per file, in the order of first sight.
-pub fn sweep(dir: &Path) -> Result<Vec<FileReport>> {
+/// Files the watcher saw (`watched`, its first sights taken at the open, so before any of the
+/// library's) are the watcher's: done already, only the library's opens are added to them.
+pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>> {
     let log = dir.join("files");
     let bytes = std::fs::read(&log).map_err(|e| Error::io("read", e).path(&log))?;
     let records = parse(&bytes);
@@ -141,9 +145,17 @@ pub fn sweep(dir: &Path) -> Result<Vec<FileReport>> {
     }
     let page = sys::page_size() as u64;
     let mut renamed = Renamed::new();
-    Ok(order
-        .into_iter()
-        .map(|key| {
+    let mut reports = Vec::with_capacity(watched.len() + order.len());
+    for mut w in watched {
+        if let Some(recs) = by_file.remove(&(w.dev, w.ino)) {
+            w.report.opens += recs.len();
+            w.report.written |= recs.iter().any(|r| r.flags & WRITABLE != 0);
+            w.report.mechanism.push_str(" and evict-behind");
+        }
+        reports.push(w.report);
+    }
+    order.retain(|k| by_file.contains_key(k));
+    reports.extend(order.into_iter().map(|key| {
             let recs = &by_file[&key];
             let first = &recs[0];
             let written = recs.iter().any(|r| r.flags & WRITABLE != 0);
@@ -168,13 +180,13 @@ pub fn sweep(dir: &Path) -> Result<Vec<FileReport>> {
                 Err(e) => report.note = Some(e.to_string()),
             }
             report
-        })
-        .collect())
+    }));
+    Ok(reports)
 }
 
 /// Where each file of a directory is now, by (device, inode): read once per directory the
 /// sweep needs it for.
-type Renamed = HashMap<PathBuf, HashMap<(u64, u64), PathBuf>>;
+pub(crate) type Renamed = HashMap<PathBuf, HashMap<(u64, u64), PathBuf>>;
 
 /// The file of a record: at its path, or, when that name is gone or names another file, under
 /// the name it was renamed to in the same directory (rsync, tar and editors write a temporary
@@ -202,7 +214,7 @@ fn locate(first: &Record, renamed: &mut Renamed) -> Option<PathBuf> {
 
 /// Writes back and drops what one file holds beyond its first sight; where it is and what it
 /// holds after (`None`: the file is gone, nothing of it is left to drop).
-fn finish_file(first: &Record, written: bool, renamed: &mut Renamed) -> Result<(PathBuf, Option<u64>)> {
+pub(crate) fn finish_file(first: &Record, written: bool, renamed: &mut Renamed) -> Result<(PathBuf, Option<u64>)> {
     let Some(path) = locate(first, renamed) else { return Ok((first.path.clone(), None)) };
     let at = |after: Option<u64>| Ok((path.clone(), after));
     let path = &path;
@@ -225,7 +237,7 @@ fn finish_file(first: &Record, written: bool, renamed: &mut Renamed) -> Result<(
 
 /// Waits until the file's dirty pages are written back, on a descriptor of lightfoot's own (the
 /// command has ended: its descriptors, and the errors they were owed, are gone with it).
-fn write_back(file: &File, path: &Path) -> Result<()> {
+pub(crate) fn write_back(file: &File, path: &Path) -> Result<()> {
     sys::sync_file_range(file.as_fd(), 0, 0, sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER)
         .map_err(|e| Error::io("writeback", e).path(path))
 }
@@ -235,7 +247,7 @@ fn write_back(file: &File, path: &Path) -> Result<()> {
 /// can still be in flight: its pages are locked while the read runs, a drop skips them, and they
 /// land afterwards (a `head` that stopped at 28.6 MiB left 30-36 MiB behind that way). So the
 /// drop is repeated while pages are left, every 20 ms for up to 2 s.
-fn drop_new_blocks(file: &File, first: &Record) {
+pub(crate) fn drop_new_blocks(file: &File, first: &Record) {
     let shift = first.block_shift;
     let blocks = first.size.div_ceil(1 << shift);
     let mut runs: Vec<(u64, u64)> = Vec::new(); // (offset, len), len 0: to the end

@@ -19,6 +19,7 @@
 //!   and both ends of systemd socket activation.
 //! - `process.rs`: `--exit-with-parent`, signals (SIGUSR1, a child's process group), the
 //!   effective user id, and directory locks between lightfoot processes.
+//! - `watch.rs`: fanotify, the subreaper, reaping any child (`lightfoot run`'s watcher).
 
 // The one exception to the crate root's `deny(unsafe_code)`: calling libc and managing raw
 // memory need it. Every block says why it is sound (`// SAFETY:`, which clippy's
@@ -33,6 +34,7 @@ mod file;
 mod mem;
 mod net;
 mod process;
+mod watch;
 
 pub use block::{block_discard, block_logical_size, block_size_bytes, block_zeroout};
 pub use cache::{
@@ -52,6 +54,7 @@ pub use process::{
     block_forwarded, catch_sigusr1, euid, exit_with_parent, lock_dir, next_forwarded, send_signal,
     signal_group, take_sigusr1, unblock_forwarded_on_exec, FORWARDED,
 };
+pub use watch::{become_subreaper, reap_ended_children, wait_any_child, FanEvent, Fanotify};
 
 fn check(ret: libc::c_long) -> io::Result<usize> {
     if ret < 0 {
