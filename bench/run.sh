@@ -14,7 +14,8 @@
 #   rsync   rsync -a tree/ out/ && sync -f out          (when rsync is installed)
 #   dd      dd if=tree/big of=out.img bs=1M status=none && sync -f out.img
 #   restic  restic backup tree into DIR/repo (a local repository made once), then sync -f
-#           repo (when restic is installed; a static Go binary, which the preload cannot see)
+#           repo (when restic is installed; a static Go binary, which the preload cannot see: as
+#           root the watcher covers it)
 # Variants (VARIANTS): bare, lightfoot (`lightfoot run -- sh -c …`), nocache (`nocache sh -c
 # …`, Debian's nocache), control (sleep for the median bare time of that program so far, at
 # least 1 s).

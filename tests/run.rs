@@ -600,3 +600,48 @@ fn without_root_the_watcher_is_off_and_says_what_is_not_covered() {
     assert!(text(&out).contains("--watch always, but the watcher is off: it needs root"), "{}", text(&out));
     assert!(!dir.path().join("ran").exists(), "the command ran without the watcher it was asked for");
 }
+
+/// A write error met by writeback while the program writes (here ENOSPC from a loop device
+/// whose image lives on a tmpfs too small for it) still reaches the program's `fsync`, under
+/// the library's write-behind (which waits for writeback on a descriptor of its own) and under
+/// the watcher (which never waits), as it does bare. The writes that fill the tmpfs are
+/// written back and waited for by write-behind before the `fsync`.
+///
+/// What this does not tell apart: a write-behind that waited on the program's own descriptor
+/// would take the errors met up to its last wait, but the blocks still dirty at `fsync` fail
+/// again and report a new error. It checks that no error is lost on the way, not which
+/// descriptor was waited on (docs/run.md says why that one is lightfoot's own).
+#[test]
+fn a_write_error_under_write_behind_reaches_fsync() {
+    if !root_or_skip("a_write_error_under_write_behind_reaches_fsync: needs root for mount and losetup") {
+        return;
+    }
+    let dir = scratch();
+    let d = dir.path();
+    let tmp = Mount::new(d, "t", &["-t", "tmpfs", "-o", "size=64m", "tmpfs"]);
+    let image = tmp.path.join("fs.img");
+    std::fs::File::create(&image).unwrap().set_len(64 * MIB).unwrap();
+    // Everything mkfs will ever write, written now: the space left on the tmpfs is for data.
+    let out = Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=0,lazy_journal_init=0"])
+        .arg(&image)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "mkfs.ext4: {}", text(&out));
+    let used = Command::new("du").args(["-s", "--block-size=1"]).arg(&image).output().unwrap();
+    let used: u64 = String::from_utf8_lossy(&used.stdout).split_whitespace().next().unwrap().parse().unwrap();
+    // Room for 12 MiB of data; the program writes 40.
+    let size = format!("remount,size={}k", (used + 12 * MIB).div_ceil(1024) + 64);
+    assert!(Command::new("mount").args(["-o", &size]).arg(&tmp.path).status().unwrap().success());
+    let fs = Mount::new(d, "m", &["-o", "loop", image.to_str().unwrap()]);
+    let script = "import os, time\nfd = os.open('g', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)\nbuf = os.urandom(1 << 20)\n\
+                  for _ in range(40):\n    os.write(fd, buf)\ntime.sleep(0.5)\ntry:\n    os.fsync(fd)\n    print('fsync ok')\nexcept OSError as e:\n    print('fsync failed', e.errno)\n";
+    for how in [&[][..], &["run", "--watch", "never", "--"][..], &["run", "--watch", "always", "--"][..]] {
+        let _ = std::fs::remove_file(fs.path.join("g"));
+        let mut c = if how.is_empty() { Command::new("/usr/bin/python3") } else { Command::new(bin()) };
+        let out = c.args(how).args(if how.is_empty() { &[][..] } else { &["/usr/bin/python3"][..] }).args(["-c", script]).current_dir(&fs.path).output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(said.starts_with("fsync failed"), "{how:?}: the program's fsync did not see the write error: {said} {}", text(&out));
+    }
+    drop(fs);
+}
