@@ -14,10 +14,13 @@ command -v nbdkit    >/dev/null || need+=(nbdkit)
 /usr/bin/python3 -c 'import nbd' 2>/dev/null || need+=(python3-libnbd)
 command -v fio       >/dev/null || need+=(fio)
 command -v nocache   >/dev/null || need+=(nocache)
-# tests/run.rs runs rsync under `lightfoot run` (it writes a temporary name and renames it);
-# bench/run.sh also restic.
+# tests/run.rs runs rsync under `lightfoot run` (it writes a temporary name and renames it),
+# restic (a Go program: the watcher's) and a reader it builds with `gcc -static` (libc.a).
 command -v rsync     >/dev/null || need+=(rsync)
 command -v restic    >/dev/null || need+=(restic)
+command -v gcc       >/dev/null || need+=(gcc)
+[ -e /usr/lib/x86_64-linux-gnu/libc.a ] || need+=(libc6-dev)
+command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 [ -x /usr/bin/time ] || need+=(time)
 command -v losetup   >/dev/null || need+=(mount)
 command -v setpriv   >/dev/null || need+=(util-linux)
