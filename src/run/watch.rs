@@ -633,7 +633,7 @@ mod tests {
 
     #[test]
     fn mountinfo_escapes_are_undone() {
-        assert_eq!(unescape(r"/mnt/a\040b\011c\\d"), "/mnt/a b\tc\\d");
+        assert_eq!(unescape(r"/mnt/a\040b\011c\134d"), "/mnt/a b\tc\\d");
         assert_eq!(unescape("/plain"), "/plain");
         assert_eq!(unescape(r"/end\04"), r"/end\04");
     }
