@@ -2,6 +2,10 @@
 //! reads and writes bring into the page cache is gone when it ends while what was cached
 //! before stays (docs/run.md).
 
+// Signals by kill(2) where starting kill(1) would itself wait (marked at the call); each
+// `unsafe` block says why it is sound.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 mod common;
 
 use std::path::Path;
