@@ -21,6 +21,7 @@ command -v restic    >/dev/null || need+=(restic)
 command -v gcc       >/dev/null || need+=(gcc)
 [ -e /usr/lib/x86_64-linux-gnu/libc.a ] || need+=(libc6-dev)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
+command -v mkfs.btrfs >/dev/null || need+=(btrfs-progs)   # a file system without DONTCACHE
 [ -x /usr/bin/time ] || need+=(time)
 command -v losetup   >/dev/null || need+=(mount)
 command -v setpriv   >/dev/null || need+=(util-linux)

@@ -649,3 +649,40 @@ fn a_write_error_under_write_behind_reaches_fsync() {
     }
     drop(fs);
 }
+
+/// btrfs refuses RWF_DONTCACHE (EOPNOTSUPP on 6.18). The library never uses it (buffered reads
+/// with evict-behind measured faster: docs/run.md, bench/run_mechanism.sh), so a reader and a
+/// writer on a loop-mounted btrfs leave the cache as they found it, under the library alone
+/// and under the watcher. Bare, they leave the file cached: the check can fail.
+#[test]
+fn a_file_system_without_dontcache_is_covered_the_same() {
+    if !root_or_skip("a_file_system_without_dontcache_is_covered_the_same: needs root for mount") {
+        return;
+    }
+    need("mkfs.btrfs", "btrfs-progs");
+    let dir = scratch();
+    let fs = Mount::made(dir.path(), "btrfs", 512 * MIB, &["mkfs.btrfs", "-q", "-f"]);
+    let d = &fs.path;
+    let f = d.join("f");
+    let size = 64 * MIB;
+    random_file(&f, size);
+    let dontcache = Command::new("/usr/bin/python3")
+        .args(["-c", "import os; fd = os.open('f', os.O_RDONLY)\ntry:\n    os.preadv(fd, [bytearray(4096)], 0, 0x80); print('accepted')\nexcept OSError as e:\n    print(e.errno)"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&dontcache.stdout).trim(), "95", "btrfs took RWF_DONTCACHE here: {}", text(&dontcache));
+    evict(&f);
+    Command::new("sh").args(["-c", "cat f > /dev/null"]).current_dir(d).status().unwrap();
+    assert!(cached(&f, 0, None) > size / 2, "a bare cat left little cached on btrfs: the check could not fail");
+    for watch in ["never", "always"] {
+        evict(&f);
+        warm(&f, 16 * MIB, 8 * MIB);
+        let summary = run_sh_watch(d, "cat f > /dev/null && dd if=f of=g bs=1M status=none && sync -f g", watch);
+        assert_kept(cached(&f, 16 * MIB, Some(8 * MIB)), 8 * MIB, watch);
+        let rest = cached(&f, 0, Some(16 * MIB)) + cached(&f, 24 * MIB, None);
+        let g = cached(&d.join("g"), 0, None);
+        assert!(rest + g <= 2 * size / 100, "--watch {watch}: {rest} bytes of f and {g} of g left: {summary}");
+        assert!(same_contents(&f, &d.join("g")), "--watch {watch}: the copy differs");
+    }
+}
