@@ -37,8 +37,9 @@ The watcher (root; --watch): what the library cannot see, statically linked and 
 a process group of its own, watches every file system with a page cache (fanotify): an open by \
 CMD's process tree waits until the file's first sight is taken; while CMD runs, the blocks it \
 brought in are dropped behind each descriptor's position and written back when dirty; at the \
-end every file is written back and dropped to its first sight. Other processes' opens on those \
-file systems wait for one look at their parent chain while CMD runs.\n\n\
+end every file is written back and dropped to its first sight. While CMD runs, every open on those \
+file systems, by any process, waits for the watcher (about 60 µs instead of 2 µs here): \
+--watch never leaves it out.\n\n\
 Not covered without root (docs/run.md): programs that make their own system calls, mmap and \
 io_uring I/O, programs that clear their environment, setuid programs. Files the user may not \
 write (their residency is not visible) are reported as not covered.",
