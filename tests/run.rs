@@ -686,3 +686,42 @@ fn a_file_system_without_dontcache_is_covered_the_same() {
         assert!(same_contents(&f, &d.join("g")), "--watch {watch}: the copy differs");
     }
 }
+
+/// `--max-cache` bounds write-behind across the run: four writers in one process, 48 MiB each
+/// in 1 MiB calls round robin, hold the blocks they left until their writeback is waited for,
+/// up to four each (about 40 MiB together) by default, and at most 4 MiB of them beyond each
+/// writer's current block with `--max-cache 4M`. The default run holding more is checked: the
+/// bound can fail.
+#[test]
+fn max_cache_bounds_what_writers_hold() {
+    let dir = scratch();
+    let d = dir.path();
+    let script = format!(
+        "import os, subprocess, json\nfds = [os.open(f'w{{i}}', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for i in range(4)]\n\
+         buf = os.urandom(1 << 20)\nfor _ in range(48):\n    for fd in fds:\n        os.write(fd, buf)\n\
+         out = subprocess.run(['{}', 'cache', 'stat', '--json', 'w0', 'w1', 'w2', 'w3'], capture_output=True, env={{}}).stdout\n\
+         print(sum(x['cached_bytes'] for x in json.loads(out)))\n",
+        bin()
+    );
+    let held = |extra: &[&str]| -> u64 {
+        let out = Command::new(bin())
+            .args(["run", "--watch", "never"])
+            .args(extra)
+            .args(["--", "/usr/bin/python3", "-c", &script])
+            .current_dir(d)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        for i in 0..4 {
+            let w = d.join(format!("w{i}"));
+            assert!(cached(&w, 0, None) <= MIB, "{extra:?}: w{i} left cached");
+            assert_eq!(std::fs::metadata(&w).unwrap().len(), 48 * MIB);
+        }
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    };
+    let default = held(&[]);
+    assert!(default >= 24 * MIB, "four writers held only {default} bytes by default: the check could not fail");
+    let bounded = held(&["--max-cache", "4M"]);
+    // 4 MiB pending, plus each writer's current block (up to 2 MiB each).
+    assert!(bounded <= 12 * MIB + MIB, "with --max-cache 4M four writers held {bounded} bytes (default {default})");
+}

@@ -12,9 +12,9 @@
 //!
 //! Evict-behind: when a call moves a descriptor off a block, that block's pages are dropped
 //! unless it held pages at first sight. With writes, the pages of a block are dirty when it is
-//! left; the drop starts their writeback, and the writer then waits for the writeback of the
-//! block [`LAG`] blocks behind and drops it (write-behind, on a descriptor of the library's
-//! own: [`Slot::wait_and_drop`]). At `close` every block of the file not cached
+//! left; the drop starts their writeback, and once [`LAG`] blocks it left are pending (or the
+//! run's `--max-cache` is reached) the writer waits for the writeback of the oldest and drops it
+//! (write-behind, on a descriptor of the library's own: [`Slot::wait_and_drop`]). At `close` every block of the file not cached
 //! at first sight is dropped (what readahead brought in past the last read included).
 
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
@@ -30,9 +30,43 @@ use crate::sys;
 pub const SHIFT: u32 = 21;
 pub const BLOCK: u64 = 1 << SHIFT;
 
-/// How many blocks behind a writer its pages are waited for and dropped: 8 MiB of writeback in
-/// flight, enough to keep the device busy, little enough to bound what a writer holds.
-const LAG: u64 = 4;
+/// How many blocks a writer has left whose writeback it has not waited for yet, at most: 8 MiB
+/// of writeback in flight, enough to keep the device busy, little enough to bound what a writer
+/// holds.
+const LAG: usize = 4;
+
+/// Write-behind's pending blocks (left by a writer, not yet waited for and dropped): counted
+/// across every process of the run in a mapping of `LIGHTFOOT_RUN_DIR/pending` when
+/// `--max-cache` is given ([`set_budget`]), else in this process.
+static PENDING_LOCAL: AtomicU64 = AtomicU64::new(0);
+static PENDING_SHARED: AtomicUsize = AtomicUsize::new(0);
+/// `--max-cache` in blocks: when more are pending, a writer waits for its oldest first.
+static BUDGET: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// Sets the run's budget of pending blocks, and the shared counter (a mapping of at least
+/// 8 bytes, 8-aligned, that lives as long as the process) if there is one.
+pub fn set_budget(blocks: u64, shared: *mut u8) {
+    if !shared.is_null() {
+        PENDING_SHARED.store(shared as usize, Release);
+    }
+    BUDGET.store(blocks, Release);
+}
+
+fn pending() -> &'static AtomicU64 {
+    let p = PENDING_SHARED.load(Acquire);
+    if p == 0 {
+        return &PENDING_LOCAL;
+    }
+    // SAFETY: set_budget's caller promised a live, aligned mapping of at least 8 bytes for the
+    // process's lifetime; a shared mapping's atomics are atomic across processes.
+    unsafe { &*(p as *const AtomicU64) }
+}
+
+/// One fewer pending block (never below zero: a race on a descriptor's ring can only make
+/// writers wait sooner, not let the count wrap).
+fn pending_done(n: u64) {
+    let _ = pending().fetch_update(AcqRel, Acquire, |v| Some(v.saturating_sub(n)));
+}
 
 /// Descriptors at or above this pass through untracked.
 pub const MAX_FDS: usize = 65536;
@@ -61,6 +95,11 @@ pub struct Slot {
     /// Pages were cached at first sight but no bitmap could be made: every block counts as
     /// cached.
     all_cached: AtomicU32,
+    /// The blocks this writer left and has not waited for, oldest first: 1 + block at
+    /// `ring[i % LAG]` for `tail <= i < head`.
+    ring: [AtomicU64; LAG],
+    head: AtomicU64,
+    tail: AtomicU64,
 }
 
 #[allow(clippy::declare_interior_mutable_const)] // only as the table's initialiser
@@ -74,6 +113,9 @@ const EMPTY: Slot = Slot {
     wrote: AtomicU32::new(0),
     own: AtomicI32::new(0),
     all_cached: AtomicU32::new(0),
+    ring: [const { AtomicU64::new(0) }; LAG],
+    head: AtomicU64::new(0),
+    tail: AtomicU64::new(0),
 };
 
 static SLOTS: [Slot; MAX_FDS] = [EMPTY; MAX_FDS];
@@ -151,10 +193,46 @@ impl Slot {
         sys::drop_pages(own - 1, block << SHIFT, BLOCK);
     }
 
+    /// Write-behind after a writer left `block` (its writeback started by the drop): it joins
+    /// the blocks pending; the oldest is waited for and dropped when [`LAG`] are, and while
+    /// the run has more pending than `--max-cache` allows.
+    fn behind(&self, fd: c_int, block: u64) {
+        if self.was_cached(block) {
+            return;
+        }
+        if self.head.load(Relaxed) - self.tail.load(Relaxed) >= LAG as u64 {
+            self.wait_oldest(fd);
+        }
+        let h = self.head.load(Relaxed);
+        self.ring[h as usize % LAG].store(block + 1, Relaxed);
+        self.head.store(h + 1, Relaxed);
+        pending().fetch_add(1, AcqRel);
+        while pending().load(Acquire) > BUDGET.load(Relaxed) && self.head.load(Relaxed) > self.tail.load(Relaxed) {
+            self.wait_oldest(fd);
+        }
+    }
+
+    fn wait_oldest(&self, fd: c_int) {
+        let t = self.tail.load(Relaxed);
+        if t >= self.head.load(Relaxed) {
+            return;
+        }
+        let b = self.ring[t as usize % LAG].swap(0, Relaxed);
+        self.tail.store(t + 1, Relaxed);
+        pending_done(1);
+        if b != 0 {
+            self.wait_and_drop(fd, b - 1);
+        }
+    }
+
     /// Back to unknown, the bitmap unmapped (`unmap`) or left mapped: where another thread may
     /// be reading it right now (a descriptor found to name another file mid-run), a few KiB are
     /// leaked rather than risk that.
     fn forget(&self, unmap: bool) {
+        // Pending blocks are the close's to drop (and the final sweep's, if their writeback
+        // still runs): they leave the count.
+        let (h, t) = (self.head.swap(0, Relaxed), self.tail.swap(0, Relaxed));
+        pending_done(h.saturating_sub(t));
         let map = self.map.swap(0, AcqRel);
         if map != 0 && unmap {
             // SAFETY: the mapping was made by `adopt` for this slot, of the length `map_len`
@@ -289,10 +367,11 @@ pub fn moved(fd: c_int, s: &Slot, start: u64, end: u64, write: bool) {
     for b in left {
         // Clean pages go; dirty ones start their writeback.
         s.drop_block(fd, b);
-        // Write-behind: a writer waits for the writeback of the block LAG behind and drops
-        // it, so its dirty pages stay within about LAG blocks instead of piling up.
-        if wrote && b >= LAG {
-            s.wait_and_drop(fd, b - LAG);
+        // Write-behind: a writer waits for the writeback of the blocks it left, oldest first,
+        // so its dirty pages stay within LAG blocks (and the run's within --max-cache)
+        // instead of piling up.
+        if wrote {
+            s.behind(fd, b);
         }
     }
 }

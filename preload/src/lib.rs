@@ -80,6 +80,29 @@ extern "C" fn init() {
             LOG.store(dir.len() + NAME.len(), Release);
         }
     }
+    // `--max-cache`: the budget of write-behind's pending blocks, counted across the run in
+    // `$LIGHTFOOT_RUN_DIR/pending` (made by lightfoot run).
+    // SAFETY: getenv before `main`, with no other thread yet.
+    let max = unsafe { libc::getenv(c"LIGHTFOOT_MAX_CACHE".as_ptr()) };
+    if !max.is_null() {
+        // SAFETY: getenv returned a NUL-terminated string.
+        let max = unsafe { std::ffi::CStr::from_ptr(max) }.to_bytes();
+        if let Some(bytes) = std::str::from_utf8(max).ok().and_then(|m| m.parse::<u64>().ok()) {
+            let mut path = [0u8; 4096];
+            let shared = match log_path() {
+                Some(log) if log.len() + 2 <= path.len() => {
+                    // ".../files\0" → ".../pending\0"
+                    let dir = &log[..log.len() - b"files\0".len()];
+                    const NAME: &[u8] = b"pending\0";
+                    path[..dir.len()].copy_from_slice(dir);
+                    path[dir.len()..dir.len() + NAME.len()].copy_from_slice(NAME);
+                    sys::map_file(&path[..dir.len() + NAME.len()], 4096)
+                }
+                _ => std::ptr::null_mut(),
+            };
+            fds::set_budget(bytes >> fds::SHIFT, shared);
+        }
+    }
     extern "C" fn child() {
         OWNER.store(sys::pid(), Relaxed);
     }

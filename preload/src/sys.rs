@@ -105,6 +105,30 @@ pub fn map(len: usize) -> *mut u8 {
     }
 }
 
+/// A shared mapping of the first `len` bytes of the file at `path` (NUL-terminated), or null.
+pub fn map_file(path: &[u8], len: usize) -> *mut u8 {
+    if path.last() != Some(&0) {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: a NUL-terminated path; raw syscall, so not through the library's own `open`.
+    let fd = unsafe {
+        libc::syscall(libc::SYS_openat, libc::AT_FDCWD, path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0)
+    } as c_int;
+    if fd < 0 {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: a new shared mapping of the file just opened; no existing memory is touched.
+    let p = unsafe {
+        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+    };
+    close_own(fd);
+    if p == libc::MAP_FAILED {
+        std::ptr::null_mut()
+    } else {
+        p as *mut u8
+    }
+}
+
 /// Unmaps what [`map`] returned.
 ///
 /// # Safety

@@ -65,6 +65,14 @@ pub struct RunArgs {
     #[arg(long, value_enum, value_name = "WHEN", default_value = "auto")]
     watch: Watch,
 
+    /// Bound what CMD holds in the page cache beyond each stream's own block and readahead:
+    /// write-behind's blocks not yet waited for, across every process of the run (the library
+    /// waits for its oldest when more are pending); the watcher waits for the writeback of
+    /// dirty blocks behind each stream and drops clean ones at once. 0: every block a writer
+    /// leaves is waited for then. Default: up to 8 MiB per writer
+    #[arg(long, value_name = "SIZE", value_parser = lightfoot::copy::endpoint::parse_size)]
+    max_cache: Option<u64>,
+
     /// The command and its arguments (after `--`)
     #[arg(value_name = "CMD", required = true, trailing_var_arg = true, allow_hyphen_values = true, num_args = 1..)]
     command: Vec<OsString>,
@@ -123,7 +131,7 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
             eprintln!("lightfoot run: --watch always, but the watcher is {NOT_ROOT}");
             return EXIT_OWN_FAILURE;
         }
-        (_, true) => match Watcher::start().and_then(|w| {
+        (_, true) => match Watcher::start(a.max_cache).and_then(|w| {
             sys::become_subreaper().map_err(|e| format!("cannot become the subreaper of CMD's tree: {e}"))?;
             Ok(w)
         }) {
@@ -141,6 +149,15 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
     let cmd = &a.command;
     let mut command = Command::new(&cmd[0]);
     command.args(&cmd[1..]).env("LD_PRELOAD", &preload).env("LIGHTFOOT_RUN_DIR", dir);
+    if let Some(max) = a.max_cache {
+        // The run's count of write-behind's pending blocks, mapped by every process of it.
+        let pending = dir.join("pending");
+        if let Err(e) = std::fs::File::create(&pending).and_then(|f| f.set_len(4096)) {
+            eprintln!("lightfoot run: {}: {e}", pending.display());
+            return EXIT_OWN_FAILURE;
+        }
+        command.env("LIGHTFOOT_MAX_CACHE", max.to_string());
+    }
     sys::unblock_forwarded_on_exec(&mut command);
     let child = command.spawn();
     let mut child = match child {

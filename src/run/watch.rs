@@ -88,11 +88,12 @@ pub struct Watcher {
 impl Watcher {
     /// Starts the watcher for the process tree under this process, and waits until its marks
     /// are in place. Needs root (CAP_SYS_ADMIN).
-    pub fn start() -> std::result::Result<Watcher, String> {
+    pub fn start(max_cache: Option<u64>) -> std::result::Result<Watcher, String> {
         let exe = std::env::current_exe().map_err(|e| format!("cannot find lightfoot's own binary: {e}"))?;
         let mut child = Command::new(exe)
             .arg(COMMAND)
             .arg(std::process::id().to_string())
+            .args(max_cache.map(|m| m.to_string()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .process_group(0)
@@ -136,15 +137,16 @@ impl Watcher {
     }
 }
 
-/// `lightfoot __watch PARENT`: the watcher process's main.
+/// `lightfoot __watch PARENT [MAX_CACHE]`: the watcher process's main.
 pub fn main(mut args: impl Iterator<Item = std::ffi::OsString>) -> i32 {
     let parent: u32 = match args.next().and_then(|a| a.to_str()?.parse().ok()) {
         Some(p) => p,
         None => {
-            eprintln!("usage: lightfoot {COMMAND} PARENT_PID (started by lightfoot run)");
+            eprintln!("usage: lightfoot {COMMAND} PARENT_PID [MAX_CACHE_BYTES] (started by lightfoot run)");
             return 2;
         }
     };
+    let bounded = args.next().is_some();
     let mut stdout = std::io::stdout();
     let fan = match Fanotify::new() {
         Ok(f) => f,
@@ -179,7 +181,7 @@ pub fn main(mut args: impl Iterator<Item = std::ffi::OsString>) -> i32 {
         std::thread::spawn(move || handle_events(fan, parent, tx, &stop))
     };
     // The scanner ends when the handler has ended and its messages are read.
-    let scanner = std::thread::spawn(move || scan(rx));
+    let scanner = std::thread::spawn(move || scan(rx, bounded));
     let _ = writeln!(stdout, "ready {}", serde_json::to_string(&filesystems).unwrap_or_default());
     let _ = stdout.flush();
     // CMD's end: `lightfoot run` closes our stdin (or dies, which closes it too).
@@ -409,7 +411,7 @@ struct Tracked {
 
 /// The scanner: drops what CMD's tree brings in as it goes; returns the files once the
 /// handler has ended and its last messages are read.
-fn scan(rx: mpsc::Receiver<Msg>) -> Vec<Tracked> {
+fn scan(rx: mpsc::Receiver<Msg>, bounded: bool) -> Vec<Tracked> {
     let mut files: HashMap<(u64, u64), Tracked> = HashMap::new();
     let mut order = Vec::new();
     let mut pids: HashSet<u32> = HashSet::new();
@@ -464,7 +466,7 @@ fn scan(rx: mpsc::Receiver<Msg>) -> Vec<Tracked> {
         let windows = positions(&mut pids, &files);
         for (key, t) in files.iter_mut() {
             if t.file.is_some() {
-                step(t, windows.get(key), ahead);
+                step(t, windows.get(key), ahead, bounded);
             }
         }
     }
@@ -501,7 +503,10 @@ fn positions(pids: &mut HashSet<u32>, files: &HashMap<(u64, u64), Tracked>) -> H
 
 /// One tick of one file: drop CMD's blocks outside every window, start the writeback of
 /// dirty ones; let go of a file nobody in the tree holds once nothing of CMD's is left in it.
-fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64) {
+/// `bounded` (`--max-cache`): clean blocks outside every window go at once, and dirty ones are
+/// waited for (on the watcher's own descriptor: no error of the program's is taken) and
+/// dropped.
+fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64, bounded: bool) {
     let Some(file) = t.file.as_ref() else { return };
     if !t.record.covered() {
         if t.closed && window.is_none() {
@@ -534,14 +539,19 @@ fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64) {
             continue;
         }
         let fd = file.as_fd();
-        if c.dirty > 0 {
+        if bounded && c.dirty + c.writeback > 0 {
+            t.written = true;
+            let wait = sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER;
+            let _ = sys::sync_file_range(fd, b << SHIFT, BLOCK, wait);
+            let _ = sys::fadvise(fd, b << SHIFT, BLOCK, Advice::DontNeed);
+        } else if c.dirty > 0 {
             t.written = true;
             let _ = sys::sync_file_range(fd, b << SHIFT, BLOCK, sys::SFR_WRITE);
             left += 1;
         } else if c.writeback > 0 {
             t.written = true;
             left += 1;
-        } else if window.is_none() || t.waiting.contains(&b) {
+        } else if bounded || window.is_none() || t.waiting.contains(&b) {
             let _ = sys::fadvise(fd, b << SHIFT, BLOCK, Advice::DontNeed);
         } else {
             waiting.insert(b);
