@@ -213,6 +213,8 @@ fn writers_leave_nothing_cached() {
         assert!(same_contents(&f, &o), "{script}: the copy differs");
         let w = reported(&summary, &format!("/{out}"));
         assert!(w.first().is_some_and(|x| x["written"] == true), "{script}: {summary}");
+        assert_eq!(w[0]["bytes_written"], 48 * MIB, "{script}: {summary}");
+        assert_eq!(reported(&summary, "/f")[0]["bytes_read"], 48 * MIB, "{script}: {summary}");
     }
 }
 
@@ -231,6 +233,18 @@ fn pipes_and_o_direct_pass_through() {
     let err = String::from_utf8_lossy(&out.stderr);
     let summary: serde_json::Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
     assert_eq!(summary["files"].as_array().unwrap().len(), 0, "a pipe or /dev/zero was looked at: {summary}");
+    // A socket: 8 MiB through a socket pair, sent and received with write(2) and read(2).
+    let summary = run_sh(
+        d,
+        "/usr/bin/python3 -c \"import os, socket, threading\na, b = socket.socketpair()\nt = threading.Thread(target=lambda: [os.write(a.fileno(), b'x' * 65536) for _ in range(128)])\nt.start()\nn = 0\nwhile n < 8 << 20:\n    n += len(os.read(b.fileno(), 65536))\nt.join()\nprint(n)\"",
+    );
+    let sockets: Vec<_> = summary["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["path"].as_str().unwrap().contains("socket:") || f["bytes_read"].as_u64() >= Some(8 << 20))
+        .collect();
+    assert!(sockets.is_empty(), "a socket was looked at: {sockets:?}");
     let f = d.join("f");
     random_file(&f, 16 * MIB);
     evict(&f);

@@ -100,6 +100,9 @@ pub struct Slot {
     ring: [AtomicU64; LAG],
     head: AtomicU64,
     tail: AtomicU64,
+    /// Bytes read and written through this descriptor since its first sight.
+    read: AtomicU64,
+    written: AtomicU64,
 }
 
 #[allow(clippy::declare_interior_mutable_const)] // only as the table's initialiser
@@ -116,6 +119,8 @@ const EMPTY: Slot = Slot {
     ring: [const { AtomicU64::new(0) }; LAG],
     head: AtomicU64::new(0),
     tail: AtomicU64::new(0),
+    read: AtomicU64::new(0),
+    written: AtomicU64::new(0),
 };
 
 static SLOTS: [Slot; MAX_FDS] = [EMPTY; MAX_FDS];
@@ -304,6 +309,8 @@ fn look(fd: c_int, s: &Slot) -> bool {
     s.map.store(map as usize, Release);
     s.cur.store(0, Relaxed);
     s.wrote.store(0, Relaxed);
+    s.read.store(0, Relaxed);
+    s.written.store(0, Relaxed);
     s.all_cached.store(u32::from(map.is_null() && cached > 0), Relaxed);
     let bits: &[u8] = if map.is_null() {
         &[]
@@ -345,6 +352,9 @@ pub fn moved(fd: c_int, s: &Slot, start: u64, end: u64, write: bool) {
     }
     if write {
         s.wrote.store(1, Relaxed);
+        s.written.fetch_add(end - start, Relaxed);
+    } else {
+        s.read.fetch_add(end - start, Relaxed);
     }
     let (first, last) = (start >> SHIFT, (end - 1) >> SHIFT);
     let prev = s.cur.swap(last + 1, Relaxed);
@@ -396,6 +406,10 @@ pub fn finish(fd: c_int) {
             }
             if same_file(fd, s) {
                 s.drop_all(fd);
+            }
+            let (read, written) = (s.read.load(Relaxed), s.written.load(Relaxed));
+            if read + written > 0 {
+                record::done(s.dev.load(Relaxed), s.ino.load(Relaxed), read, written);
             }
             s.forget(true);
         }

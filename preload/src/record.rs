@@ -23,6 +23,9 @@ pub const NOT_COVERED_NOSYS: u32 = 4;
 pub const NOT_COVERED_OTHER: u32 = 8;
 /// Some pages were cached but no bitmap could be made: every block counts as cached.
 pub const ALL_CACHED: u32 = 16;
+/// Not a first sight: what a descriptor moved, written when it is finished (closed). `size`
+/// holds the bytes read, `cached_pages` the bytes written; no path, no bitmap.
+pub const DONE: u32 = 32;
 
 #[repr(C)]
 pub struct Header {
@@ -80,4 +83,29 @@ pub fn write(fd: c_int, st: &libc::stat, size: u64, cached_pages: u64, flags: u3
         std::slice::from_raw_parts(&h as *const Header as *const u8, std::mem::size_of::<Header>())
     };
     crate::sys::append(log, &[head, &path[..n], bits]);
+}
+
+/// Appends the [`DONE`] record of a descriptor of the file (`dev`, `ino`) that read and wrote
+/// these many bytes.
+pub fn done(dev: u64, ino: u64, read: u64, written: u64) {
+    let Some(log) = crate::log_path() else { return };
+    let h = Header {
+        magic: MAGIC,
+        len: std::mem::size_of::<Header>() as u32,
+        flags: DONE,
+        pid: crate::sys::pid(),
+        fd: -1,
+        path_len: 0,
+        dev,
+        ino,
+        size: read,
+        cached_pages: written,
+        block_shift: crate::fds::SHIFT,
+        reserved: 0,
+    };
+    // SAFETY: as in `write`: a `repr(C)` header of plain integers, every byte initialised.
+    let head = unsafe {
+        std::slice::from_raw_parts(&h as *const Header as *const u8, std::mem::size_of::<Header>())
+    };
+    crate::sys::append(log, &[head]);
 }

@@ -265,8 +265,12 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
 
 fn print_file(f: &FileReport) {
     let after = f.cached_after.map_or_else(|| "unknown".to_string(), human);
+    let moved = match (f.bytes_read, f.bytes_written) {
+        (Some(r), Some(w)) if r + w > 0 => format!("; read {}, wrote {}", human(r), human(w)),
+        _ => String::new(),
+    };
     eprintln!(
-        "lightfoot run: {}: cached {} before, {} after{}; {}",
+        "lightfoot run: {}: cached {} before, {} after{}{moved}; {}",
         f.path.display(),
         human(f.cached_before),
         after,

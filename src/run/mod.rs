@@ -29,6 +29,9 @@ pub(crate) const NOT_COVERED_EPERM: u32 = 2;
 pub(crate) const NOT_COVERED_NOSYS: u32 = 4;
 pub(crate) const NOT_COVERED_OTHER: u32 = 8;
 pub(crate) const ALL_CACHED: u32 = 16;
+/// What a descriptor moved, written when it was closed: `size` is the bytes read,
+/// `cached_pages` the bytes written.
+const DONE: u32 = 32;
 
 /// One record of the library's.
 #[derive(Debug, Clone)]
@@ -120,6 +123,10 @@ pub struct FileReport {
     pub cached_before: u64,
     /// Cached when the sweep ended (None: could not be measured).
     pub cached_after: Option<u64>,
+    /// Bytes read from it and written to it through the library's descriptors (None: only
+    /// the watcher saw it, which cannot count them).
+    pub bytes_read: Option<u64>,
+    pub bytes_written: Option<u64>,
     /// How it was covered: "evict-behind" (the library), or why it was not.
     pub mechanism: String,
     /// A problem the sweep met (the file gone or replaced, a writeback error).
@@ -133,7 +140,13 @@ pub struct FileReport {
 pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>> {
     let log = dir.join("files");
     let bytes = std::fs::read(&log).map_err(|e| Error::io("read", e).path(&log))?;
-    let records = parse(&bytes);
+    let (done, records): (Vec<Record>, Vec<Record>) = parse(&bytes).into_iter().partition(|r| r.flags & DONE != 0);
+    let mut moved: HashMap<(u64, u64), (u64, u64)> = HashMap::new();
+    for d in done {
+        let m = moved.entry((d.dev, d.ino)).or_default();
+        m.0 += d.size;
+        m.1 += d.cached_pages;
+    }
     let mut order: Vec<(u64, u64)> = Vec::new();
     let mut by_file: HashMap<(u64, u64), Vec<Record>> = HashMap::new();
     for r in records {
@@ -151,6 +164,8 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
             w.report.opens += recs.len();
             w.report.written |= recs.iter().any(|r| r.flags & WRITABLE != 0);
             w.report.mechanism.push_str(" and evict-behind");
+            let (r, wr) = moved.get(&(w.dev, w.ino)).copied().unwrap_or_default();
+            (w.report.bytes_read, w.report.bytes_written) = (Some(r), Some(wr));
         }
         reports.push(w.report);
     }
@@ -166,6 +181,8 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
                 size_at_first_sight: first.size,
                 cached_before: first.cached_pages * page,
                 cached_after: None,
+                bytes_read: Some(moved.get(&key).map_or(0, |m| m.0)),
+                bytes_written: Some(moved.get(&key).map_or(0, |m| m.1)),
                 mechanism: "evict-behind".into(),
                 note: None,
             };

@@ -598,6 +598,8 @@ fn finish_all(files: Vec<Tracked>) -> Vec<Watched> {
                 size_at_first_sight: r.size,
                 cached_before: r.cached_pages * page,
                 cached_after: t.left_when_closed,
+                bytes_read: None,
+                bytes_written: None,
                 mechanism: match r.why_not_covered() {
                     Some(why) => format!("not covered: {why}"),
                     None => "watcher".into(),
