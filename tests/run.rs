@@ -739,3 +739,60 @@ fn max_cache_bounds_what_writers_hold() {
     // 4 MiB pending, plus each writer's current block (up to 2 MiB each).
     assert!(bounded <= 12 * MIB + MIB, "with --max-cache 4M four writers held {bounded} bytes (default {default})");
 }
+
+/// The watcher marks the mounts of a mount namespace that CMD (and lightfoot run) get of
+/// their own, a copy of the caller's: only opens made there wait for it. With the watcher
+/// itself stopped, another process's open goes through at once (with whole file systems
+/// marked it would wait: the first version did); CMD sees the same mount points as its
+/// caller, and goes on once the watcher is let go.
+#[test]
+fn only_cmds_opens_wait_for_the_watcher() {
+    if !root_or_skip("only_cmds_opens_wait_for_the_watcher: fanotify needs root") {
+        return;
+    }
+    let dir = scratch();
+    let f = dir.path().join("f");
+    std::fs::write(&f, b"hello").unwrap();
+    let mounts = |out: &[u8]| -> Vec<String> {
+        let mut m: Vec<String> =
+            String::from_utf8_lossy(out).lines().map(|l| l.split(' ').nth(4).unwrap_or_default().to_string()).collect();
+        m.sort();
+        m
+    };
+    let bare = Command::new("cat").arg("/proc/self/mountinfo").output().unwrap();
+    let under = run(&["--watch", "always", "--", "cat", "/proc/self/mountinfo"]);
+    assert!(under.status.success(), "{}", text(&under));
+    assert_eq!(mounts(&under.stdout), mounts(&bare.stdout), "CMD sees other mount points");
+    let (mut child, mut out, line) = spawn_until_line(Command::new(bin()).args([
+        "run",
+        "--watch",
+        "always",
+        "--",
+        "sh",
+        "-c",
+        "echo ready; read x; cat f",
+    ]).current_dir(dir.path()));
+    assert_eq!(line, "ready\n");
+    let lf = child.id();
+    let children = std::fs::read_to_string(format!("/proc/{lf}/task/{lf}/children")).unwrap();
+    let watcher: i32 = children
+        .split_whitespace()
+        .find(|p| std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.windows(7).any(|w| w == b"__watch")))
+        .expect("no watcher process")
+        .parse()
+        .unwrap();
+    // SAFETY: kill with integer arguments (kill(1) would open files: see above).
+    assert_eq!(unsafe { libc::kill(watcher, libc::SIGSTOP) }, 0);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let g = f.clone();
+    std::thread::spawn(move || tx.send(std::fs::read(&g).map(|b| b.len())).unwrap());
+    let got = rx.recv_timeout(std::time::Duration::from_secs(10));
+    // SAFETY: as above.
+    unsafe { libc::kill(watcher, libc::SIGCONT) };
+    assert!(matches!(got, Ok(Ok(5))), "an open outside CMD waited for a stopped watcher: {got:?}");
+    std::io::Write::write_all(child.stdin.as_mut().unwrap(), b"go\n").unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    assert!(child.wait().unwrap().success());
+    assert_eq!(rest, "hello");
+}

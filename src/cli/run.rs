@@ -37,9 +37,10 @@ The watcher (root; --watch): what the library cannot see, statically linked and 
 a process group of its own, watches every file system with a page cache (fanotify): an open by \
 CMD's process tree waits until the file's first sight is taken; while CMD runs, the blocks it \
 brought in are dropped behind each descriptor's position and written back when dirty; at the \
-end every file is written back and dropped to its first sight. While CMD runs, every open on those \
-file systems, by any process, waits for the watcher (about 60 µs instead of 2 µs here): \
---watch never leaves it out.\n\n\
+end every file is written back and dropped to its first sight. CMD (with lightfoot run) gets a mount \
+namespace of its own, a copy of the caller's, whose mounts are the ones watched: the rest of the \
+host's opens never wait for the watcher; CMD's each wait about 45 µs here (--watch never leaves \
+the watcher out).\n\n\
 Not covered without root (docs/run.md): programs that make their own system calls, mmap and \
 io_uring I/O, programs that clear their environment, setuid programs. Files the user may not \
 write (their residency is not visible) are reported as not covered.",
@@ -131,7 +132,10 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
             eprintln!("lightfoot run: --watch always, but the watcher is {NOT_ROOT}");
             return EXIT_OWN_FAILURE;
         }
-        (_, true) => match Watcher::start(a.max_cache).and_then(|w| {
+        // CMD (with this process) in a mount namespace of its own, a copy of this one: the
+        // watcher marks its mounts, so only the opens made in it wait for the watcher, not
+        // the rest of the host's. Before any thread (unshare refuses a threaded process).
+        (_, true) => match Watcher::start(a.max_cache, sys::unshare_mounts().is_ok()).and_then(|w| {
             sys::become_subreaper().map_err(|e| format!("cannot become the subreaper of CMD's tree: {e}"))?;
             Ok(w)
         }) {

@@ -166,6 +166,14 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
             w.report.mechanism.push_str(" and evict-behind");
             let (r, wr) = moved.get(&(w.dev, w.ino)).copied().unwrap_or_default();
             (w.report.bytes_read, w.report.bytes_written) = (Some(r), Some(wr));
+            // The library's first sight came later, at the first read or write: after an
+            // O_TRUNC that the watcher's (at the open) preceded. A block empty at either
+            // sight is CMD's, so the blocks empty at the library's go too.
+            if recs[0].covered() {
+                if let Ok((_, Some(after))) = finish_file(&recs[0], w.report.written, &mut renamed) {
+                    w.report.cached_after = Some(after);
+                }
+            }
         }
         reports.push(w.report);
     }

@@ -88,11 +88,14 @@ pub struct Watcher {
 impl Watcher {
     /// Starts the watcher for the process tree under this process, and waits until its marks
     /// are in place. Needs root (CAP_SYS_ADMIN).
-    pub fn start(max_cache: Option<u64>) -> std::result::Result<Watcher, String> {
+    /// `private`: this process has a mount namespace of its own (which CMD inherits), so the
+    /// watcher marks its mounts, and only opens made in it wait; else whole file systems.
+    pub fn start(max_cache: Option<u64>, private: bool) -> std::result::Result<Watcher, String> {
         let exe = std::env::current_exe().map_err(|e| format!("cannot find lightfoot's own binary: {e}"))?;
         let mut child = Command::new(exe)
             .arg(COMMAND)
             .arg(std::process::id().to_string())
+            .arg(if private { "mounts" } else { "filesystems" })
             .args(max_cache.map(|m| m.to_string()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -137,14 +140,17 @@ impl Watcher {
     }
 }
 
-/// `lightfoot __watch PARENT [MAX_CACHE]`: the watcher process's main.
+/// `lightfoot __watch PARENT mounts|filesystems [MAX_CACHE]`: the watcher process's main.
 pub fn main(mut args: impl Iterator<Item = std::ffi::OsString>) -> i32 {
-    let parent: u32 = match args.next().and_then(|a| a.to_str()?.parse().ok()) {
-        Some(p) => p,
-        None => {
-            eprintln!("usage: lightfoot {COMMAND} PARENT_PID [MAX_CACHE_BYTES] (started by lightfoot run)");
-            return 2;
-        }
+    let parent: Option<u32> = args.next().and_then(|a| a.to_str()?.parse().ok());
+    let what = args.next();
+    let (Some(parent), Some(whole)) = (parent, what.and_then(|w| match w.to_str()? {
+        "mounts" => Some(false),
+        "filesystems" => Some(true),
+        _ => None,
+    })) else {
+        eprintln!("usage: lightfoot {COMMAND} PARENT_PID mounts|filesystems [MAX_CACHE_BYTES] (started by lightfoot run)");
+        return 2;
     };
     let bounded = args.next().is_some();
     let mut stdout = std::io::stdout();
@@ -166,7 +172,7 @@ pub fn main(mut args: impl Iterator<Item = std::ffi::OsString>) -> i32 {
             }
         }
     }
-    let (filesystems, mut notes) = mark_filesystems(&fan);
+    let (filesystems, mut notes) = mark_filesystems(&fan, whole);
     if filesystems.is_empty() {
         let _ = writeln!(stdout, "error: no file system could be watched: {}", notes.join("; "));
         return 1;
@@ -199,8 +205,9 @@ pub fn main(mut args: impl Iterator<Item = std::ffi::OsString>) -> i32 {
     0
 }
 
-/// Marks every file system with a page cache, once each; what was marked and what failed.
-fn mark_filesystems(fan: &Fanotify) -> (Vec<PathBuf>, Vec<String>) {
+/// Marks every file system with a page cache, once each (`whole`), or every mount of one in
+/// this mount namespace; what was marked and what failed.
+fn mark_filesystems(fan: &Fanotify, whole: bool) -> (Vec<PathBuf>, Vec<String>) {
     let mut marked = Vec::new();
     let mut notes = Vec::new();
     let mut seen = HashSet::new();
@@ -213,11 +220,11 @@ fn mark_filesystems(fan: &Fanotify) -> (Vec<PathBuf>, Vec<String>) {
         if f.len() < 5 || SKIPPED_TYPES.contains(&fstype) || fstype.starts_with("fuse.") {
             continue;
         }
-        if !seen.insert(f[2].to_string()) {
+        if whole && !seen.insert(f[2].to_string()) {
             continue;
         }
         let mount = PathBuf::from(unescape(f[4]));
-        match fan.mark_filesystem(&mount) {
+        match fan.mark(&mount, whole) {
             Ok(()) => marked.push(mount),
             Err(e) => notes.push(format!("{} ({fstype}) not watched: {e}", mount.display())),
         }

@@ -54,7 +54,7 @@ pub use process::{
     block_forwarded, catch_sigusr1, euid, exit_with_parent, lock_dir, next_forwarded, send_signal,
     signal_group, take_sigusr1, unblock_forwarded_on_exec, FORWARDED,
 };
-pub use watch::{become_subreaper, reap_ended_children, wait_any_child, FanEvent, Fanotify};
+pub use watch::{become_subreaper, reap_ended_children, unshare_mounts, wait_any_child, FanEvent, Fanotify};
 
 fn check(ret: libc::c_long) -> io::Result<usize> {
     if ret < 0 {

@@ -35,12 +35,13 @@ impl Fanotify {
         Ok(Fanotify(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
     }
 
-    /// Watches the whole file system `path` is on: opens (held) and closes.
-    pub fn mark_filesystem(&self, path: &Path) -> io::Result<()> {
+    /// Watches the whole file system `path` is on (`whole`), or only the mount `path` is on
+    /// (in this process's mount namespace): opens (held) and closes.
+    pub fn mark(&self, path: &Path, whole: bool) -> io::Result<()> {
         let c = std::ffi::CString::new(path.as_os_str().as_bytes())
             .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         let mask = libc::FAN_OPEN_PERM | libc::FAN_CLOSE_WRITE | libc::FAN_CLOSE_NOWRITE;
-        let flags = libc::FAN_MARK_ADD | libc::FAN_MARK_FILESYSTEM;
+        let flags = libc::FAN_MARK_ADD | if whole { libc::FAN_MARK_FILESYSTEM } else { libc::FAN_MARK_MOUNT };
         // SAFETY: `c` is a NUL-terminated path that outlives the call.
         let r = unsafe { libc::fanotify_mark(self.0.as_raw_fd(), flags, mask, libc::AT_FDCWD, c.as_ptr()) };
         check(r as libc::c_long).map(drop)
@@ -102,6 +103,14 @@ impl Fanotify {
         })
         .map(drop)
     }
+}
+
+/// Moves this process into a mount namespace of its own, a copy of the one it was in (same
+/// mounts, new mount objects): marks on its mounts see only the opens made through them.
+/// Fails (EINVAL) once the process has more than one thread.
+pub fn unshare_mounts() -> io::Result<()> {
+    // SAFETY: unshare with a flag only.
+    check(unsafe { libc::unshare(libc::CLONE_NEWNS) } as libc::c_long).map(drop)
 }
 
 /// Makes this process the subreaper of its descendants: a process whose parent ends is
