@@ -34,7 +34,7 @@ ends: dirty pages are written back and every block that held no page before is d
 sockets, terminals and O_DIRECT files are left alone.\n\n\
 The watcher (root; --watch): what the library cannot see, statically linked and Go programs \
 (restic), mmap, io_uring, programs that clear their environment. A process of lightfoot's own, in \
-a process group of its own, watches every file system with a page cache (fanotify): an open by \
+a process group of its own, watches the mounts that have a page cache (fanotify): an open by \
 CMD's process tree waits until the file's first sight is taken; while CMD runs, the blocks it \
 brought in are dropped behind each descriptor's position and written back when dirty; at the \
 end every file is written back and dropped to its first sight. CMD (with lightfoot run) gets a mount \

@@ -1,16 +1,18 @@
 //! The watcher: what the preload library cannot see (statically linked programs, Go programs
 //! such as restic, mmap, io_uring, programs that clear their environment, setuid programs).
 //!
-//! It runs as a process of its own (`lightfoot __watch PARENT`), started by `lightfoot run`
-//! before CMD, in a process group of its own: a terminal's Ctrl-Z stops CMD and `lightfoot
-//! run`, never the watcher, which every open on the watched file systems waits for.
+//! It runs as a process of its own (`lightfoot __watch PARENT mounts [MAX_CACHE]`), started by
+//! `lightfoot run` before CMD, in a process group of its own: a terminal's Ctrl-Z stops CMD and
+//! `lightfoot run`, never the watcher, which CMD's opens wait for.
 //!
-//! - **Which files.** A fanotify group marks every file system that has a page cache of its
-//!   own (not proc, sysfs, tmpfs, …) for `FAN_OPEN_PERM` and close events. An open by a
-//!   process of CMD's tree (its parent chain reaches `lightfoot run`, which is the tree's
-//!   subreaper, so orphans stay in it) is held until the watcher has taken the file's first
-//!   sight; every other open is let through at once (the cost: one look at `/proc/PID/stat`
-//!   per step of its parent chain).
+//! - **Which files.** `lightfoot run` (and so CMD) has a mount namespace of its own, a copy of
+//!   the caller's. A fanotify group marks each of its mounts that has a page cache of its own
+//!   (not proc, sysfs, tmpfs, …) for `FAN_OPEN_PERM` and close events, so only opens made in
+//!   that namespace reach the watcher (`filesystems`: whole file systems, when the namespace
+//!   could not be made, and then every open on the host waits). An open by a process of CMD's
+//!   tree (its parent chain reaches `lightfoot run`, which is the tree's subreaper, so orphans
+//!   stay in it) is held until the watcher has taken the file's first sight; any other is let
+//!   through at once (the cost: one look at `/proc/PID/stat` per step of its parent chain).
 //! - **First sight.** As the preload's: which 2 MiB blocks hold any page (`cachestat`,
 //!   halving ranges that hold some). Taken while the opener waits, so it is exact: a late look
 //!   would take the pages the program's first reads brought in for pages cached before, and a
