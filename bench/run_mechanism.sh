@@ -23,11 +23,9 @@ LF=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
 [[ -x $LF ]] || { echo "run_mechanism.sh: $LF: not built (cargo build --release)" >&2; exit 1; }
 mkdir -p "$DIR"
 cd "$DIR"
-want=$(numfmt --from=iec "$SIZE")
-if [[ ! -f data || $(stat -c %s data) -ne $want ]]; then
-	head -c "$want" /dev/urandom >data
-	sync
-fi
+# shellcheck source=bench/data_file.sh
+. "$HERE/data_file.sh"
+data_file data "$SIZE" >/dev/null
 cat >reader.py <<'PY'
 import os, sys, time
 size, mode = int(sys.argv[1]), sys.argv[2]

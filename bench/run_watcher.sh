@@ -22,11 +22,9 @@ LF=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
 [[ -x $LF ]] || { echo "run_watcher.sh: $LF: not built (cargo build --release)" >&2; exit 1; }
 mkdir -p "$DIR"
 cd "$DIR"
-want=$(numfmt --from=iec "$SIZE")
-if [[ ! -f data || $(stat -c %s data) -ne $want ]]; then
-	head -c "$want" /dev/urandom >data
-	sync
-fi
+# shellcheck source=bench/data_file.sh
+. "$HERE/data_file.sh"
+want=$(data_file data "$SIZE")
 cat >prog.c <<'C'
 #include <fcntl.h>
 #include <stdlib.h>

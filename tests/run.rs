@@ -242,7 +242,9 @@ fn pipes_and_o_direct_pass_through() {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|f| f["path"].as_str().unwrap().contains("socket:") || f["bytes_read"].as_u64() >= Some(8 << 20))
+        .filter(|f| {
+            f["path"].as_str().unwrap().contains("socket:") || f["bytes_read"].as_u64() >= Some(8 << 20)
+        })
         .collect();
     assert!(sockets.is_empty(), "a socket was looked at: {sockets:?}");
     let f = d.join("f");
@@ -388,7 +390,8 @@ int main(int argc, char **argv) {
         )
         .unwrap();
         let exe = dir.join("scat");
-        let out = Command::new("gcc").args(["-O2", "-static", "-o"]).arg(&exe).arg(&src).output().expect("run gcc");
+        let out =
+            Command::new("gcc").args(["-O2", "-static", "-o"]).arg(&exe).arg(&src).output().expect("run gcc");
         assert!(out.status.success(), "gcc -static (needs libc6-dev): {}", text(&out));
         exe.to_str().unwrap().to_string()
     })
@@ -484,7 +487,8 @@ fn the_watcher_holds_a_static_reader_to_little() {
     };
     let bare = held(Command::new(scat).args(["-p", "40000000", "f"]));
     assert!(bare >= 38 * MIB, "a bare reader held only {bare} bytes: the check could not fail");
-    let under = held(Command::new(bin()).args(["run", "--watch", "always", "--", scat, "-p", "40000000", "f"]));
+    let under =
+        held(Command::new(bin()).args(["run", "--watch", "always", "--", scat, "-p", "40000000", "f"]));
     assert!(under <= 24 * MIB, "a static reader under the watcher held {under} bytes of the 40 MB it read");
 }
 
@@ -523,7 +527,12 @@ fn restic_backup_leaves_the_cache_as_it_found_it() {
     let left = |sub: &str| files(sub).iter().map(|p| cached(p, 0, None)).sum::<u64>();
     let backup = |watch: &str| -> serde_json::Value {
         let _ = std::fs::remove_dir_all(d.join("repo"));
-        let init = Command::new("restic").args(["init", "-q", "-r", "repo"]).env("RESTIC_PASSWORD", "x").current_dir(d).output().unwrap();
+        let init = Command::new("restic")
+            .args(["init", "-q", "-r", "repo"])
+            .env("RESTIC_PASSWORD", "x")
+            .current_dir(d)
+            .output()
+            .unwrap();
         assert!(init.status.success(), "{}", text(&init));
         for p in files("tree") {
             evict(&p);
@@ -542,7 +551,10 @@ fn restic_backup_leaves_the_cache_as_it_found_it() {
     assert!(left("tree") > moved / 2, "without the watcher restic left only {} bytes cached", left("tree"));
     let summary = backup("always");
     let (tree, repo) = (left("tree"), left("repo"));
-    assert!(tree + repo <= moved / 100, "restic left {tree} bytes of the tree and {repo} of the repository cached: {summary}");
+    assert!(
+        tree + repo <= moved / 100,
+        "restic left {tree} bytes of the tree and {repo} of the repository cached: {summary}"
+    );
     let out = Command::new("restic")
         .args(["-q", "-r", "repo", "restore", "latest", "--target", "restored"])
         .env("RESTIC_PASSWORD", "x")
@@ -609,7 +621,9 @@ fn without_root_the_watcher_is_off_and_says_what_is_not_covered() {
     let out = as_nobody(&["-v", "--", "true"]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(
-        text(&out).contains("watcher: off: it needs root (fanotify); statically linked programs, Go programs (restic), mmap"),
+        text(&out).contains(
+            "watcher: off: it needs root (fanotify); statically linked programs, Go programs (restic), mmap"
+        ),
         "{}",
         text(&out)
     );
@@ -657,9 +671,19 @@ fn a_write_error_under_write_behind_reaches_fsync() {
     for how in [&[][..], &["run", "--watch", "never", "--"][..], &["run", "--watch", "always", "--"][..]] {
         let _ = std::fs::remove_file(fs.path.join("g"));
         let mut c = if how.is_empty() { Command::new("/usr/bin/python3") } else { Command::new(bin()) };
-        let out = c.args(how).args(if how.is_empty() { &[][..] } else { &["/usr/bin/python3"][..] }).args(["-c", script]).current_dir(&fs.path).output().unwrap();
+        let out = c
+            .args(how)
+            .args(if how.is_empty() { &[][..] } else { &["/usr/bin/python3"][..] })
+            .args(["-c", script])
+            .current_dir(&fs.path)
+            .output()
+            .unwrap();
         let said = String::from_utf8_lossy(&out.stdout);
-        assert!(said.starts_with("fsync failed"), "{how:?}: the program's fsync did not see the write error: {said} {}", text(&out));
+        assert!(
+            said.starts_with("fsync failed"),
+            "{how:?}: the program's fsync did not see the write error: {said} {}",
+            text(&out)
+        );
     }
     drop(fs);
 }
@@ -685,18 +709,30 @@ fn a_file_system_without_dontcache_is_covered_the_same() {
         .current_dir(d)
         .output()
         .unwrap();
-    assert_eq!(String::from_utf8_lossy(&dontcache.stdout).trim(), "95", "btrfs took RWF_DONTCACHE here: {}", text(&dontcache));
+    assert_eq!(
+        String::from_utf8_lossy(&dontcache.stdout).trim(),
+        "95",
+        "btrfs took RWF_DONTCACHE here: {}",
+        text(&dontcache)
+    );
     evict(&f);
     Command::new("sh").args(["-c", "cat f > /dev/null"]).current_dir(d).status().unwrap();
-    assert!(cached(&f, 0, None) > size / 2, "a bare cat left little cached on btrfs: the check could not fail");
+    assert!(
+        cached(&f, 0, None) > size / 2,
+        "a bare cat left little cached on btrfs: the check could not fail"
+    );
     for watch in ["never", "always"] {
         evict(&f);
         warm(&f, 16 * MIB, 8 * MIB);
-        let summary = run_sh_watch(d, "cat f > /dev/null && dd if=f of=g bs=1M status=none && sync -f g", watch);
+        let summary =
+            run_sh_watch(d, "cat f > /dev/null && dd if=f of=g bs=1M status=none && sync -f g", watch);
         assert_kept(cached(&f, 16 * MIB, Some(8 * MIB)), 8 * MIB, watch);
         let rest = cached(&f, 0, Some(16 * MIB)) + cached(&f, 24 * MIB, None);
         let g = cached(&d.join("g"), 0, None);
-        assert!(rest + g <= 2 * size / 100, "--watch {watch}: {rest} bytes of f and {g} of g left: {summary}");
+        assert!(
+            rest + g <= 2 * size / 100,
+            "--watch {watch}: {rest} bytes of f and {g} of g left: {summary}"
+        );
         assert!(same_contents(&f, &d.join("g")), "--watch {watch}: the copy differs");
     }
 }
@@ -734,10 +770,16 @@ fn max_cache_bounds_what_writers_hold() {
         String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
     };
     let default = held(&[]);
-    assert!(default >= 24 * MIB, "four writers held only {default} bytes by default: the check could not fail");
+    assert!(
+        default >= 24 * MIB,
+        "four writers held only {default} bytes by default: the check could not fail"
+    );
     let bounded = held(&["--max-cache", "4M"]);
     // 4 MiB pending, plus each writer's current block (up to 2 MiB each).
-    assert!(bounded <= 12 * MIB + MIB, "with --max-cache 4M four writers held {bounded} bytes (default {default})");
+    assert!(
+        bounded <= 12 * MIB + MIB,
+        "with --max-cache 4M four writers held {bounded} bytes (default {default})"
+    );
 }
 
 /// The watcher marks the mounts of a mount namespace that CMD (and lightfoot run) get of
@@ -754,8 +796,10 @@ fn only_cmds_opens_wait_for_the_watcher() {
     let f = dir.path().join("f");
     std::fs::write(&f, b"hello").unwrap();
     let mounts = |out: &[u8]| -> Vec<String> {
-        let mut m: Vec<String> =
-            String::from_utf8_lossy(out).lines().map(|l| l.split(' ').nth(4).unwrap_or_default().to_string()).collect();
+        let mut m: Vec<String> = String::from_utf8_lossy(out)
+            .lines()
+            .map(|l| l.split(' ').nth(4).unwrap_or_default().to_string())
+            .collect();
         m.sort();
         m
     };
@@ -763,21 +807,19 @@ fn only_cmds_opens_wait_for_the_watcher() {
     let under = run(&["--watch", "always", "--", "cat", "/proc/self/mountinfo"]);
     assert!(under.status.success(), "{}", text(&under));
     assert_eq!(mounts(&under.stdout), mounts(&bare.stdout), "CMD sees other mount points");
-    let (mut child, mut out, line) = spawn_until_line(Command::new(bin()).args([
-        "run",
-        "--watch",
-        "always",
-        "--",
-        "sh",
-        "-c",
-        "echo ready; read x; cat f",
-    ]).current_dir(dir.path()));
+    let (mut child, mut out, line) = spawn_until_line(
+        Command::new(bin())
+            .args(["run", "--watch", "always", "--", "sh", "-c", "echo ready; read x; cat f"])
+            .current_dir(dir.path()),
+    );
     assert_eq!(line, "ready\n");
     let lf = child.id();
     let children = std::fs::read_to_string(format!("/proc/{lf}/task/{lf}/children")).unwrap();
     let watcher: i32 = children
         .split_whitespace()
-        .find(|p| std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.windows(7).any(|w| w == b"__watch")))
+        .find(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.windows(7).any(|w| w == b"__watch"))
+        })
         .expect("no watcher process")
         .parse()
         .unwrap();

@@ -212,7 +212,9 @@ impl Slot {
         self.ring[h as usize % LAG].store(block + 1, Relaxed);
         self.head.store(h + 1, Relaxed);
         pending().fetch_add(1, AcqRel);
-        while pending().load(Acquire) > BUDGET.load(Relaxed) && self.head.load(Relaxed) > self.tail.load(Relaxed) {
+        while pending().load(Acquire) > BUDGET.load(Relaxed)
+            && self.head.load(Relaxed) > self.tail.load(Relaxed)
+        {
             self.wait_oldest(fd);
         }
     }

@@ -145,7 +145,9 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
                 return EXIT_OWN_FAILURE;
             }
             Err(e) => {
-                eprintln!("lightfoot run: the watcher could not start ({e}): only the preload library covers CMD");
+                eprintln!(
+                    "lightfoot run: the watcher could not start ({e}): only the preload library covers CMD"
+                );
                 Err(format!("off: {e}"))
             }
         },

@@ -140,7 +140,8 @@ pub struct FileReport {
 pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>> {
     let log = dir.join("files");
     let bytes = std::fs::read(&log).map_err(|e| Error::io("read", e).path(&log))?;
-    let (done, records): (Vec<Record>, Vec<Record>) = parse(&bytes).into_iter().partition(|r| r.flags & DONE != 0);
+    let (done, records): (Vec<Record>, Vec<Record>) =
+        parse(&bytes).into_iter().partition(|r| r.flags & DONE != 0);
     let mut moved: HashMap<(u64, u64), (u64, u64)> = HashMap::new();
     for d in done {
         let m = moved.entry((d.dev, d.ino)).or_default();
@@ -179,32 +180,32 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
     }
     order.retain(|k| by_file.contains_key(k));
     reports.extend(order.into_iter().map(|key| {
-            let recs = &by_file[&key];
-            let first = &recs[0];
-            let written = recs.iter().any(|r| r.flags & WRITABLE != 0);
-            let mut report = FileReport {
-                path: first.path.clone(),
-                opens: recs.len(),
-                written,
-                size_at_first_sight: first.size,
-                cached_before: first.cached_pages * page,
-                cached_after: None,
-                bytes_read: Some(moved.get(&key).map_or(0, |m| m.0)),
-                bytes_written: Some(moved.get(&key).map_or(0, |m| m.1)),
-                mechanism: "evict-behind".into(),
-                note: None,
-            };
-            if let Some(why) = first.why_not_covered() {
-                report.mechanism = format!("not covered: {why}");
+        let recs = &by_file[&key];
+        let first = &recs[0];
+        let written = recs.iter().any(|r| r.flags & WRITABLE != 0);
+        let mut report = FileReport {
+            path: first.path.clone(),
+            opens: recs.len(),
+            written,
+            size_at_first_sight: first.size,
+            cached_before: first.cached_pages * page,
+            cached_after: None,
+            bytes_read: Some(moved.get(&key).map_or(0, |m| m.0)),
+            bytes_written: Some(moved.get(&key).map_or(0, |m| m.1)),
+            mechanism: "evict-behind".into(),
+            note: None,
+        };
+        if let Some(why) = first.why_not_covered() {
+            report.mechanism = format!("not covered: {why}");
+        }
+        match finish_file(first, written, &mut renamed) {
+            Ok((path, after)) => {
+                report.path = path;
+                report.cached_after = after;
             }
-            match finish_file(first, written, &mut renamed) {
-                Ok((path, after)) => {
-                    report.path = path;
-                    report.cached_after = after;
-                }
-                Err(e) => report.note = Some(e.to_string()),
-            }
-            report
+            Err(e) => report.note = Some(e.to_string()),
+        }
+        report
     }));
     Ok(reports)
 }
@@ -239,7 +240,11 @@ fn locate(first: &Record, renamed: &mut Renamed) -> Option<PathBuf> {
 
 /// Writes back and drops what one file holds beyond its first sight; where it is and what it
 /// holds after (`None`: the file is gone, nothing of it is left to drop).
-pub(crate) fn finish_file(first: &Record, written: bool, renamed: &mut Renamed) -> Result<(PathBuf, Option<u64>)> {
+pub(crate) fn finish_file(
+    first: &Record,
+    written: bool,
+    renamed: &mut Renamed,
+) -> Result<(PathBuf, Option<u64>)> {
     let Some(path) = locate(first, renamed) else { return Ok((first.path.clone(), None)) };
     let at = |after: Option<u64>| Ok((path.clone(), after));
     let path = &path;

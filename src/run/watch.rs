@@ -42,7 +42,9 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{drop_new_blocks, write_back, FileReport, Record, ALL_CACHED, NOT_COVERED_NOSYS, NOT_COVERED_OTHER};
+use super::{
+    drop_new_blocks, write_back, FileReport, Record, ALL_CACHED, NOT_COVERED_NOSYS, NOT_COVERED_OTHER,
+};
 use crate::io::residency;
 use crate::io::sys::{self, Advice, FanEvent, Fanotify};
 
@@ -57,9 +59,30 @@ const BLOCK: u64 = 1 << SHIFT;
 
 /// File system types with no page cache worth watching (or none at all).
 const SKIPPED_TYPES: &[&str] = &[
-    "proc", "sysfs", "tmpfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "mqueue", "debugfs", "tracefs",
-    "securityfs", "pstore", "bpf", "autofs", "hugetlbfs", "configfs", "fusectl", "binfmt_misc", "ramfs",
-    "nsfs", "efivarfs", "rpc_pipefs", "nfsd", "selinuxfs",
+    "proc",
+    "sysfs",
+    "tmpfs",
+    "devtmpfs",
+    "devpts",
+    "cgroup",
+    "cgroup2",
+    "mqueue",
+    "debugfs",
+    "tracefs",
+    "securityfs",
+    "pstore",
+    "bpf",
+    "autofs",
+    "hugetlbfs",
+    "configfs",
+    "fusectl",
+    "binfmt_misc",
+    "ramfs",
+    "nsfs",
+    "efivarfs",
+    "rpc_pipefs",
+    "nfsd",
+    "selinuxfs",
 ];
 
 /// One file the watcher saw, as it reports it to `lightfoot run`.
@@ -110,7 +133,8 @@ impl Watcher {
         let Some(list) = line.strip_prefix("ready ") else {
             let _ = child.kill();
             let _ = child.wait();
-            let why = line.trim().strip_prefix("error: ").unwrap_or("it ended before it was ready").to_string();
+            let why =
+                line.trim().strip_prefix("error: ").unwrap_or("it ended before it was ready").to_string();
             return Err(why);
         };
         let filesystems = serde_json::from_str(list).unwrap_or_default();
@@ -136,7 +160,10 @@ impl Watcher {
             if reaped {
                 "the watcher ended before CMD did: files CMD opened afterwards were not watched".to_string()
             } else {
-                format!("the watcher's report is unreadable: {:?}", text.chars().take(200).collect::<String>())
+                format!(
+                    "the watcher's report is unreadable: {:?}",
+                    text.chars().take(200).collect::<String>()
+                )
             }
         })
     }
@@ -146,11 +173,14 @@ impl Watcher {
 pub fn main(mut args: impl Iterator<Item = std::ffi::OsString>) -> i32 {
     let parent: Option<u32> = args.next().and_then(|a| a.to_str()?.parse().ok());
     let what = args.next();
-    let (Some(parent), Some(whole)) = (parent, what.and_then(|w| match w.to_str()? {
-        "mounts" => Some(false),
-        "filesystems" => Some(true),
-        _ => None,
-    })) else {
+    let (Some(parent), Some(whole)) = (
+        parent,
+        what.and_then(|w| match w.to_str()? {
+            "mounts" => Some(false),
+            "filesystems" => Some(true),
+            _ => None,
+        }),
+    ) else {
         eprintln!("usage: lightfoot {COMMAND} PARENT_PID mounts|filesystems [MAX_CACHE_BYTES] (started by lightfoot run)");
         return 2;
     };
@@ -499,10 +529,11 @@ fn positions(pids: &mut HashSet<u32>, files: &HashMap<(u64, u64), Tracked>) -> H
             if !m.is_file() || !files.contains_key(&key) {
                 continue;
             }
-            let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", e.file_name().to_string_lossy()));
-            let pos = info
-                .ok()
-                .and_then(|s| s.lines().find_map(|l| l.strip_prefix("pos:").and_then(|v| v.trim().parse().ok())));
+            let info =
+                std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", e.file_name().to_string_lossy()));
+            let pos = info.ok().and_then(|s| {
+                s.lines().find_map(|l| l.strip_prefix("pos:").and_then(|v| v.trim().parse().ok()))
+            });
             out.entry(key).or_default().push(pos.unwrap_or(0));
         }
         true
@@ -538,9 +569,8 @@ fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64, bounded: bool) {
         }
         resident_blocks(file, start, b, &mut resident);
     }
-    let held = |b: u64| {
-        window.is_some_and(|w| w.iter().any(|&p| b + 1 >= p >> SHIFT && b <= (p + ahead) >> SHIFT))
-    };
+    let held =
+        |b: u64| window.is_some_and(|w| w.iter().any(|&p| b + 1 >= p >> SHIFT && b <= (p + ahead) >> SHIFT));
     let mut left = 0;
     let mut waiting = HashSet::new();
     for (b, c) in resident {
@@ -569,7 +599,8 @@ fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64, bounded: bool) {
     }
     t.waiting = waiting;
     if t.closed && window.is_none() && left == 0 {
-        t.left_when_closed = sys::cachestat(file.as_fd(), 0, 0).ok().map(|c| c.cached * sys::page_size() as u64);
+        t.left_when_closed =
+            sys::cachestat(file.as_fd(), 0, 0).ok().map(|c| c.cached * sys::page_size() as u64);
         if let Ok(p) = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())) {
             t.record.path = p;
         }

@@ -28,7 +28,8 @@ impl Fanotify {
     /// without updating the access time, each a new open file description of lightfoot's own.
     pub fn new() -> io::Result<Self> {
         let flags = libc::FAN_CLASS_CONTENT | libc::FAN_CLOEXEC | libc::FAN_UNLIMITED_QUEUE;
-        let f_flags = (libc::O_RDONLY | libc::O_LARGEFILE | libc::O_CLOEXEC | libc::O_NOATIME) as libc::c_uint;
+        let f_flags =
+            (libc::O_RDONLY | libc::O_LARGEFILE | libc::O_CLOEXEC | libc::O_NOATIME) as libc::c_uint;
         // SAFETY: integer arguments only; a non-negative result is a new descriptor we own.
         let fd = check(unsafe { libc::fanotify_init(flags, f_flags) } as libc::c_long)?;
         // SAFETY: `fd` was just returned by fanotify_init and nothing else owns it.
@@ -61,7 +62,9 @@ impl Fanotify {
         }
         let len = retry(|| {
             // SAFETY: `buf` is writable for its whole length.
-            check(unsafe { libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) } as libc::c_long)
+            check(
+                unsafe { libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) } as libc::c_long
+            )
         })?;
         let meta = std::mem::size_of::<libc::fanotify_event_metadata>();
         let mut out = Vec::new();
@@ -98,8 +101,9 @@ impl Fanotify {
         let size = std::mem::size_of::<libc::fanotify_response>();
         retry(|| {
             // SAFETY: `r` is a live fanotify_response of `size` bytes.
-            check(unsafe { libc::write(self.0.as_raw_fd(), (&r as *const libc::fanotify_response).cast(), size) }
-                as libc::c_long)
+            check(unsafe {
+                libc::write(self.0.as_raw_fd(), (&r as *const libc::fanotify_response).cast(), size)
+            } as libc::c_long)
         })
         .map(drop)
     }
