@@ -838,3 +838,49 @@ fn only_cmds_opens_wait_for_the_watcher() {
     assert!(child.wait().unwrap().success());
     assert_eq!(rest, "hello");
 }
+
+/// `--max-cache` is one budget for the whole run, not one per process: two processes with two
+/// writers each (48 MiB apiece in 1 MiB calls), both stopped at the end together, hold the
+/// budget's 4 MiB of write-behind plus each writer's current 2 MiB block (12 MiB); a budget
+/// per process would let them hold 16 MiB, and the default holds about 40.
+#[test]
+fn max_cache_is_one_budget_across_processes() {
+    let dir = scratch();
+    let d = dir.path();
+    // Each process writes, says so with a file, waits for the other's, and the first one
+    // measures; both then wait for `done`.
+    let writer = format!(
+        "import os, sys, time, subprocess, json\nme = sys.argv[1]\nfds = [os.open(f'w{{me}}{{i}}', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for i in range(2)]\n\
+         buf = os.urandom(1 << 20)\nfor _ in range(48):\n    for fd in fds:\n        os.write(fd, buf)\n\
+         open(f'ready{{me}}', 'w').close()\nwhile not all(os.path.exists(f'ready{{p}}') for p in 'ab'):\n    time.sleep(0.01)\n\
+         if me == 'a':\n    out = subprocess.run(['{}', 'cache', 'stat', '--json', 'wa0', 'wa1', 'wb0', 'wb1'], capture_output=True, env={{}}).stdout\n\
+         \x20   print(sum(x['cached_bytes'] for x in json.loads(out)))\n    open('done', 'w').close()\n\
+         while not os.path.exists('done'):\n    time.sleep(0.01)\n",
+        bin()
+    );
+    std::fs::write(d.join("writer.py"), writer).unwrap();
+    let held = |extra: &[&str]| -> u64 {
+        for f in ["readya", "readyb", "done"] {
+            let _ = std::fs::remove_file(d.join(f));
+        }
+        let out = Command::new(bin())
+            .args(["run", "--watch", "never"])
+            .args(extra)
+            .args(["--", "sh", "-c", "/usr/bin/python3 writer.py a & /usr/bin/python3 writer.py b; wait"])
+            .current_dir(d)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    };
+    let default = held(&[]);
+    assert!(
+        default >= 24 * MIB,
+        "two writer processes held only {default} bytes by default: the check could not fail"
+    );
+    let bounded = held(&["--max-cache", "4M"]);
+    assert!(
+        bounded <= 13 * MIB,
+        "with --max-cache 4M two processes held {bounded} bytes: a budget per process? (default {default})"
+    );
+}
