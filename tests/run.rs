@@ -34,10 +34,15 @@ fn run_sh_watch(dir: &Path, script: &str, watch: &str) -> serde_json::Value {
         .current_dir(dir)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{script}: {}", text(&out));
+    summary_of(&out, script)
+}
+
+/// The JSON summary `lightfoot run --json` printed last on stderr, once `what` succeeded.
+fn summary_of(out: &Output, what: &str) -> serde_json::Value {
+    assert!(out.status.success(), "{what}: {}", text(out));
     let err = String::from_utf8_lossy(&out.stderr);
     let last = err.lines().last().unwrap_or_default();
-    serde_json::from_str(last).unwrap_or_else(|e| panic!("{script}: no JSON summary ({e}): {err}"))
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("{what}: no JSON summary ({e}): {err}"))
 }
 
 /// What a `/usr/bin/python3 -c SCRIPT` run in `dir` printed, as a number: bare, or under
@@ -228,10 +233,8 @@ fn pipes_and_o_direct_pass_through() {
         .args(["run", "--json", "--watch", "never", "--", "sh", "-c", "head -c 64M /dev/zero | cat | wc -c"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    let summary = summary_of(&out, "a pipeline");
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "67108864");
-    let err = String::from_utf8_lossy(&out.stderr);
-    let summary: serde_json::Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
     assert_eq!(summary["files"].as_array().unwrap().len(), 0, "a pipe or /dev/zero was looked at: {summary}");
     // A socket: 8 MiB through a socket pair, sent and received with write(2) and read(2).
     let summary = run_sh(
@@ -543,9 +546,7 @@ fn restic_backup_leaves_the_cache_as_it_found_it() {
             .current_dir(d)
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", text(&out));
-        let err = String::from_utf8_lossy(&out.stderr);
-        serde_json::from_str(err.lines().last().unwrap_or_default()).unwrap()
+        summary_of(&out, "restic backup")
     };
     backup("never");
     assert!(left("tree") > moved / 2, "without the watcher restic left only {} bytes cached", left("tree"));

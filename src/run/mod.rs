@@ -63,6 +63,25 @@ impl Record {
         self.bits.get((b / 8) as usize).is_some_and(|byte| byte >> (b % 8) & 1 == 1)
     }
 
+    /// The runs `[start, end)` of blocks below `blocks` that held no page at first sight
+    /// (blocks past the first sight's end held none).
+    pub(crate) fn new_runs(&self, blocks: u64) -> Vec<(u64, u64)> {
+        let mut runs = Vec::new();
+        let mut b = 0;
+        while b < blocks {
+            if self.was_cached(b) {
+                b += 1;
+                continue;
+            }
+            let start = b;
+            while b < blocks && !self.was_cached(b) {
+                b += 1;
+            }
+            runs.push((start, b));
+        }
+        runs
+    }
+
     pub(crate) fn why_not_covered(&self) -> Option<&'static str> {
         if self.flags & NOT_COVERED_EPERM != 0 {
             Some("cachestat refused the file (this user may not write it): its residency is unknown, so nothing of it is dropped")
@@ -255,19 +274,24 @@ pub(crate) fn finish_file(
             .path(path)
             .detail("replaced by another file while the sweep looked at it: left alone"));
     }
-    if !first.covered() {
-        return at(residency::measure(&file, path, 0, None).ok().map(|r| r.cached_bytes()));
+    at(finish_open(&file, path, first, written)?)
+}
+
+/// Writes back and drops what an open file holds beyond its first sight (a file not covered
+/// is only measured); what it holds after (None: could not be measured).
+pub(crate) fn finish_open(file: &File, path: &Path, first: &Record, written: bool) -> Result<Option<u64>> {
+    if first.covered() {
+        if written {
+            write_back(file, path)?;
+        }
+        drop_new_blocks(file, first);
     }
-    if written {
-        write_back(&file, path)?;
-    }
-    drop_new_blocks(&file, first);
-    at(residency::measure(&file, path, 0, None).ok().map(|r| r.cached_bytes()))
+    Ok(residency::measure(file, path, 0, None).ok().map(|r| r.cached_bytes()))
 }
 
 /// Waits until the file's dirty pages are written back, on a descriptor of lightfoot's own (the
 /// command has ended: its descriptors, and the errors they were owed, are gone with it).
-pub(crate) fn write_back(file: &File, path: &Path) -> Result<()> {
+fn write_back(file: &File, path: &Path) -> Result<()> {
     sys::sync_file_range(file.as_fd(), 0, 0, sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER)
         .map_err(|e| Error::io("writeback", e).path(path))
 }
@@ -277,22 +301,16 @@ pub(crate) fn write_back(file: &File, path: &Path) -> Result<()> {
 /// can still be in flight: its pages are locked while the read runs, a drop skips them, and they
 /// land afterwards (a `head` that stopped at 28.6 MiB left 30-36 MiB behind that way). So the
 /// drop is repeated while pages are left, every 20 ms for up to 2 s.
-pub(crate) fn drop_new_blocks(file: &File, first: &Record) {
+fn drop_new_blocks(file: &File, first: &Record) {
     let shift = first.block_shift;
     let blocks = first.size.div_ceil(1 << shift);
-    let mut runs: Vec<(u64, u64)> = Vec::new(); // (offset, len), len 0: to the end
-    let mut run: Option<u64> = None;
-    for b in 0..blocks {
-        match (first.was_cached(b), run) {
-            (false, None) => run = Some(b),
-            (true, Some(s)) => {
-                runs.push((s << shift, (b - s) << shift));
-                run = None;
-            }
-            _ => {}
-        }
+    // (offset, len), len 0: to the end; a run reaching the first sight's end goes on to it.
+    let mut runs: Vec<(u64, u64)> =
+        first.new_runs(blocks).into_iter().map(|(s, e)| (s << shift, (e - s) << shift)).collect();
+    match runs.last_mut() {
+        Some(last) if last.0 + last.1 == blocks << shift => last.1 = 0,
+        _ => runs.push((blocks << shift, 0)),
     }
-    runs.push((run.unwrap_or(blocks) << shift, 0));
     let fd = file.as_fd();
     for _ in 0..100 {
         let mut left = 0;
@@ -396,6 +414,8 @@ mod tests {
             (Some("/a/b"), 42, 3, 99, 6 << 20)
         );
         assert!(r[0].was_cached(0) && !r[0].was_cached(1) && r[0].was_cached(2) && !r[0].was_cached(3));
+        assert_eq!(r[0].new_runs(5), vec![(1, 2), (3, 5)]);
+        assert_eq!(r[0].new_runs(3), vec![(1, 2)]);
         assert!(r[0].covered() && !r[1].covered());
         assert!(r[1].why_not_covered().unwrap().contains("cachestat refused"));
         let all = Record { flags: ALL_CACHED, ..r[1].clone() };

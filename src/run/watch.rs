@@ -35,17 +35,14 @@ use std::io::{BufRead, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{
-    drop_new_blocks, write_back, FileReport, Record, ALL_CACHED, NOT_COVERED_NOSYS, NOT_COVERED_OTHER,
-};
-use crate::io::residency;
+use super::{FileReport, Record, ALL_CACHED, NOT_COVERED_NOSYS, NOT_COVERED_OTHER};
 use crate::io::sys::{self, Advice, FanEvent, Fanotify};
 
 /// The hidden subcommand the watcher process runs as.
@@ -397,7 +394,7 @@ fn first_sight(fd: OwnedFd, pid: u32) -> Sight {
     let file = File::from(fd);
     let meta = file.metadata();
     let (dev, ino, size) = meta.as_ref().map_or((0, 0, 0), |m| (m.dev(), m.ino(), m.len()));
-    let path = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).unwrap_or_default();
+    let path = path_of(&file).unwrap_or_default();
     let blocks = size.div_ceil(BLOCK);
     let mut bits = vec![0u8; blocks.div_ceil(8) as usize];
     let mut flags = 0;
@@ -405,8 +402,15 @@ fn first_sight(fd: OwnedFd, pid: u32) -> Sight {
     match sys::cachestat(file.as_fd(), 0, 0) {
         Ok(c) => {
             cached_pages = c.cached;
-            if c.cached > 0 {
-                classify(&file, 0, blocks, &mut bits, &mut flags);
+            let mut held = Vec::new();
+            // A failed look: taken for cached, so nothing of the file is ever dropped.
+            if !resident_within(&file, 0, blocks.max(1), c, &mut held) {
+                flags |= ALL_CACHED;
+            }
+            for (b, _) in held {
+                if let Some(byte) = bits.get_mut((b / 8) as usize) {
+                    *byte |= 1 << (b % 8);
+                }
             }
         }
         Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => flags |= NOT_COVERED_NOSYS,
@@ -414,23 +418,6 @@ fn first_sight(fd: OwnedFd, pid: u32) -> Sight {
     }
     let record = Record { flags, pid, dev, ino, size, cached_pages, block_shift: SHIFT, path, bits };
     Sight { record, fd: OwnedFd::from(file) }
-}
-
-/// Sets the bit of each block in `[lo, hi)` that holds a page, halving ranges that hold some.
-fn classify(file: &File, lo: u64, hi: u64, bits: &mut [u8], flags: &mut u32) {
-    if hi - lo == 1 {
-        bits[(lo / 8) as usize] |= 1 << (lo % 8);
-        return;
-    }
-    let mid = lo + (hi - lo) / 2;
-    for (a, b) in [(lo, mid), (mid, hi)] {
-        match sys::cachestat(file.as_fd(), a << SHIFT, (b - a) << SHIFT) {
-            Ok(c) if c.cached == 0 => {}
-            Ok(_) => classify(file, a, b, bits, flags),
-            // A failed look: taken for cached, so nothing of it is ever dropped.
-            Err(_) => *flags |= ALL_CACHED,
-        }
-    }
 }
 
 /// A file of the tree's, as the scanner keeps it.
@@ -557,17 +544,10 @@ fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64, bounded: bool) {
     let size = file.metadata().map_or(0, |m| m.len());
     let blocks = size.div_ceil(BLOCK);
     let mut resident = Vec::new();
-    let mut b = 0;
-    while b < blocks {
-        if t.record.was_cached(b) {
-            b += 1;
-            continue;
+    for (start, end) in t.record.new_runs(blocks) {
+        if let Ok(c) = sys::cachestat(file.as_fd(), start << SHIFT, (end - start) << SHIFT) {
+            let _ = resident_within(file, start, end, c, &mut resident);
         }
-        let start = b;
-        while b < blocks && !t.record.was_cached(b) {
-            b += 1;
-        }
-        resident_blocks(file, start, b, &mut resident);
     }
     let held =
         |b: u64| window.is_some_and(|w| w.iter().any(|&p| b + 1 >= p >> SHIFT && b <= (p + ahead) >> SHIFT));
@@ -601,26 +581,38 @@ fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64, bounded: bool) {
     if t.closed && window.is_none() && left == 0 {
         t.left_when_closed =
             sys::cachestat(file.as_fd(), 0, 0).ok().map(|c| c.cached * sys::page_size() as u64);
-        if let Ok(p) = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())) {
+        if let Some(p) = path_of(file) {
             t.record.path = p;
         }
         t.file = None;
     }
 }
 
-/// The blocks in `[lo, hi)` that hold pages, with their counts, halving ranges that hold some.
-fn resident_blocks(file: &File, lo: u64, hi: u64, out: &mut Vec<(u64, sys::CacheStat)>) {
-    let Ok(c) = sys::cachestat(file.as_fd(), lo << SHIFT, (hi - lo) << SHIFT) else { return };
+/// The blocks in `[lo, hi)`, whose counts are `c`, that hold pages, with their counts, halving
+/// ranges that hold some; false if a look failed (those blocks are then not listed).
+fn resident_within(
+    file: &File,
+    lo: u64,
+    hi: u64,
+    c: sys::CacheStat,
+    out: &mut Vec<(u64, sys::CacheStat)>,
+) -> bool {
     if c.cached == 0 {
-        return;
+        return true;
     }
     if hi - lo == 1 {
         out.push((lo, c));
-        return;
+        return true;
     }
     let mid = lo + (hi - lo) / 2;
-    resident_blocks(file, lo, mid, out);
-    resident_blocks(file, mid, hi, out);
+    let mut all = true;
+    for (a, b) in [(lo, mid), (mid, hi)] {
+        all &= match sys::cachestat(file.as_fd(), a << SHIFT, (b - a) << SHIFT) {
+            Ok(c) => resident_within(file, a, b, c, out),
+            Err(_) => false,
+        };
+    }
+    all
 }
 
 /// The end: every file written back and dropped to its first sight, and measured.
@@ -648,10 +640,10 @@ fn finish_all(files: Vec<Tracked>) -> Vec<Watched> {
             };
             let done = match &t.file {
                 Some(file) => {
-                    if let Ok(p) = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())) {
+                    if let Some(p) = path_of(file) {
                         report.path = p;
                     }
-                    finish_open(file, &report.path, r, t.written).map(Some)
+                    super::finish_open(file, &report.path, r, t.written)
                 }
                 None => super::finish_file(r, t.written, &mut renamed).map(|(p, after)| {
                     report.path = p;
@@ -668,15 +660,9 @@ fn finish_all(files: Vec<Tracked>) -> Vec<Watched> {
         .collect()
 }
 
-/// Writes back and drops what a file the watcher still holds has beyond its first sight.
-fn finish_open(file: &File, path: &Path, first: &Record, written: bool) -> crate::error::Result<u64> {
-    if first.covered() {
-        if written {
-            write_back(file, path)?;
-        }
-        drop_new_blocks(file, first);
-    }
-    Ok(residency::measure(file, path, 0, None).map_or(0, |r| r.cached_bytes()))
+/// Where a file the watcher holds is now (renamed since: its new name).
+fn path_of(file: &File) -> Option<PathBuf> {
+    std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()
 }
 
 #[cfg(test)]
