@@ -8,6 +8,7 @@
 
 mod common;
 
+use std::io::{BufRead, Write};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
@@ -634,59 +635,119 @@ fn without_root_the_watcher_is_off_and_says_what_is_not_covered() {
     assert!(!dir.path().join("ran").exists(), "the command ran without the watcher it was asked for");
 }
 
-/// A write error met by writeback while the program writes (here ENOSPC from a loop device
-/// whose image lives on a tmpfs too small for it) still reaches the program's `fsync`, under
-/// the library's write-behind (which waits for writeback on a descriptor of its own) and under
-/// the watcher (which never waits), as it does bare. The writes that fill the tmpfs are
-/// written back and waited for by write-behind before the `fsync`.
+/// A write error met by write-behind still reaches the program's `fsync`: write-behind waits
+/// for writeback on a file description of the library's own, and writeback errors are
+/// reported once per description, so waiting on the program's own would take the error away.
 ///
-/// What this does not tell apart: a write-behind that waited on the program's own descriptor
-/// would take the errors met up to its last wait, but the blocks still dirty at `fsync` fail
-/// again and report a new error. It checks that no error is lost on the way, not which
-/// descriptor was waited on (docs/run.md says why that one is lightfoot's own).
+/// The layout makes the check able to fail. An ext4 image lives on a tmpfs with room for
+/// 4 MiB of data, plus a 32 MiB ballast file. The program writes 20 MiB: write-behind writes
+/// back and waits for the first blocks, and most of them fail. The test then removes the
+/// ballast, and the program writes 20 MiB more, which now fit: every block still dirty at its
+/// `fsync` is written back without error. So `fsync` fails only if the error met earlier was
+/// kept for the program's description.
+///
+/// The control run (bare, the program waiting for its own writeback with `sync_file_range` as
+/// a write-behind on its descriptor would) shows that on this kernel its `fsync` then returns
+/// success: the error was taken. A probe descriptor, asking with WAIT_BEFORE (which starts no
+/// writeback), shows that the errors were met before `fsync`, not by it.
 #[test]
 fn a_write_error_under_write_behind_reaches_fsync() {
     if !root_or_skip("a_write_error_under_write_behind_reaches_fsync: needs root for mount and losetup") {
         return;
     }
     let dir = scratch();
-    let d = dir.path();
-    let tmp = Mount::new(d, "t", &["-t", "tmpfs", "-o", "size=64m", "tmpfs"]);
-    let image = tmp.path.join("fs.img");
-    std::fs::File::create(&image).unwrap().set_len(64 * MIB).unwrap();
-    // Everything mkfs will ever write, written now: the space left on the tmpfs is for data.
-    let out = Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=0,lazy_journal_init=0"])
-        .arg(&image)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "mkfs.ext4: {}", text(&out));
-    let used = Command::new("du").args(["-s", "--block-size=1"]).arg(&image).output().unwrap();
-    let used: u64 = String::from_utf8_lossy(&used.stdout).split_whitespace().next().unwrap().parse().unwrap();
-    // Room for 12 MiB of data; the program writes 40.
-    let size = format!("remount,size={}k", (used + 12 * MIB).div_ceil(1024) + 64);
-    assert!(Command::new("mount").args(["-o", &size]).arg(&tmp.path).status().unwrap().success());
-    let fs = Mount::new(d, "m", &["-o", "loop", image.to_str().unwrap()]);
-    let script = "import os, time\nfd = os.open('g', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)\nbuf = os.urandom(1 << 20)\n\
-                  for _ in range(40):\n    os.write(fd, buf)\ntime.sleep(0.5)\ntry:\n    os.fsync(fd)\n    print('fsync ok')\nexcept OSError as e:\n    print('fsync failed', e.errno)\n";
-    for how in [&[][..], &["run", "--watch", "never", "--"][..], &["run", "--watch", "always", "--"][..]] {
-        let _ = std::fs::remove_file(fs.path.join("g"));
-        let mut c = if how.is_empty() { Command::new("/usr/bin/python3") } else { Command::new(bin()) };
-        let out = c
-            .args(how)
-            .args(if how.is_empty() { &[][..] } else { &["/usr/bin/python3"][..] })
-            .args(["-c", script])
-            .current_dir(&fs.path)
+    let script = r#"
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+def sfr(fd, flags):
+    return 0 if libc.sync_file_range(fd, 0, 0, flags) == 0 else ctypes.get_errno()
+own = sys.argv[1] == 'own'
+fd = os.open('g', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+probe = os.open('g', os.O_RDONLY)
+buf = os.urandom(1 << 20)
+for _ in range(20):
+    os.write(fd, buf)
+    if own:
+        sfr(fd, 7)
+print('early', sfr(probe, 1), flush=True)
+sys.stdin.readline()
+for _ in range(20):
+    os.write(fd, buf)
+    if own:
+        sfr(fd, 7)
+try:
+    os.fsync(fd)
+    print('fsync 0')
+except OSError as e:
+    print('fsync', e.errno)
+"#;
+    let runs: [(&str, &[&str], &str); 4] = [
+        ("bare, waiting on its own descriptor", &[], "own"),
+        ("bare", &[], "plain"),
+        ("lightfoot run --watch never", &["run", "--watch", "never", "--"], "plain"),
+        ("lightfoot run --watch always", &["run", "--watch", "always", "--"], "plain"),
+    ];
+    for (i, (what, how, mode)) in runs.into_iter().enumerate() {
+        // A new image on a new tmpfs each time (the blocks of a deleted file stay on the tmpfs,
+        // and ext4 would reuse them): room for what mkfs wrote, 4 MiB of data and the ballast.
+        let tmp = Mount::new(dir.path(), &format!("t{i}"), &["-t", "tmpfs", "-o", "size=64m", "tmpfs"]);
+        let image = tmp.path.join("fs.img");
+        std::fs::File::create(&image).unwrap().set_len(64 * MIB).unwrap();
+        // Everything mkfs will ever write, written now: what is left on the tmpfs is for data.
+        let out = Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=0,lazy_journal_init=0"])
+            .arg(&image)
             .output()
             .unwrap();
-        let said = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            said.starts_with("fsync failed"),
-            "{how:?}: the program's fsync did not see the write error: {said} {}",
-            text(&out)
-        );
+        assert!(out.status.success(), "mkfs.ext4: {}", text(&out));
+        let o = Command::new("du").args(["-s", "--block-size=1"]).arg(&image).output().unwrap();
+        let used: u64 =
+            String::from_utf8_lossy(&o.stdout).split_whitespace().next().unwrap().parse().unwrap();
+        let size = format!("remount,size={}k", (used + 36 * MIB).div_ceil(1024) + 64);
+        assert!(Command::new("mount").args(["-o", &size]).arg(&tmp.path).status().unwrap().success());
+        std::fs::write(tmp.path.join("ballast"), vec![1u8; 32 << 20]).unwrap();
+        let fs = Mount::new(dir.path(), &format!("m{i}"), &["-o", "loop", image.to_str().unwrap()]);
+        let mut c = if how.is_empty() { Command::new("/usr/bin/python3") } else { Command::new(bin()) };
+        if !how.is_empty() {
+            c.args(how).arg("/usr/bin/python3");
+        }
+        let mut child = c
+            .args(["-c", script, mode])
+            .current_dir(&fs.path)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let early = lines.next().map(|l| l.unwrap()).unwrap_or_default();
+        std::fs::remove_file(tmp.path.join("ballast")).unwrap();
+        writeln!(child.stdin.as_mut().unwrap()).unwrap();
+        let fsync = lines.next().map(|l| l.unwrap()).unwrap_or_default();
+        let out = child.wait_with_output().unwrap();
+        let said = format!("{what}: {early} / {fsync} / {}", text(&out));
+        eprintln!("{said}");
+        match mode {
+            "own" => {
+                assert_ne!(early, "early 0", "{said}: the layout met no write error");
+                assert_eq!(
+                    fsync, "fsync 0",
+                    "{said}: this kernel reported the error twice; the check below could not fail"
+                );
+            }
+            _ if how.is_empty() => {
+                assert_eq!(early, "early 0", "{said}: writeback ran before fsync without write-behind")
+            }
+            _ => {
+                assert_ne!(early, "early 0", "{said}: write-behind met no error before fsync");
+                assert_ne!(fsync, "fsync 0", "{said}: the program's fsync did not see the write error");
+                assert!(fsync.starts_with("fsync "), "{said}");
+            }
+        }
+        drop(fs);
+        drop(tmp);
     }
-    drop(fs);
 }
 
 /// btrfs refuses RWF_DONTCACHE (EOPNOTSUPP on 6.18). The library never uses it (buffered reads
