@@ -183,6 +183,13 @@ fn readers_leave_the_cache_as_they_found_it() {
         assert!(!files.is_empty(), "{script}: f not in the summary: {summary}");
         assert_eq!(files[0]["mechanism"], "evict-behind", "{summary}");
         assert_eq!(files[0]["cached_before"], wlen, "{summary}");
+        // What was evicted is what the reads brought in: never the working set, and most of
+        // the rest for the readers of the whole file (the host's own reclaim may take a little
+        // first).
+        let evicted = files.iter().map(|x| x["evicted"].as_u64().unwrap()).sum::<u64>();
+        assert!(evicted <= size - wlen, "{script}: evicted {evicted}: {summary}");
+        let least = if script.starts_with("tail") { 16 * MIB } else { (size - wlen) / 2 };
+        assert!(evicted >= least, "{script}: evicted {evicted}: {summary}");
     }
 }
 
@@ -221,7 +228,22 @@ fn writers_leave_nothing_cached() {
         assert!(w.first().is_some_and(|x| x["written"] == true), "{script}: {summary}");
         assert_eq!(w[0]["bytes_written"], 48 * MIB, "{script}: {summary}");
         assert_eq!(reported(&summary, "/f")[0]["bytes_read"], 48 * MIB, "{script}: {summary}");
+        let evicted = w.iter().map(|x| x["evicted"].as_u64().unwrap()).sum::<u64>();
+        assert!((47 * MIB..=48 * MIB).contains(&evicted), "{script}: evicted {evicted} of {out}: {summary}");
     }
+    // stdio to a redirected stdout (`head -c` writes with fwrite, which no preload sees): the
+    // library looks at its standard streams when the program starts, and drops at exit.
+    evict(&f);
+    let summary = run_sh(d, "head -c 48M f > s");
+    let o = d.join("s");
+    assert!(
+        cached(&o, 0, None) <= 48 * MIB / 100,
+        "{} bytes of s left cached: {summary}",
+        cached(&o, 0, None)
+    );
+    assert!(same_contents(&f, &o), "head: the copy differs");
+    let w = reported(&summary, "/s");
+    assert!(w.first().is_some_and(|x| x["written"] == true && x["cached_before"] == 0), "{summary}");
 }
 
 /// Pipes, sockets and O_DIRECT files pass through untouched: not looked at, not reported,
@@ -445,6 +467,11 @@ fn the_watcher_covers_static_programs_and_mmap() {
         assert!(!files.is_empty(), "{script}: f not in the summary: {summary}");
         assert!(files[0]["mechanism"].as_str().unwrap().starts_with("watcher"), "{summary}");
         assert_eq!(files[0]["cached_before"], wlen, "{summary}");
+        let evicted = files.iter().map(|x| x["evicted"].as_u64().unwrap()).sum::<u64>();
+        assert!(
+            (size - wlen) / 2 <= evicted && evicted <= size - wlen,
+            "{script}: evicted {evicted}: {summary}"
+        );
     }
     // A static writer behind a shell's redirection: its output is not left cached, and whole.
     evict(&f);

@@ -17,7 +17,8 @@
 //!
 //! Not covered here (the watcher is for those): static binaries, `mmap`, io_uring,
 //! stdio's reads and writes between `fopen` and `fclose` (glibc calls its internal functions;
-//! the file is looked at at `fopen` and finished at `fclose`), programs that clear their
+//! the file is looked at at `fopen`, or at start for standard streams that are regular files,
+//! and finished at `fclose` or exit), programs that clear their
 //! environment, setuid programs (the loader drops `LD_PRELOAD`).
 
 // Exporting C functions takes `unsafe` (no_mangle, raw pointers); each block says why it is
@@ -103,6 +104,15 @@ extern "C" fn init() {
             fds::set_budget(bytes >> fds::SHIFT, shared);
         }
     }
+    // The standard streams, where they are regular files (a shell's `< in` and `> out`): stdio
+    // moves their data through glibc's internal calls, which no preload sees, so like a stream
+    // from `fopen` they are looked at now, before the program's first read or write, and
+    // finished at `fclose` or at exit (what stdio flushes after that is the final sweep's).
+    let e = sys::errno();
+    for fd in 0..=2 {
+        let _ = fds::tracked(fd);
+    }
+    sys::set_errno(e);
     extern "C" fn child() {
         OWNER.store(sys::pid(), Relaxed);
     }

@@ -24,7 +24,8 @@ pub const NOT_COVERED_OTHER: u32 = 8;
 /// Some pages were cached but no bitmap could be made: every block counts as cached.
 pub const ALL_CACHED: u32 = 16;
 /// Not a first sight: what a descriptor moved, written when it is finished (closed). `size`
-/// holds the bytes read, `cached_pages` the bytes written; no path, no bitmap.
+/// holds the bytes read, `cached_pages` the bytes written, `evicted_pages` the pages its drops
+/// took out of the cache; no path, no bitmap.
 pub const DONE: u32 = 32;
 
 #[repr(C)]
@@ -44,7 +45,8 @@ pub struct Header {
     pub cached_pages: u64,
     /// Block size, as a shift (21: 2 MiB).
     pub block_shift: u32,
-    pub reserved: u32,
+    /// In a [`DONE`] record: the pages the descriptor's drops took out (saturating; 16 TiB).
+    pub evicted_pages: u32,
 }
 
 /// The flag for a cachestat error.
@@ -75,7 +77,7 @@ pub fn write(fd: c_int, st: &libc::stat, size: u64, cached_pages: u64, flags: u3
         size,
         cached_pages,
         block_shift: crate::fds::SHIFT,
-        reserved: 0,
+        evicted_pages: 0,
     };
     // SAFETY: `Header` is `repr(C)` of plain integers with no padding (4×6 + 8×4 + 4×2 bytes):
     // every byte of it is initialised.
@@ -86,8 +88,8 @@ pub fn write(fd: c_int, st: &libc::stat, size: u64, cached_pages: u64, flags: u3
 }
 
 /// Appends the [`DONE`] record of a descriptor of the file (`dev`, `ino`) that read and wrote
-/// these many bytes.
-pub fn done(dev: u64, ino: u64, read: u64, written: u64) {
+/// these many bytes and evicted these many pages.
+pub fn done(dev: u64, ino: u64, read: u64, written: u64, evicted: u64) {
     let Some(log) = crate::log_path() else { return };
     let h = Header {
         magic: MAGIC,
@@ -101,7 +103,7 @@ pub fn done(dev: u64, ino: u64, read: u64, written: u64) {
         size: read,
         cached_pages: written,
         block_shift: crate::fds::SHIFT,
-        reserved: 0,
+        evicted_pages: u32::try_from(evicted).unwrap_or(u32::MAX),
     };
     // SAFETY: as in `write`: a `repr(C)` header of plain integers, every byte initialised.
     let head = unsafe {

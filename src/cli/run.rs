@@ -56,7 +56,7 @@ pub struct RunArgs {
     verbose: u8,
 
     /// After CMD ends, print a JSON summary on stderr (stdout is CMD's): the files, their page
-    /// cache before and after, CMD's exit status
+    /// cache before and after, the bytes moved and evicted, CMD's exit status
     #[arg(long)]
     json: bool,
 
@@ -275,8 +275,9 @@ fn print_file(f: &FileReport) {
         (Some(r), Some(w)) if r + w > 0 => format!("; read {}, wrote {}", human(r), human(w)),
         _ => String::new(),
     };
+    let evicted = f.evicted.map_or_else(String::new, |e| format!(", {} evicted", human(e)));
     eprintln!(
-        "lightfoot run: {}: cached {} before, {} after{}{moved}; {}",
+        "lightfoot run: {}: cached {} before, {} after{evicted}{}{moved}; {}",
         f.path.display(),
         human(f.cached_before),
         after,

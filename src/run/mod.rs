@@ -30,7 +30,7 @@ pub(crate) const NOT_COVERED_NOSYS: u32 = 4;
 pub(crate) const NOT_COVERED_OTHER: u32 = 8;
 pub(crate) const ALL_CACHED: u32 = 16;
 /// What a descriptor moved, written when it was closed: `size` is the bytes read,
-/// `cached_pages` the bytes written.
+/// `cached_pages` the bytes written, `evicted_pages` the pages its drops took out.
 const DONE: u32 = 32;
 
 /// One record of the library's.
@@ -44,6 +44,8 @@ pub struct Record {
     pub size: u64,
     pub cached_pages: u64,
     pub block_shift: u32,
+    /// In a DONE record: the pages the descriptor's drops took out of the cache.
+    pub evicted_pages: u32,
     pub path: PathBuf,
     /// Blocks that held pages at first sight (bit `b % 8` of byte `b / 8`); empty when none
     /// did (or the file was not covered).
@@ -122,6 +124,7 @@ pub fn parse(bytes: &[u8]) -> Vec<Record> {
             size: u64_at(h, 40),
             cached_pages: u64_at(h, 48),
             block_shift: u32_at(h, 56),
+            evicted_pages: u32_at(h, 60),
             path: PathBuf::from(path),
             bits: h[HEADER + path_len..len].to_vec(),
         });
@@ -146,6 +149,10 @@ pub struct FileReport {
     /// the watcher saw it, which cannot count them).
     pub bytes_read: Option<u64>,
     pub bytes_written: Option<u64>,
+    /// Bytes of CMD's pages that lightfoot dropped while CMD ran and at the end (evict-behind,
+    /// the watcher, the final sweep), each drop measured by cachestat before and after (None:
+    /// the file was not covered).
+    pub evicted: Option<u64>,
     /// How it was covered: "evict-behind" (the library), or why it was not.
     pub mechanism: String,
     /// A problem the sweep met (the file gone or replaced, a writeback error).
@@ -161,11 +168,14 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
     let bytes = std::fs::read(&log).map_err(|e| Error::io("read", e).path(&log))?;
     let (done, records): (Vec<Record>, Vec<Record>) =
         parse(&bytes).into_iter().partition(|r| r.flags & DONE != 0);
-    let mut moved: HashMap<(u64, u64), (u64, u64)> = HashMap::new();
+    let page = sys::page_size() as u64;
+    // (read, written, evicted) bytes per file.
+    let mut moved: HashMap<(u64, u64), (u64, u64, u64)> = HashMap::new();
     for d in done {
         let m = moved.entry((d.dev, d.ino)).or_default();
         m.0 += d.size;
         m.1 += d.cached_pages;
+        m.2 += u64::from(d.evicted_pages) * page;
     }
     let mut order: Vec<(u64, u64)> = Vec::new();
     let mut by_file: HashMap<(u64, u64), Vec<Record>> = HashMap::new();
@@ -176,7 +186,6 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
         }
         by_file.entry(key).or_default().push(r);
     }
-    let page = sys::page_size() as u64;
     let mut renamed = Renamed::new();
     let mut reports = Vec::with_capacity(watched.len() + order.len());
     for mut w in watched {
@@ -184,14 +193,22 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
             w.report.opens += recs.len();
             w.report.written |= recs.iter().any(|r| r.flags & WRITABLE != 0);
             w.report.mechanism.push_str(" and evict-behind");
-            let (r, wr) = moved.get(&(w.dev, w.ino)).copied().unwrap_or_default();
+            let (r, wr, ev) = moved.get(&(w.dev, w.ino)).copied().unwrap_or_default();
             (w.report.bytes_read, w.report.bytes_written) = (Some(r), Some(wr));
+            if let Some(e) = w.report.evicted.as_mut() {
+                *e += ev;
+            }
             // The library's first sight came later, at the first read or write: after an
             // O_TRUNC that the watcher's (at the open) preceded. A block empty at either
             // sight is CMD's, so the blocks empty at the library's go too.
             if recs[0].covered() {
-                if let Ok((_, Some(after))) = finish_file(&recs[0], w.report.written, &mut renamed) {
-                    w.report.cached_after = Some(after);
+                if let Ok((_, after, ev)) = finish_file(&recs[0], w.report.written, &mut renamed) {
+                    if after.is_some() {
+                        w.report.cached_after = after;
+                    }
+                    if let Some(e) = w.report.evicted.as_mut() {
+                        *e += ev * page;
+                    }
                 }
             }
         }
@@ -211,6 +228,7 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
             cached_after: None,
             bytes_read: Some(moved.get(&key).map_or(0, |m| m.0)),
             bytes_written: Some(moved.get(&key).map_or(0, |m| m.1)),
+            evicted: first.covered().then(|| moved.get(&key).map_or(0, |m| m.2)),
             mechanism: "evict-behind".into(),
             note: None,
         };
@@ -218,9 +236,12 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
             report.mechanism = format!("not covered: {why}");
         }
         match finish_file(first, written, &mut renamed) {
-            Ok((path, after)) => {
+            Ok((path, after, ev)) => {
                 report.path = path;
                 report.cached_after = after;
+                if let Some(e) = report.evicted.as_mut() {
+                    *e += ev * page;
+                }
             }
             Err(e) => report.note = Some(e.to_string()),
         }
@@ -257,15 +278,16 @@ fn locate(first: &Record, renamed: &mut Renamed) -> Option<PathBuf> {
     entries.get(&(first.dev, first.ino)).cloned()
 }
 
-/// Writes back and drops what one file holds beyond its first sight; where it is and what it
-/// holds after (`None`: the file is gone, nothing of it is left to drop).
+/// Writes back and drops what one file holds beyond its first sight; where it is, what it
+/// holds after (`None`: the file is gone, nothing of it is left to drop) and the pages the
+/// drop took out.
 pub(crate) fn finish_file(
     first: &Record,
     written: bool,
     renamed: &mut Renamed,
-) -> Result<(PathBuf, Option<u64>)> {
-    let Some(path) = locate(first, renamed) else { return Ok((first.path.clone(), None)) };
-    let at = |after: Option<u64>| Ok((path.clone(), after));
+) -> Result<(PathBuf, Option<u64>, u64)> {
+    let Some(path) = locate(first, renamed) else { return Ok((first.path.clone(), None, 0)) };
+    let at = |(after, evicted): (Option<u64>, u64)| Ok((path.clone(), after, evicted));
     let path = &path;
     let file = residency::open(path)?;
     let meta = file.metadata().map_err(|e| Error::io("stat", e).path(path))?;
@@ -278,15 +300,22 @@ pub(crate) fn finish_file(
 }
 
 /// Writes back and drops what an open file holds beyond its first sight (a file not covered
-/// is only measured); what it holds after (None: could not be measured).
-pub(crate) fn finish_open(file: &File, path: &Path, first: &Record, written: bool) -> Result<Option<u64>> {
+/// is only measured); what it holds after (None: could not be measured) and the pages the
+/// drop took out.
+pub(crate) fn finish_open(
+    file: &File,
+    path: &Path,
+    first: &Record,
+    written: bool,
+) -> Result<(Option<u64>, u64)> {
+    let mut evicted = 0;
     if first.covered() {
         if written {
             write_back(file, path)?;
         }
-        drop_new_blocks(file, first);
+        evicted = drop_new_blocks(file, first);
     }
-    Ok(residency::measure(file, path, 0, None).ok().map(|r| r.cached_bytes()))
+    Ok((residency::measure(file, path, 0, None).ok().map(|r| r.cached_bytes()), evicted))
 }
 
 /// Waits until the file's dirty pages are written back, on a descriptor of lightfoot's own (the
@@ -300,8 +329,9 @@ fn write_back(file: &File, path: &Path) -> Result<()> {
 /// end, until none of them holds a page. Readahead the command started just before it ended
 /// can still be in flight: its pages are locked while the read runs, a drop skips them, and they
 /// land afterwards (a `head` that stopped at 28.6 MiB left 30-36 MiB behind that way). So the
-/// drop is repeated while pages are left, every 20 ms for up to 2 s.
-fn drop_new_blocks(file: &File, first: &Record) {
+/// drop is repeated while pages are left, every 20 ms for up to 2 s. Returns the pages it took
+/// out (what the runs held before, less what they hold after).
+fn drop_new_blocks(file: &File, first: &Record) -> u64 {
     let shift = first.block_shift;
     let blocks = first.size.div_ceil(1 << shift);
     // (offset, len), len 0: to the end; a run reaching the first sight's end goes on to it.
@@ -312,17 +342,23 @@ fn drop_new_blocks(file: &File, first: &Record) {
         _ => runs.push((blocks << shift, 0)),
     }
     let fd = file.as_fd();
+    let held =
+        || runs.iter().map(|&(off, len)| sys::cachestat(fd, off, len).map_or(0, |c| c.cached)).sum::<u64>();
+    let before = held();
+    let mut left = before;
     for _ in 0..100 {
-        let mut left = 0;
+        if left == 0 {
+            break;
+        }
         for &(off, len) in &runs {
             let _ = sys::fadvise(fd, off, len, Advice::DontNeed);
-            left += sys::cachestat(fd, off, len).map_or(0, |c| c.cached);
         }
-        if left == 0 {
-            return;
+        left = held();
+        if left > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        std::thread::sleep(std::time::Duration::from_millis(20));
     }
+    before.saturating_sub(left)
 }
 
 /// Where the preload library is: `$LIGHTFOOT_PRELOAD`, beside this binary (a cargo build), or

@@ -416,7 +416,8 @@ fn first_sight(fd: OwnedFd, pid: u32) -> Sight {
         Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => flags |= NOT_COVERED_NOSYS,
         Err(_) => flags |= NOT_COVERED_OTHER,
     }
-    let record = Record { flags, pid, dev, ino, size, cached_pages, block_shift: SHIFT, path, bits };
+    let record =
+        Record { flags, pid, dev, ino, size, cached_pages, block_shift: SHIFT, evicted_pages: 0, path, bits };
     Sight { record, fd: OwnedFd::from(file) }
 }
 
@@ -432,6 +433,8 @@ struct Tracked {
     waiting: HashSet<u64>,
     /// What it held when the watcher let go of it (bytes), for files the end cannot reopen.
     left_when_closed: Option<u64>,
+    /// Pages the ticks' drops took out (cachestat before and after each).
+    evicted: u64,
     opens: usize,
 }
 
@@ -468,6 +471,7 @@ fn scan(rx: mpsc::Receiver<Msg>, bounded: bool) -> Vec<Tracked> {
                             written: false,
                             waiting: HashSet::new(),
                             left_when_closed: None,
+                            evicted: 0,
                             opens: 1,
                         },
                     );
@@ -558,11 +562,17 @@ fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64, bounded: bool) {
             continue;
         }
         let fd = file.as_fd();
+        let mut drop_block = || {
+            let _ = sys::fadvise(fd, b << SHIFT, BLOCK, Advice::DontNeed);
+            if let Ok(after) = sys::cachestat(fd, b << SHIFT, BLOCK) {
+                t.evicted += c.cached.saturating_sub(after.cached);
+            }
+        };
         if bounded && c.dirty + c.writeback > 0 {
             t.written = true;
             let wait = sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER;
             let _ = sys::sync_file_range(fd, b << SHIFT, BLOCK, wait);
-            let _ = sys::fadvise(fd, b << SHIFT, BLOCK, Advice::DontNeed);
+            drop_block();
         } else if c.dirty > 0 {
             t.written = true;
             let _ = sys::sync_file_range(fd, b << SHIFT, BLOCK, sys::SFR_WRITE);
@@ -571,7 +581,7 @@ fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64, bounded: bool) {
             t.written = true;
             left += 1;
         } else if bounded || window.is_none() || t.waiting.contains(&b) {
-            let _ = sys::fadvise(fd, b << SHIFT, BLOCK, Advice::DontNeed);
+            drop_block();
         } else {
             waiting.insert(b);
             left += 1;
@@ -632,6 +642,7 @@ fn finish_all(files: Vec<Tracked>) -> Vec<Watched> {
                 cached_after: t.left_when_closed,
                 bytes_read: None,
                 bytes_written: None,
+                evicted: r.covered().then_some(t.evicted * page),
                 mechanism: match r.why_not_covered() {
                     Some(why) => format!("not covered: {why}"),
                     None => "watcher".into(),
@@ -645,14 +656,20 @@ fn finish_all(files: Vec<Tracked>) -> Vec<Watched> {
                     }
                     super::finish_open(file, &report.path, r, t.written)
                 }
-                None => super::finish_file(r, t.written, &mut renamed).map(|(p, after)| {
+                None => super::finish_file(r, t.written, &mut renamed).map(|(p, after, evicted)| {
                     report.path = p;
-                    after
+                    (after, evicted)
                 }),
             };
             match done {
-                Ok(Some(after)) => report.cached_after = Some(after),
-                Ok(None) => {}
+                Ok((after, evicted)) => {
+                    if after.is_some() {
+                        report.cached_after = after;
+                    }
+                    if let Some(e) = report.evicted.as_mut() {
+                        *e += evicted * page;
+                    }
+                }
                 Err(e) => report.note = Some(e.to_string()),
             }
             Watched { dev: r.dev, ino: r.ino, report }
