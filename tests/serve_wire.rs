@@ -10,6 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use lightfoot::proto::handshake::{parse_info, Info};
 use lightfoot::proto::*;
 
 struct Server {
@@ -185,10 +186,10 @@ fn hostile_input_closes_only_that_connection() {
     c.write_all(&[0xaa; REQUEST_LEN]).unwrap();
     assert!(closed(&mut c));
     still_serving(&s.sock);
-    // A write larger than 32 MiB: not read, the connection is closed.
+    // A write too large to drain (over 128 MiB): not read, the connection is closed.
     let mut c = connect(&s.sock);
     go(&mut c);
-    request(&mut c, CMD_WRITE, 1, 0, 64 << 20);
+    request(&mut c, CMD_WRITE, 1, 0, (128 << 20) + 1);
     assert!(closed(&mut c));
     still_serving(&s.sock);
     // A truncated payload, then the client vanishes.
@@ -227,6 +228,88 @@ fn hostile_input_closes_only_that_connection() {
         request(&mut c, CMD_READ, i, 0, 65536);
     }
     drop(c);
+    still_serving(&s.sock);
+}
+
+/// The server's peak resident memory (VmHWM), in bytes.
+fn peak_memory(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+/// A client that never asked for block sizes may send up to 64 MiB a request, as nbdkit
+/// serves (the reference implementation's tests send 47.5 MiB). Over that, a READ is refused
+/// and a WRITE's payload is drained and refused, the connection going on; a WRITE too large
+/// to drain closes the connection without the server allocating its payload. A client that
+/// asked is told 32 MiB and held to it.
+#[test]
+fn large_requests_from_clients_that_did_not_negotiate() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(128 * MIB).unwrap();
+    let s = Server::start(&img);
+    let mut c = connect(&s.sock);
+    go(&mut c);
+    let pattern: Vec<u8> = (0..48 * MIB).map(|i| (i % 251) as u8).collect();
+    request(&mut c, CMD_WRITE, 1, 0, 48 * MIB);
+    c.write_all(&pattern).unwrap();
+    assert_eq!(simple(&mut c), (1, 0), "a 48 MiB WRITE");
+    request(&mut c, CMD_READ, 2, 0, 48 * MIB);
+    assert_eq!(simple(&mut c), (2, 0), "a 48 MiB READ");
+    let mut back = vec![0u8; 48 * MIB as usize];
+    c.read_exact(&mut back).unwrap();
+    assert!(back == pattern, "the 48 MiB READ returned other bytes");
+    // 65 MiB: refused (simple replies: EINVAL), and the connection goes on.
+    request(&mut c, CMD_READ, 3, 0, 65 * MIB);
+    assert_eq!(simple(&mut c), (3, EINVAL), "a 65 MiB READ");
+    let before = peak_memory(s.child.id());
+    request(&mut c, CMD_WRITE, 4, 0, 65 * MIB);
+    let junk = vec![0xeeu8; MIB as usize];
+    for _ in 0..65 {
+        c.write_all(&junk).unwrap();
+    }
+    assert_eq!(simple(&mut c), (4, EINVAL), "a 65 MiB WRITE");
+    request(&mut c, CMD_READ, 5, 0, 4096);
+    assert_eq!(simple(&mut c), (5, 0), "after the refused WRITE");
+    let mut data = vec![0u8; 4096];
+    c.read_exact(&mut data).unwrap();
+    assert_eq!(data, pattern[..4096], "the refused WRITE changed the export");
+    let drained = peak_memory(s.child.id());
+    assert!(drained <= before + 8 * MIB, "draining 65 MiB raised the peak from {before} to {drained}");
+    // A header announcing 4 GiB: the connection is closed, nothing allocated.
+    let mut c = connect(&s.sock);
+    go(&mut c);
+    request(&mut c, CMD_WRITE, 6, 0, u64::from(u32::MAX));
+    assert!(closed(&mut c), "a 4 GiB WRITE header left the connection open");
+    let after = peak_memory(s.child.id());
+    assert!(after <= drained + 8 * MIB, "a 4 GiB WRITE header raised the peak from {drained} to {after}");
+    // A client that asks for block sizes is told 32 MiB and held to it.
+    let mut c = connect(&s.sock);
+    let mut data = 0u32.to_be_bytes().to_vec();
+    data.extend_from_slice(&1u16.to_be_bytes());
+    data.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+    send_option(&mut c, OPT_GO, &data);
+    let mut maximum = None;
+    loop {
+        let (ty, d) = option_reply(&mut c);
+        match ty {
+            REP_INFO => {
+                if let Ok(Info::BlockSize { maximum: m, .. }) = parse_info(&d) {
+                    maximum = Some(m);
+                }
+            }
+            REP_ACK => break,
+            other => panic!("GO answered {other:#x}"),
+        }
+    }
+    assert_eq!(maximum, Some(32 << 20), "the advertised maximum");
+    request(&mut c, CMD_READ, 7, 0, 33 * MIB);
+    assert_eq!(simple(&mut c), (7, EINVAL), "a 33 MiB READ from a client that agreed to 32 MiB");
+    request(&mut c, CMD_READ, 8, 0, 32 * MIB);
+    assert_eq!(simple(&mut c), (8, 0));
+    let mut data = vec![0u8; 32 * MIB as usize];
+    c.read_exact(&mut data).unwrap();
     still_serving(&s.sock);
 }
 

@@ -63,6 +63,9 @@ pub struct ZeroFlags {
 pub struct BlockSizes {
     pub minimum: u32,
     pub preferred: u32,
+    /// The largest request advertised to clients that ask. Every backend and filter must
+    /// still take requests of any length: the server serves up to 64 MiB to clients that did
+    /// not ask (`server::validate::UNNEGOTIATED_MAX`), and the copy engine may ask for more.
     pub maximum: u32,
 }
 

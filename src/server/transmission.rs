@@ -46,8 +46,9 @@ const READER_BUFFER: usize = 64 << 10;
 /// Bytes of READ and WRITE requests one connection may have in flight (read, not yet
 /// answered). Beyond it the reader stops reading requests until replies go out, and TCP
 /// pushes back on the client: without it one client could make the server hold its queue's
-/// worth of 32 MiB payloads (16 of them per connection). One request is always let in, so a
-/// request up to the maximum payload is never refused by it.
+/// worth of 64 MiB payloads (16 of them per connection). One request is always let in, so a
+/// request up to the maximum payload is never refused by it. Refused requests weigh nothing:
+/// a refused WRITE's payload is thrown away as it is read.
 const IN_FLIGHT_MAX: u64 = 64 << 20;
 
 /// A worker's read buffer above this size is given back after the request: a client that
@@ -165,7 +166,7 @@ pub fn run(
         read_only: export.read_only,
         block_sizes_agreed: agreed.block_sizes,
         min_block: caps.block.minimum,
-        max_payload: caps.block.maximum,
+        max_payload: super::validate::max_payload(agreed.block_sizes, caps.block.maximum),
         structured: agreed.structured,
         meta_context: agreed.meta_context,
         can_trim: caps.can_trim,
@@ -286,9 +287,10 @@ fn read_requests(
             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("write of {} bytes", req.len)));
         }
         // Room for this request in the connection's budget, given back when it is answered
-        // (or below, when it is refused or answered here). A held READ goes first if there
-        // is no room: it cannot be answered while it waits here.
-        let weight = weight(&req);
+        // (or below, when it is answered here). A held READ goes first if there is no room:
+        // it cannot be answered while it waits here. A refused request holds nothing.
+        let refused = matches!(verdict, Verdict::Error(_));
+        let weight = if refused { 0 } else { weight(&req) };
         if !conn.budget.try_take(weight) {
             if let Some(job) = held.take() {
                 if tx.send(job).is_err() {
@@ -297,13 +299,22 @@ fn read_requests(
             }
             conn.budget.take(weight);
         }
-        // A WRITE's payload is always read, so the stream stays in step even when refused.
-        let payload = if req.cmd == CMD_WRITE {
-            let mut p = vec![0u8; req.len as usize];
-            reader.read_exact(&mut p)?;
-            Some(p)
-        } else {
-            None
+        // A WRITE's payload is always read, so the stream stays in step even when refused:
+        // a refused one through the reader's own buffer, into nothing.
+        let payload = match req.cmd {
+            CMD_WRITE if refused => {
+                let skipped = io::copy(&mut reader.by_ref().take(req.len), &mut io::sink())?;
+                if skipped < req.len {
+                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "payload cut short"));
+                }
+                None
+            }
+            CMD_WRITE => {
+                let mut p = vec![0u8; req.len as usize];
+                reader.read_exact(&mut p)?;
+                Some(p)
+            }
+            _ => None,
         };
         if conn.broken.load(Ordering::Relaxed) {
             return Err(io::Error::new(io::ErrorKind::BrokenPipe, "client stopped reading"));

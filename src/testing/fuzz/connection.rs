@@ -28,6 +28,7 @@ use crate::filters::prefetch::PrefetchConfig;
 use crate::filters::{self, StackConfig};
 use crate::proto::handshake::*;
 use crate::proto::*;
+use crate::server::validate::MAX_DRAIN;
 use crate::server::{Export, Server};
 use crate::testing::conformance::{Expect, Model, Rng};
 use crate::testing::duplex::{pair, Duplex};
@@ -39,7 +40,8 @@ const SIZE: u64 = (1 << 20) + 4097;
 const MAX_OPS: usize = 256;
 /// Longest wait for a reply before the server is declared stuck.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(20);
-/// The payload limit the server advertises for the memory backend.
+/// The payload limit the server advertises for the memory backend (and keeps to with clients
+/// that asked for block sizes; those that did not get `UNNEGOTIATED_MAX`).
 const MAX_PAYLOAD: u64 = 32 << 20;
 
 /// The filter stacks `serve` builds, over one memory backend.
@@ -87,6 +89,8 @@ struct Session {
     structured: bool,
     meta: bool,
     flags: u16,
+    /// The largest READ or WRITE the server serves on this connection.
+    max_payload: u64,
 }
 
 /// A request sent and not yet fully answered.
@@ -220,7 +224,9 @@ fn handshake(c: &mut Duplex, setup: u8) -> Session {
         export.expect("GO without NBD_INFO_EXPORT")
     };
     assert_eq!(size, SIZE, "export size");
-    Session { structured, meta, flags }
+    let asked = setup & 0x20 == 0 && setup & 0x10 != 0;
+    let max_payload = if asked { MAX_PAYLOAD } else { u64::from(crate::server::validate::UNNEGOTIATED_MAX) };
+    Session { structured, meta, flags, max_payload }
 }
 
 enum Ending {
@@ -299,14 +305,14 @@ impl Client {
             }
             CMD_CACHE => !tf(TF_SEND_CACHE),
             CMD_BLOCK_STATUS => !self.s.meta || r.len == 0,
-            CMD_WRITE => r.len > MAX_PAYLOAD,
+            CMD_WRITE => r.len > self.s.max_payload,
             // With structured replies a READ over the maximum may be refused with EOVERFLOW
             // (the client may retry smaller); with simple ones the client broke a MUST.
-            CMD_READ if r.len > MAX_PAYLOAD && self.s.structured => {
+            CMD_READ if r.len > self.s.max_payload && self.s.structured => {
                 e.push(EOVERFLOW);
                 false
             }
-            CMD_READ => r.len > MAX_PAYLOAD,
+            CMD_READ => r.len > self.s.max_payload,
             _ => false,
         };
         if unsupported {
@@ -426,7 +432,11 @@ impl Client {
                     let r = req(inp.u16() % 12, inp.u16(), inp.u64(), u64::from(inp.u32()));
                     match r.cmd {
                         CMD_DISC => return self.disconnect(r),
-                        CMD_WRITE if r.len > MAX_PAYLOAD => return self.huge_write(r),
+                        // Over the maximum: drained and refused up to MAX_DRAIN (sending that
+                        // much only costs time), the connection closed past it.
+                        CMD_WRITE if r.len > self.s.max_payload => {
+                            return self.huge_write(Request { len: r.len.max(MAX_DRAIN + 1), ..r })
+                        }
                         CMD_WRITE => {
                             // Kept small: a large payload only costs time.
                             let r = Request { len: r.len % (256 << 10), ..r };
@@ -447,7 +457,7 @@ impl Client {
                             self.c.write_all(&h).unwrap();
                             Ending::Close
                         }
-                        _ => self.huge_write(req(CMD_WRITE, 0, 0, (64 << 20) + 1)),
+                        _ => self.huge_write(req(CMD_WRITE, 0, 0, MAX_DRAIN + 1)),
                     };
                 }
             }

@@ -14,7 +14,7 @@
 
 use super::Input;
 use crate::proto::*;
-use crate::server::validate::{check, Limits, Verdict, MAX_DISCARD};
+use crate::server::validate::{check, Limits, Verdict, MAX_DRAIN};
 
 fn limits(inp: &mut Input) -> Limits {
     let bits = inp.u16();
@@ -70,10 +70,10 @@ fn one(r: &Request, l: &Limits) {
     let writes = matches!(r.cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
     match v {
         Verdict::Disconnect => {
-            assert!(r.cmd == CMD_WRITE && r.len > MAX_DISCARD, "only a huge WRITE disconnects: {what}")
+            assert!(r.cmd == CMD_WRITE && r.len > MAX_DRAIN, "only a huge WRITE disconnects: {what}")
         }
         Verdict::Error(e) => {
-            assert!(r.cmd != CMD_WRITE || r.len <= MAX_DISCARD, "a huge WRITE must disconnect: {what}");
+            assert!(r.cmd != CMD_WRITE || r.len <= MAX_DRAIN, "a huge WRITE must disconnect: {what}");
             match e {
                 EINVAL => {}
                 ENOSPC => assert!(matches!(r.cmd, CMD_WRITE | CMD_WRITE_ZEROES), "{what}"),
