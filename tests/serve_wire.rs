@@ -20,9 +20,16 @@ struct Server {
 
 impl Server {
     fn start(file: &Path) -> Server {
+        Server::start_with(file, &[])
+    }
+
+    /// `lightfoot serve ARGS… --unix FILE.sock FILE`.
+    fn start_with(file: &Path, args: &[&str]) -> Server {
         let sock = file.with_extension("sock");
         let child = Command::new(bin())
-            .args(["serve", "--unix"])
+            .arg("serve")
+            .args(args)
+            .arg("--unix")
             .arg(&sock)
             .arg(file)
             .stderr(Stdio::null())
@@ -245,10 +252,24 @@ fn peak_memory(pid: u32) -> u64 {
 /// asked is told 32 MiB and held to it.
 #[test]
 fn large_requests_from_clients_that_did_not_negotiate() {
+    large_requests_served_with(&[]);
+}
+
+/// The same through each cache policy and filter that changes the data path: none of them
+/// assumes the advertised maximum.
+#[test]
+fn large_requests_through_every_cache_policy_and_filter() {
+    for args in [&["--cache=direct"][..], &["--cache=keep"], &["--prefetch"], &["--coalesce"]] {
+        eprintln!("{args:?}");
+        large_requests_served_with(args);
+    }
+}
+
+fn large_requests_served_with(args: &[&str]) {
     let dir = scratch();
     let img = dir.path().join("disk.img");
     std::fs::File::create(&img).unwrap().set_len(128 * MIB).unwrap();
-    let s = Server::start(&img);
+    let s = Server::start_with(&img, args);
     let mut c = connect(&s.sock);
     go(&mut c);
     let pattern: Vec<u8> = (0..48 * MIB).map(|i| (i % 251) as u8).collect();
