@@ -1,6 +1,5 @@
 //! `lightfoot copy SRC DST`.
 
-use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +15,7 @@ use lightfoot::io::{CacheMode, CacheStat, Fadvise, Mechanism};
 use super::parse_enum;
 use lightfoot::ErrorKind;
 
-use super::human;
+use super::{human, progress};
 
 const AFTER_HELP: &str = "\
 ENDPOINTS:
@@ -136,9 +135,12 @@ pub struct CopyArgs {
     #[arg(long)]
     no_flush: bool,
 
-    /// Show a progress bar (on a terminal).
-    #[arg(long)]
-    progress: bool,
+    /// Show a progress bar on a terminal. With =FD (attached with '='), write the progress to
+    /// file descriptor FD instead, as nbdcopy does: lines N/100, 0/100 first, each whole
+    /// percent as it is reached, 100/100 once the copy has succeeded. A closed FD, or one
+    /// whose reader goes away, never fails the copy.
+    #[arg(short = 'p', long, value_name = "FD", num_args = 0..=1, require_equals = true)]
+    progress: Option<Option<i32>>,
 
     /// Print a JSON summary: bytes, seconds, MiB/s, mechanisms, page-cache footprint of SRC
     /// and DST before and after.
@@ -269,6 +271,17 @@ pub fn run(args: CopyArgs) -> i32 {
             return 2;
         }
     };
+    // Before anything is opened: the descriptor's number cannot name a file of our own yet.
+    let lines = match args.progress {
+        Some(Some(fd)) => match progress::FdLines::open(fd, dst_ep == Endpoint::Stdio) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 2;
+            }
+        },
+        _ => None,
+    };
     let asked = Asked {
         workers: args.workers,
         request_size: args.request_size,
@@ -332,14 +345,9 @@ pub fn run(args: CopyArgs) -> i32 {
     };
     let opts = plan.options(dst.zeroed, !args.no_sparse, !args.no_flush);
     let progress = Arc::new(Progress::default());
-    let bar =
-        (args.progress && std::io::stderr().is_terminal()).then(|| progress_bar(size, progress.clone()));
+    let bar = args.progress == Some(None);
+    let reporter = progress::Reporter::start(bar, lines, size, progress.clone());
     let result = copy(&*src.backend, &*dst.backend, &opts, &progress, &CANCEL);
-    if let Some((bar, stop, handle)) = bar {
-        stop.store(true, Ordering::Relaxed);
-        let _ = handle.join();
-        bar.finish_and_clear();
-    }
     let result = result.and_then(|stats| {
         src.check_size_unchanged(size)
             .map_err(|error| lightfoot::copy::Failure { error, done: stats.bytes })?;
@@ -348,6 +356,7 @@ pub fn run(args: CopyArgs) -> i32 {
         }
         Ok(stats)
     });
+    reporter.finish(result.is_ok());
 
     // A captive server that died mid-copy shows as a lost connection: say how it ended. The
     // engine's finish has stopped the server by now; Captive kept how it ended if that was
@@ -389,7 +398,7 @@ pub fn run(args: CopyArgs) -> i32 {
         if to_stdout {
             eprintln!("{text}")
         } else {
-            println!("{text}")
+            super::print_out(&format!("{text}\n"))
         }
     }
     match result {
@@ -469,30 +478,6 @@ fn print_summary(s: &Summary, verbose: bool, to_stderr: bool) {
     if to_stderr {
         eprint!("{text}")
     } else {
-        print!("{text}")
+        super::print_out(&text)
     }
-}
-
-type Bar = (indicatif::ProgressBar, Arc<AtomicBool>, std::thread::JoinHandle<()>);
-
-fn progress_bar(size: Option<u64>, progress: Arc<Progress>) -> Bar {
-    let bar = match size {
-        Some(s) => indicatif::ProgressBar::new(s),
-        None => indicatif::ProgressBar::new_spinner(),
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let stop = Arc::new(AtomicBool::new(false));
-    let (b, st) = (bar.clone(), stop.clone());
-    let handle = std::thread::spawn(move || {
-        while !st.load(Ordering::Relaxed) {
-            b.set_position(progress.done.load(Ordering::Relaxed));
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    });
-    (bar, stop, handle)
 }

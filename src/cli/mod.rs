@@ -8,6 +8,7 @@ mod cache;
 mod copy;
 mod generate;
 mod human;
+mod progress;
 mod run;
 mod serve;
 
@@ -177,6 +178,18 @@ impl MechanismArgs {
 /// Prints an error the way every command does.
 pub fn report(err: &dyn std::fmt::Display) {
     eprintln!("lightfoot: {err}");
+}
+
+/// Writes `text` to standard output. A reader that went away (`| head -1`) is not a failure
+/// (print! would panic); another error is said on stderr.
+pub fn print_out(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            report(&format!("standard output: {e}"));
+        }
+    }
 }
 
 /// `--object-size`: the bytes of each block object of an s3:// image.

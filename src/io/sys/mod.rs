@@ -51,8 +51,8 @@ pub use net::{
     unix_connect_nonblocking, KEEPALIVE_COUNT, KEEPALIVE_IDLE, KEEPALIVE_INTERVAL,
 };
 pub use process::{
-    block_forwarded, catch_sigusr1, euid, exit_with_parent, lock_dir, next_forwarded, send_signal,
-    signal_group, take_sigusr1, unblock_forwarded_on_exec, FORWARDED,
+    block_forwarded, catch_sigusr1, dup_inherited, euid, exit_with_parent, lock_dir, next_forwarded,
+    send_signal, signal_group, take_sigusr1, unblock_forwarded_on_exec, FORWARDED,
 };
 pub use watch::{become_subreaper, reap_ended_children, unshare_mounts, wait_any_child, FanEvent, Fanotify};
 

@@ -157,3 +157,16 @@ pub fn unblock_forwarded_on_exec(cmd: &mut std::process::Command) {
         })
     };
 }
+
+/// A descriptor of this process's own (close-on-exec) for `fd`, one the caller handed down
+/// (`--progress=FD`); `EBADF` if `fd` is not open. The copy leaves the caller's descriptor and
+/// its flags as they were.
+pub fn dup_inherited(fd: std::os::fd::RawFd) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: fcntl with integer arguments; F_DUPFD_CLOEXEC returns a new descriptor, which
+    // nothing else owns, so taking ownership of it is sound.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) };
+    check(new as libc::c_long)?;
+    // SAFETY: as above: the descriptor was just made and is ours alone.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(new) })
+}
