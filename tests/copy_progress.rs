@@ -102,3 +102,70 @@ fn a_failed_copy_never_reaches_100() {
     assert_eq!(p.first(), Some(&0), "{p:?}");
     assert!(p.last().is_some_and(|&l| l < 100), "a failed copy said {p:?}");
 }
+
+/// `lightfoot cache stat --json FILE`: its cached bytes.
+fn cache_stat(path: &Path) -> u64 {
+    let out = lightfoot(&["cache", "stat", "--json", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    let s = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&s)
+        .ok()
+        .map(|v: serde_json::Value| if v.is_array() { v[0].clone() } else { v })
+        .unwrap_or_else(|| serde_json::from_str(s.lines().next().unwrap()).unwrap());
+    v["cached_bytes"].as_u64().unwrap_or_else(|| panic!("no cached_bytes in {s}"))
+}
+
+/// `--footprint=FD`: JSON lines while the copy runs and one at the end, whose page cache of
+/// SRC and DST is what `lightfoot cache stat` says afterwards; what it says was evicted is
+/// what the copy brought in (SRC's part not cached before, and all of DST).
+#[test]
+fn footprint_lines_end_where_cache_stat_does() {
+    let dir = scratch();
+    let d = dir.path();
+    let (src, dst) = (d.join("src"), d.join("dst"));
+    random_file(&src, 128 * MIB);
+    for args in
+        [&[][..], &["--cache=drop"], &["--read-mechanism=evict-behind", "--write-mechanism=write-behind"]]
+    {
+        let _ = std::fs::remove_file(&dst);
+        evict(&src);
+        warm(&src, 0, 32 * MIB);
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(format!("$LF copy --footprint=3 {} src dst 3>footprint", args.join(" ")))
+            .env("LF", bin())
+            .current_dir(d)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {}", text(&out));
+        let lines = std::fs::read_to_string(d.join("footprint")).unwrap();
+        let records: Vec<serde_json::Value> =
+            lines.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+        assert!(records.len() >= 2, "{args:?}: {lines}");
+        assert!(records[..records.len() - 1].iter().all(|r| r["end"] == false), "{lines}");
+        let last = records.last().unwrap();
+        assert_eq!(last["end"], true, "{lines}");
+        assert_eq!(last["done"], 128 * MIB, "{lines}");
+        assert_eq!(last["source"]["cached"], cache_stat(&src), "{args:?}: {lines}");
+        assert_eq!(last["destination"]["cached"], cache_stat(&dst), "{args:?}: {lines}");
+        assert_eq!(last["source"]["cached_before"], 32 * MIB, "{lines}");
+        let evicted = last["evicted"].as_u64().unwrap();
+        // --cache=drop drops SRC's cached 32 MiB too.
+        let expected = if args.contains(&"--cache=drop") { 256 * MIB } else { 224 * MIB };
+        assert!(
+            expected - 2 * MIB <= evicted && evicted <= expected + 2 * MIB,
+            "{args:?}: evicted {evicted}, expected about {expected}: {lines}"
+        );
+        let held = last["held"].as_u64().unwrap();
+        assert!(held <= MIB, "{args:?}: still held {held} at the end: {lines}");
+        assert!(same_contents(&src, &dst), "the copy differs");
+    }
+    // Standard output when it carries the data: refused.
+    let out = Command::new("sh")
+        .args(["-c", "$LF copy --footprint=1 src - > c"])
+        .env("LF", bin())
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+}

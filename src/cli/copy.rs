@@ -1,5 +1,6 @@
 //! `lightfoot copy SRC DST`.
 
+use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -142,6 +143,13 @@ pub struct CopyArgs {
     #[arg(short = 'p', long, value_name = "FD", num_args = 0..=1, require_equals = true)]
     progress: Option<Option<i32>>,
 
+    /// Write the page cache the job holds and has evicted to file descriptor FD, as JSON
+    /// lines, every 500 ms and once at the end (attached with '='): seconds, bytes done, held
+    /// (above what SRC and DST held before), evicted, and SRC's and DST's cache before and now.
+    /// A closed FD, or one whose reader goes away, never fails the copy.
+    #[arg(long, value_name = "FD", require_equals = true)]
+    footprint: Option<i32>,
+
     /// Print a JSON summary: bytes, seconds, MiB/s, mechanisms, page-cache footprint of SRC
     /// and DST before and after.
     #[arg(long)]
@@ -272,16 +280,17 @@ pub fn run(args: CopyArgs) -> i32 {
         }
     };
     // Before anything is opened: the descriptor's number cannot name a file of our own yet.
-    let lines = match args.progress {
-        Some(Some(fd)) => match progress::FdLines::open(fd, dst_ep == Endpoint::Stdio) {
-            Ok(l) => l,
-            Err(e) => {
+    let to_stdout = dst_ep == Endpoint::Stdio;
+    let fd_out =
+        |option, fd: Option<i32>| fd.map(|fd| progress::FdOut::open(option, fd, to_stdout)).transpose();
+    let (percent, footprint_out) =
+        match (fd_out("--progress", args.progress.flatten()), fd_out("--footprint", args.footprint)) {
+            (Ok(p), Ok(f)) => (p.flatten(), f.flatten()),
+            (Err(e), _) | (_, Err(e)) => {
                 eprintln!("error: {e}");
                 return 2;
             }
-        },
-        _ => None,
-    };
+        };
     let asked = Asked {
         workers: args.workers,
         request_size: args.request_size,
@@ -306,6 +315,7 @@ pub fn run(args: CopyArgs) -> i32 {
     });
     let tuning = args.mechanisms.tuning(args.fadvise, plan.many_in_flight);
 
+    let started = std::time::Instant::now();
     let src_before = cached_now(&src_ep);
     let dst_before = cached_now(&dst_ep);
     let s3 = args.s3.options(false);
@@ -345,8 +355,11 @@ pub fn run(args: CopyArgs) -> i32 {
     };
     let opts = plan.options(dst.zeroed, !args.no_sparse, !args.no_flush);
     let progress = Arc::new(Progress::default());
-    let bar = args.progress == Some(None);
-    let reporter = progress::Reporter::start(bar, lines, size, progress.clone());
+    let bar = args.progress == Some(None) && std::io::stderr().is_terminal();
+    let footprint = (bar || footprint_out.is_some()).then(|| {
+        progress::Footprint::new((&src_ep, src_before), (&dst_ep, dst_before), footprint_out, started)
+    });
+    let reporter = progress::Reporter::start(bar, percent, footprint, size, progress.clone());
     let result = copy(&*src.backend, &*dst.backend, &opts, &progress, &CANCEL);
     let result = result.and_then(|stats| {
         src.check_size_unchanged(size)
@@ -356,7 +369,7 @@ pub fn run(args: CopyArgs) -> i32 {
         }
         Ok(stats)
     });
-    reporter.finish(result.is_ok());
+    let footprint = reporter.finish(result.is_ok());
 
     // A captive server that died mid-copy shows as a lost connection: say how it ended. The
     // engine's finish has stopped the server by now; Captive kept how it ended if that was
@@ -368,7 +381,6 @@ pub fn run(args: CopyArgs) -> i32 {
     };
     let (src_after, _, src_mech) = cached_of(&src);
     let (dst_after, dst_stat, dst_mech) = cached_of(&dst);
-    let to_stdout = dst_ep == Endpoint::Stdio;
     let (ok, bytes, written, zero, seconds, error) = match &result {
         Ok(s) => (true, s.bytes, s.written, s.zero, s.seconds, None),
         Err(f) => {
@@ -392,6 +404,9 @@ pub fn run(args: CopyArgs) -> i32 {
     };
     drop(src);
     drop(dst);
+    if let Some(f) = footprint {
+        f.end(bytes);
+    }
 
     if args.json {
         let text = serde_json::to_string_pretty(&summary).expect("summary serialises");

@@ -27,7 +27,6 @@ use std::collections::BTreeMap;
 use std::os::fd::BorrowedFd;
 use std::sync::{Arc, Mutex};
 
-use super::sys::{self, Advice};
 use super::writebehind::Classes;
 
 /// Eviction granularity: the largest folio readahead builds.
@@ -125,6 +124,16 @@ impl EvictBehind {
         evict_blocks(fd, blocks);
     }
 
+    /// Bytes of `[offset, offset+len)` in blocks of the job's own (classified by
+    /// [`before_read`](Self::before_read)): what an RWF_DONTCACHE read of that range brings
+    /// in for the kernel to drop.
+    pub fn ours_within(&self, offset: u64, len: u64) -> u64 {
+        blocks(offset, len)
+            .filter(|&b| self.ours(b))
+            .map(|b| (offset + len).min((b + 1) * BLOCK) - offset.max(b * BLOCK))
+            .sum()
+    }
+
     pub fn blocks_held(&self) -> usize {
         self.inner.lock().unwrap().ours.len()
     }
@@ -151,7 +160,7 @@ fn evict_blocks(fd: BorrowedFd, mut blocks: Vec<u64>) {
             end += 1;
             i += 1;
         }
-        let _ = sys::fadvise(fd, start * BLOCK, (end - start) * BLOCK, Advice::DontNeed);
+        super::footprint::drop_range(fd, start * BLOCK, (end - start) * BLOCK);
     }
 }
 

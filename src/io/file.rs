@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::evict::{self, EvictBehind};
+use super::footprint;
 use super::policy::{choose, CacheMode, Choice, Fadvise, Probe, ReadMech, Tuning, WriteMech};
 use super::sys::{self, Advice, AlignedBuf, CacheStat};
 use super::writebehind::WriteBehind;
@@ -459,6 +460,9 @@ impl PolicyFile {
                             ));
                         }
                         let res = read_full(self.fd(), buf, offset, flags);
+                        if let (Ok(n), ReadMech::DontCache) = (&res, mech) {
+                            footprint::dontcache_read(self.evict.ours_within(offset, *n as u64));
+                        }
                         self.evict.after_read(self.fd(), offset, len);
                         res
                     }
@@ -606,7 +610,14 @@ impl PolicyFile {
             let res = match mech {
                 WriteMech::Buffered => write_full(self.fd(), buf, offset, dsync),
                 WriteMech::DontCache if small => write_full(self.fd(), buf, offset, dsync),
-                WriteMech::DontCache => write_full(self.fd(), buf, offset, dsync | sys::RWF_DONTCACHE),
+                WriteMech::DontCache => {
+                    let pre = footprint::dontcache_before(self.fd(), offset, len);
+                    let res = write_full(self.fd(), buf, offset, dsync | sys::RWF_DONTCACHE);
+                    if res.is_ok() {
+                        footprint::dontcache_done(offset, len, pre);
+                    }
+                    res
+                }
                 WriteMech::WriteBehind => write_full(self.fd(), buf, offset, dsync),
                 WriteMech::Direct => self.write_direct(buf, offset, dsync),
             };
@@ -794,7 +805,7 @@ impl PolicyFile {
                 buf.len() as u64,
                 sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER,
             )?;
-            let _ = sys::fadvise(self.fd(), start, end - start, Advice::DontNeed);
+            footprint::drop_range(self.fd(), start, end - start);
             return Ok(());
         }
         // Read-modify-write of the partial head and tail blocks, under per-block locks so two
@@ -858,7 +869,7 @@ impl PolicyFile {
                     end - start,
                     sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER,
                 );
-                let _ = sys::fadvise(self.fd(), start, end - start, Advice::DontNeed);
+                footprint::drop_range(self.fd(), start, end - start);
             }
         }
         drained.map(drop).map_err(|e| {

@@ -7,7 +7,8 @@
 //! - [`policy`]: `--cache=MODE` and the choice of mechanism per file ([`policy::choose`]).
 //! - [`PolicyFile`]: a file or block device whose reads and writes follow the chosen
 //!   mechanism, with runtime fallbacks and a latched write error.
-//! - [`evict`] and [`writebehind`]: the two eviction engines for buffered reads and writes.
+//! - [`evict`] and [`writebehind`]: the two eviction engines for buffered reads and writes;
+//!   [`footprint`] counts what they (and RWF_DONTCACHE) drop, when asked.
 //! - [`residency`]: what a file has in the page cache, and eviction on request
 //!   (`lightfoot cache`).
 //!
@@ -18,6 +19,7 @@
 
 pub mod evict;
 pub mod file;
+pub mod footprint;
 pub mod policy;
 pub mod residency;
 pub mod sys;

@@ -30,7 +30,7 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::sys::{self, Advice};
+use super::sys;
 
 pub const WINDOW: u64 = 8 << 20;
 
@@ -313,7 +313,7 @@ impl WriteBehind {
                 {
                     outcome.pages_left = true;
                 }
-                let _ = sys::fadvise(fd, off, len, Advice::DontNeed);
+                super::footprint::drop_range(fd, off, len);
                 if stuck.last() != Some(&w) && sys::cachestat(fd, off, len).is_ok_and(|s| s.cached > 0) {
                     stuck.push(w);
                 }
@@ -415,7 +415,7 @@ mod tests {
         f.set_len(2 * WINDOW).unwrap();
         std::os::unix::fs::FileExt::write_all_at(&f, &[1u8; 4096], 0).unwrap();
         f.sync_data().unwrap();
-        sys::fadvise(f.as_fd(), 0, 4096, Advice::DontNeed).unwrap();
+        sys::fadvise(f.as_fd(), 0, 4096, sys::Advice::DontNeed).unwrap();
         if !matches!(sys::cached_pages(f.as_fd(), 0, 4096), Ok(0)) {
             eprintln!("skipped: written pages cannot be evicted here (or no cachestat)");
             return None;
