@@ -9,7 +9,7 @@
 //!   mechanism, with runtime fallbacks and a latched write error.
 //! - [`evict`] and [`writebehind`]: the two eviction engines for buffered reads and writes.
 //! - [`residency`]: what a file has in the page cache, and eviction on request
-//!   (`lightfoot cache`).
+//!   (`lightfoot cache`); [`walk`], the files of directory trees (`lightfoot cache -r`).
 //!
 //! Data flow of a neutral copy on Linux 6.14+: reads `preadv2(RWF_DONTCACHE)` with readahead
 //! off; writes buffered, then `sync_file_range` windows evicted a few windows behind;
@@ -21,6 +21,7 @@ pub mod file;
 pub mod policy;
 pub mod residency;
 pub mod sys;
+pub mod walk;
 pub mod writebehind;
 
 /// Spreads `x` over `2^bits` slots (Fibonacci hashing: the top `bits` bits of the product
