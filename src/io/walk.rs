@@ -20,6 +20,11 @@
 //!   FIFO or a symlink since its directory was read is counted as such, without a hang.
 //!   A block device is looked at only when named as a root.
 //!
+//! Not closed: walkdir opens directories by path, so a directory replaced by a symlink between
+//! its parent's read and its own open would be followed. The walk writes nothing and reads no
+//! data, so the most that race changes is which files are measured or evicted; an
+//! `openat`-based walk would close it, at the cost of a walker of our own.
+//!
 //! Files are opened read-only, not for writing as [`super::residency::open`] tries first:
 //! cachestat accepts a read-only descriptor when the caller could write the file (or owns it),
 //! and a walk must not do what opening thousands of files for writing does (an executable
