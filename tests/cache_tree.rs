@@ -352,3 +352,21 @@ fn unknown_residency_is_never_zero_and_errors_do_not_stop_the_walk() {
     assert!(said.contains("1 error (above)"), "{said}");
     assert_eq!(cached(&t.root.join("a"), 0, None), 0, "the walk stopped at the error");
 }
+
+/// `evict -r --sync` writes dirty pages back first, through the read-only descriptors the
+/// walk opens, so they can go too.
+#[test]
+fn evict_r_sync_writes_dirty_pages_back_first() {
+    let dir = scratch();
+    let f = dir.path().join("sub/dirty");
+    std::fs::create_dir(dir.path().join("sub")).unwrap();
+    std::fs::write(&f, vec![7u8; 4 * MIB as usize]).unwrap();
+    let root = dir.path().to_str().unwrap();
+    let (rows, _) = json_lines(&walk(&["cache", "stat", "-r", "--json", root]), dir.path());
+    let stat = &rows["sub/dirty"]["stat"];
+    assert!(stat["dirty"].as_u64().unwrap() + stat["writeback"].as_u64().unwrap() > 0, "{stat}");
+    let out = walk(&["cache", "evict", "-r", "--sync", root]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(cached(&f, 0, None), 0, "dirty pages left after evict -r --sync");
+    assert_eq!(std::fs::read(&f).unwrap(), vec![7u8; 4 * MIB as usize]);
+}
