@@ -1,20 +1,27 @@
-//! `lightfoot cache stat|evict FILE…`.
+//! `lightfoot cache stat|evict FILE…`: the named files here, directory trees (`-r`) in
+//! [`tree`].
 
-use std::path::PathBuf;
+use std::fs::File;
+use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
 use lightfoot::copy::endpoint::parse_size;
 use lightfoot::io::residency::{self, Residency};
+use lightfoot::io::walk::WalkOptions;
 
 use super::human;
+
+mod tree;
 
 /// See and control what files have in the page cache.
 #[derive(Subcommand)]
 pub enum CacheCommand {
-    /// Show cached, dirty, writeback and evicted pages per file (from cachestat(2)).
+    /// Show cached, dirty, writeback and evicted pages per file, or of directory trees with
+    /// -r (from cachestat(2)).
     #[command(after_long_help = STAT_HELP)]
     Stat(StatArgs),
-    /// Drop the clean cached pages of files (POSIX_FADV_DONTNEED).
+    /// Drop the clean cached pages of files, or of directory trees with -r
+    /// (POSIX_FADV_DONTNEED).
     #[command(after_long_help = EVICT_HELP)]
     Evict(EvictArgs),
 }
@@ -29,17 +36,31 @@ Figures come from cachestat(2) (Linux 6.5), which since 2025 needs write access 
 (or ownership, or root). For other files the figures are not visible: lightfoot says so rather
 than guess (mincore would report every page of them cached). On kernels without cachestat,
 mincore is used for files the user may write: cached bytes only, the other columns show ?.
-Exit status: 0 if every file was shown, 1 otherwise, 2 usage error. See docs/cache.md.";
+
+With -r, each DIR is walked: a row per regular file as it is found (FILE last), then a total
+row and a line telling what the walk passed over. Symlinks inside a tree are not followed
+(-L follows them), the walk stays on each DIR's file system (--cross-mounts leaves it), and a
+file with several hard links is counted once. FIFOs, sockets and devices are counted, never
+opened. Files whose residency is not visible show ? and are counted apart as unknown: not a
+failure. --json then writes one object per line and a last {\"total\": …} object.
+
+Exit status: 0 if every file was shown, 1 otherwise (an error names its file; with -r the walk
+goes on), 2 usage error. See docs/cache.md.";
 
 const EVICT_HELP: &str = "\
 Only clean pages can be dropped; with --sync, dirty pages are written back first. Pages
 mapped by a running program, and whole large folios straddling the edges of --range, stay.
-Eviction needs only read access. Exit status: 0 if every file was evicted, 1 otherwise, 2
-usage error. See docs/cache.md.";
+Eviction needs only read access.
+
+With -r, each DIR is walked as for `cache stat -r` (same rules for symlinks, mounts and hard
+links) and every regular file in it is evicted: a line per file, then a total.
+
+Exit status: 0 if every file was evicted, 1 otherwise (an error names its file; with -r the
+walk goes on), 2 usage error. See docs/cache.md.";
 
 #[derive(Args)]
 pub struct StatArgs {
-    /// Regular files or block devices (a directory is refused: name the files in it).
+    /// Regular files or block devices; with -r, directories too (refused without it).
     #[arg(required = true, value_name = "FILE")]
     files: Vec<PathBuf>,
 
@@ -48,14 +69,18 @@ pub struct StatArgs {
     #[arg(long, value_name = "OFF:LEN", value_parser = parse_range)]
     range: Option<(u64, Option<u64>)>,
 
-    /// Print JSON (one array, an object per file) instead of a table.
+    /// Print JSON instead of a table: one array, an object per file; with -r, one object per
+    /// line (a file each, as the walk finds them) and a last {"total": …} object.
     #[arg(long)]
     json: bool,
+
+    #[command(flatten)]
+    walk: WalkArgs,
 }
 
 #[derive(Args)]
 pub struct EvictArgs {
-    /// Regular files or block devices (a directory is refused: name the files in it).
+    /// Regular files or block devices; with -r, directories too (refused without it).
     #[arg(required = true, value_name = "FILE")]
     files: Vec<PathBuf>,
 
@@ -69,9 +94,61 @@ pub struct EvictArgs {
     sync: bool,
 
     /// Print JSON (one array, an object per file: file, cached_before, cached_after in bytes,
-    /// and error for a file that failed) instead of a line per file.
+    /// and error for a file that failed) instead of a line per file; with -r, one object per
+    /// line and a last {"total": …} object.
     #[arg(long)]
     json: bool,
+
+    #[command(flatten)]
+    walk: WalkArgs,
+}
+
+/// The options of `cache stat|evict -r` (docs/cache.md, "Directory trees").
+#[derive(Args)]
+#[command(next_help_heading = "Directory trees")]
+pub struct WalkArgs {
+    /// Walk each directory named: every regular file under it, each counted once (hard
+    /// links too). A symlink named on the command line is followed.
+    #[arg(short = 'r', long)]
+    recursive: bool,
+
+    /// Follow symlinks found in the trees too (as du -L and find -L do), reporting loops.
+    /// Without it they are counted, not followed.
+    #[arg(short = 'L', long, visible_alias = "dereference", requires = "recursive")]
+    follow_symlinks: bool,
+
+    /// Enter directories on other file systems (mount points). Without it the walk stays on
+    /// the file system of each directory named, as du -x and find -xdev do.
+    #[arg(long, requires = "recursive")]
+    cross_mounts: bool,
+
+    /// Print the total only: its row (and the line under it), or with --json the one
+    /// {"total": …} object.
+    #[arg(long, requires = "recursive")]
+    summary: bool,
+}
+
+impl WalkArgs {
+    fn tree(&self, roots: Vec<PathBuf>, range: Option<(u64, Option<u64>)>, json: bool) -> tree::Tree {
+        tree::Tree {
+            roots,
+            walk: WalkOptions { follow_symlinks: self.follow_symlinks, cross_mounts: self.cross_mounts },
+            range: range.unwrap_or((0, None)),
+            json,
+            summary: self.summary,
+        }
+    }
+}
+
+/// [`residency::open`] for a file named without -r, telling how to see a directory.
+fn open_named(path: &Path) -> lightfoot::Result<File> {
+    residency::open(path).map_err(|e| {
+        if path.is_dir() {
+            e.detail("a directory: walk it with -r, or name the files in it")
+        } else {
+            e
+        }
+    })
 }
 
 fn parse_range(s: &str) -> Result<(u64, Option<u64>), String> {
@@ -84,7 +161,11 @@ fn parse_range(s: &str) -> Result<(u64, Option<u64>), String> {
 pub fn run(cmd: CacheCommand) -> i32 {
     super::init_logging(0);
     match cmd {
+        CacheCommand::Stat(a) if a.walk.recursive => tree::stat(a.walk.tree(a.files, a.range, a.json)),
         CacheCommand::Stat(a) => stat(a),
+        CacheCommand::Evict(a) if a.walk.recursive => {
+            tree::evict(a.walk.tree(a.files, a.range, a.json), a.sync)
+        }
         CacheCommand::Evict(a) => evict_files(a),
     }
 }
@@ -103,7 +184,7 @@ fn stat(a: StatArgs) -> i32 {
     let mut rows = Vec::new();
     let mut status = 0;
     for path in &a.files {
-        let r = residency::open(path).and_then(|f| residency::measure(&f, path, off, len));
+        let r = open_named(path).and_then(|f| residency::measure(&f, path, off, len));
         match r {
             Ok(r) => rows.push(StatRow {
                 file: path.display().to_string(),
@@ -176,7 +257,7 @@ fn evict_files(a: EvictArgs) -> i32 {
     let mut status = 0;
     let mut rows = Vec::new();
     for path in &a.files {
-        let f = match residency::open(path) {
+        let f = match open_named(path) {
             Ok(f) => f,
             Err(e) => {
                 status = 1;

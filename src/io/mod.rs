@@ -10,7 +10,7 @@
 //! - [`evict`] and [`writebehind`]: the two eviction engines for buffered reads and writes;
 //!   [`footprint`] counts what they (and RWF_DONTCACHE) drop, when asked.
 //! - [`residency`]: what a file has in the page cache, and eviction on request
-//!   (`lightfoot cache`).
+//!   (`lightfoot cache`); [`walk`], the files of directory trees (`lightfoot cache -r`).
 //!
 //! Data flow of a neutral copy on Linux 6.14+: reads `preadv2(RWF_DONTCACHE)` with readahead
 //! off; writes buffered, then `sync_file_range` windows evicted a few windows behind;
@@ -23,6 +23,7 @@ pub mod footprint;
 pub mod policy;
 pub mod residency;
 pub mod sys;
+pub mod walk;
 pub mod writebehind;
 
 /// Spreads `x` over `2^bits` slots (Fibonacci hashing: the top `bits` bits of the product

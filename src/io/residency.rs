@@ -71,11 +71,23 @@ pub fn file_size(file: &File, path: &Path) -> Result<u64> {
     }
 }
 
+/// The part of `[offset, offset+len)` (`len == None`: to the end) inside a file of `size`
+/// bytes: the range [`measure`] reports on.
+pub fn clamp(size: u64, offset: u64, len: Option<u64>) -> (u64, u64) {
+    let offset = offset.min(size);
+    (offset, len.unwrap_or(size - offset).min(size - offset))
+}
+
+/// Whether an error of [`measure`] means the file's residency is not visible to this user
+/// (cachestat's EPERM, or no cachestat and a file mincore would lie about), rather than a
+/// failure: the figures are unknown, not zero.
+pub fn not_visible(err: &Error) -> bool {
+    err.op() == "cachestat" && matches!(err.kind(), ErrorKind::Permission | ErrorKind::NotSupported)
+}
+
 /// Residency of `[offset, offset+len)` (`len == None`: to the end).
 pub fn measure(file: &File, path: &Path, offset: u64, len: Option<u64>) -> Result<Residency> {
-    let size = file_size(file, path)?;
-    let offset = offset.min(size);
-    let len = len.unwrap_or(size - offset).min(size - offset);
+    let (offset, len) = clamp(file_size(file, path)?, offset, len);
     let page_size = sys::page_size() as u64;
     let pages = (offset + len).div_ceil(page_size) - offset / page_size;
     let fd = file.as_fd();
