@@ -50,6 +50,7 @@ Socket activation: started by systemd from a socket unit with Accept=no (LISTEN_
 LISTEN_FDS set, the listening socket on fd 3), it serves on that socket and ignores --unix
 and --listen; a connection passed instead (Accept=yes) is refused. Also:
   systemd-socket-activate -l /run/lightfoot/disk.sock lightfoot serve disk.img
+Units to start from: examples/systemd/ in the source, docs/recipes.md.
 
 TCP connections use keepalive: a client that vanishes without closing (its host died, the
 network went) is dropped after about 90 s of silence (probes after 30 s, every 10 s, 6
