@@ -3,12 +3,14 @@
 # tools the interop tests and benchmarks run against, openssl (the TLS tests make their
 # certificates with it), iproute2 (a keepalive test cuts a network namespace's link), and
 # mandoc and man-db (tests/install.rs lints and renders the man pages make install writes),
-# nbdkit's S3 plugin. SeaweedFS, the store tests/s3.rs starts, is built from Go by
-# scripts/build-seaweedfs.sh (`make test` runs it).
+# nbdkit's S3 plugin, and systemd-analyze and systemd-socket-activate (Debian's systemd:
+# tests/recipes.rs verifies the example units and runs their command; qemu-nbd and qemu-io,
+# which its recipes also run, come with qemu-utils). SeaweedFS, the store tests/s3.rs starts,
+# is built from Go by scripts/build-seaweedfs.sh (`make test` runs it).
 # Does nothing when all are present.
 set -euo pipefail
 need=()
-command -v qemu-img  >/dev/null || need+=(qemu-utils)
+command -v qemu-img  >/dev/null && command -v qemu-nbd >/dev/null && command -v qemu-io >/dev/null || need+=(qemu-utils)
 command -v nbdcopy   >/dev/null || need+=(libnbd-bin)
 command -v nbdkit    >/dev/null || need+=(nbdkit)
 /usr/bin/python3 -c 'import nbd' 2>/dev/null || need+=(python3-libnbd)
@@ -30,6 +32,7 @@ command -v mksquashfs >/dev/null || need+=(squashfs-tools)
 command -v ip >/dev/null && command -v ss >/dev/null || need+=(iproute2)
 command -v mandoc    >/dev/null || need+=(mandoc)
 command -v man       >/dev/null || need+=(man-db)
+command -v systemd-analyze >/dev/null && command -v systemd-socket-activate >/dev/null || need+=(systemd)
 # nbdkit's S3 plugin (Python, boto3): tests/s3.rs checks image compatibility with it.
 [ -e /usr/lib/x86_64-linux-gnu/nbdkit/plugins/nbdkit-S3-plugin ] || need+=(nbdkit-plugin-python)
 /usr/bin/python3 -c 'import boto3' 2>/dev/null || need+=(python3-boto3)

@@ -697,6 +697,61 @@ os.execv("{bin}", ["lightfoot", "serve", "--listen", "127.0.0.1:1", "{img}", "--
     assert!(sock.exists(), "a socket systemd made is not ours to remove");
 }
 
+/// Runs `lightfoot serve ARGS` as systemd starts a service from a socket unit: the socket
+/// `setup` (Python) leaves in `s` goes to fd 3, inheritable as systemd passes it, with
+/// `LISTEN_FDS=1` and `LISTEN_PID` set. Under `timeout 60`.
+fn socket_activated(setup: &str, args: &[&str]) -> Output {
+    let script = format!(
+        r#"
+import os, socket, sys
+{setup}
+if s.fileno() != 3:
+    os.dup2(s.fileno(), 3)
+os.set_inheritable(3, True)
+os.environ["LISTEN_FDS"] = "1"
+os.environ["LISTEN_PID"] = str(os.getpid())
+os.execv(sys.argv[1], ["lightfoot", "serve"] + sys.argv[2:])
+"#
+    );
+    Command::new("timeout")
+        .args(["-k", "10", "60", "/usr/bin/python3", "-c", &script, bin()])
+        .args(args)
+        .output()
+        .expect("run timeout and /usr/bin/python3")
+}
+
+/// A socket unit with `Accept=yes` passes a connection, not the listening socket: accepting
+/// on it failed with EINVAL, the server warned every 100 ms, for ever, and served nobody.
+#[test]
+fn socket_activation_refuses_a_connection_from_accept_yes() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    sample(&img, MIB, 64 * 1024);
+    let out = socket_activated("s, peer = socket.socketpair()", &[img.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("not a listening socket (a socket unit with Accept=yes): use Accept=no"),
+        "{}",
+        text(&out)
+    );
+}
+
+/// systemd passes fd 3 without close-on-exec, and the server kept it so: the command `--run`
+/// started inherited the listening socket (and could have accepted the server's clients).
+#[test]
+fn socket_activation_keeps_the_listening_socket_from_run() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    sample(&img, MIB, 64 * 1024);
+    let sock = dir.path().join("s");
+    let setup =
+        format!("s = socket.socket(socket.AF_UNIX)\ns.bind({:?})\ns.listen(8)", sock.to_str().unwrap());
+    let run = format!("nbdinfo --size 'nbd+unix:///?socket={}' && [ ! -e /proc/$$/fd/3 ]", sock.display());
+    let out = socket_activated(&setup, &[img.to_str().unwrap(), "--run", &run]);
+    assert!(out.status.success(), "--run's shell has fd 3, or failed: {}", text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), MIB.to_string());
+}
+
 /// Neutral serving: pages of the export cached before (the host's working set) stay cached,
 /// also where clients read and overwrite them; pages the clients brought in are gone. Also as
 /// on kernels before 6.5, which have no cachestat (nor RWF_DONTCACHE): residency then comes

@@ -46,6 +46,12 @@ reaches the server's own listener: without --unix that is TCP, which every local
 reach too. Example:
   lightfoot serve --unix /tmp/s disk.img --run 'nbdcopy \"$uri\" backup.img'
 
+Socket activation: started by systemd from a socket unit with Accept=no (LISTEN_PID and
+LISTEN_FDS set, the listening socket on fd 3), it serves on that socket and ignores --unix
+and --listen; a connection passed instead (Accept=yes) is refused. Also:
+  systemd-socket-activate -l /run/lightfoot/disk.sock lightfoot serve disk.img
+Units to start from: examples/systemd/ in the source, docs/recipes.md.
+
 TCP connections use keepalive: a client that vanishes without closing (its host died, the
 network went) is dropped after about 90 s of silence (probes after 30 s, every 10 s, 6
 unanswered), or after TCP's retransmission limit (~15 min) if replies to it were still
@@ -58,9 +64,9 @@ overrides -v.
 
 Exit status: 0 after a clean shutdown (Ctrl-C, SIGTERM; also when --exit-with-parent finds
 the parent already gone), 1 on failure (FILE cannot be opened, the address cannot be bound,
-TLS certificates cannot be loaded, --run cannot start CMD, the pid file cannot be written, or
-write-back of held writes fails at exit), 2 usage error; with --run, the status of CMD. See
-docs/serve.md and docs/cache-policy.md.";
+the socket systemd passed is not listening, TLS certificates cannot be loaded, --run cannot
+start CMD, the pid file cannot be written, or write-back of held writes fails at exit), 2
+usage error; with --run, the status of CMD. See docs/serve.md and docs/cache-policy.md.";
 
 /// Serve a file or block device over NBD, leaving the page cache as it was.
 #[derive(Args)]
@@ -314,7 +320,11 @@ pub fn run(a: ServeArgs) -> i32 {
     }
     // systemd socket activation takes precedence over --unix and --listen.
     let listener = match (Listener::from_activation(), &a.unix) {
-        (Some(l), _) => Ok(l),
+        (Some(Err(e)), _) => {
+            super::report(&format!("socket activation: {e}"));
+            return 1;
+        }
+        (Some(Ok(l)), _) => Ok(l),
         (None, Some(p)) => Listener::unix(p),
         (None, None) => Listener::tcp(&a.listen),
     };

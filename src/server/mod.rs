@@ -162,20 +162,24 @@ impl Listener {
         }
     }
 
-    /// The socket systemd passed (socket activation), if any.
-    pub fn from_activation() -> Option<Listener> {
-        let (fd, domain) = crate::io::sys::socket_activation()?;
-        if domain == libc::AF_UNIX {
+    /// The socket systemd passed (socket activation), if any; an error if it is not a
+    /// listening socket (`Accept=yes`).
+    pub fn from_activation() -> Option<io::Result<Listener>> {
+        let (fd, domain) = match crate::io::sys::socket_activation()? {
+            Ok(passed) => passed,
+            Err(e) => return Some(Err(e)),
+        };
+        Some(Ok(if domain == libc::AF_UNIX {
             let l = UnixListener::from(fd);
             let path = l
                 .local_addr()
                 .ok()
                 .and_then(|a| a.as_pathname().map(|p| p.to_path_buf()))
                 .unwrap_or_default();
-            Some(Listener::Unix(l, path, None))
+            Listener::Unix(l, path, None)
         } else {
-            Some(Listener::Tcp(TcpListener::from(fd)))
-        }
+            Listener::Tcp(TcpListener::from(fd))
+        }))
     }
 
     pub fn tcp(addr: &str) -> io::Result<Listener> {

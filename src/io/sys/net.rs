@@ -269,27 +269,16 @@ pub fn tcp_keepalive(fd: BorrowedFd) -> io::Result<()> {
 
 /// The first socket passed by systemd socket activation (`LISTEN_PID` is this process and
 /// `LISTEN_FDS` ≥ 1: fd 3), with its address family (`AF_UNIX` or `AF_INET`/`AF_INET6`).
-pub fn socket_activation() -> Option<(std::os::fd::OwnedFd, i32)> {
+/// `None` without activation. An error when fd 3 is a connection rather than a listening
+/// socket, as a socket unit with `Accept=yes` passes: accepting on it fails with `EINVAL`
+/// every time, and the server would warn every 100 ms and serve nobody.
+pub fn socket_activation() -> Option<io::Result<(std::os::fd::OwnedFd, i32)>> {
     let pid: u32 = std::env::var("LISTEN_PID").ok()?.parse().ok()?;
     let fds: u32 = std::env::var("LISTEN_FDS").ok()?.parse().ok()?;
     if pid != std::process::id() || fds < 1 {
         return None;
     }
-    let mut domain: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: SO_DOMAIN writes one int into `domain`; `len` says how large it is.
-    let ret = unsafe {
-        libc::getsockopt(
-            3,
-            libc::SOL_SOCKET,
-            libc::SO_DOMAIN,
-            (&mut domain as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
-    if ret != 0 {
-        return None;
-    }
+    let domain = int_sockopt(3, libc::SO_DOMAIN)?;
     // SAFETY: systemd passed fd 3 to us and nothing else in the process owns it; taking it
     // once (the variables are removed) keeps it owned exactly once.
     let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(3) };
@@ -301,7 +290,26 @@ pub fn socket_activation() -> Option<(std::os::fd::OwnedFd, i32)> {
         std::env::remove_var("LISTEN_PID");
         std::env::remove_var("LISTEN_FDS");
     }
-    Some((fd, domain))
+    // Passed without FD_CLOEXEC (it had to survive systemd's exec): set it, as sd_listen_fds
+    // does, so the listening socket does not leak into the command `--run` starts.
+    // SAFETY: fcntl on fd 3, which `fd` owns, with integer arguments only.
+    unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+    if int_sockopt(fd.as_raw_fd(), libc::SO_ACCEPTCONN) == Some(0) {
+        return Some(Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "fd 3 is a connection, not a listening socket (a socket unit with Accept=yes): use Accept=no",
+        )));
+    }
+    Some(Ok((fd, domain)))
+}
+
+/// An integer socket option of `fd` at `SOL_SOCKET`; `None` when `fd` is no socket.
+fn int_sockopt(fd: libc::c_int, name: libc::c_int) -> Option<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: the option writes one int into `v`; `len` says how large it is.
+    let ret = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, name, (&raw mut v).cast(), &raw mut len) };
+    (ret == 0).then_some(v)
 }
 
 /// Prepares `cmd` for systemd socket activation: the child gets `listener` as fd 3 (the
