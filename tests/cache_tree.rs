@@ -130,12 +130,14 @@ fn json_lines(out: &Output, root: &Path) -> (BTreeMap<String, serde_json::Value>
     (by_path, total)
 }
 
-/// `got` is `want` bytes cached but for the few pages the host's reclaim may take
-/// (common::lost_few).
+/// `got` is `want` bytes cached but for the pages the host's background reclaim may take
+/// from files that sit idle (it took 2 pages of a 1 MiB file once, more than
+/// common::lost_few's 1 in 256): up to a sixteenth. Every wrong count this test looks for
+/// (a file twice, a file missed, a symlink followed) is off by whole MiB.
 #[track_caller]
 fn about(got: &serde_json::Value, want: u64, what: &str) {
     let got = got.as_u64().unwrap_or_else(|| panic!("{what}: not a number: {got}"));
-    assert!(got <= want && lost_few(got, want), "{what}: {got} bytes cached, not {want}");
+    assert!(got <= want && want - got <= want / 16, "{what}: {got} bytes cached, not {want}");
 }
 
 #[test]
