@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# limits.sh: what a small request costs the server when the storage is free (issue 31).
+#
+# Serves one file on tmpfs (no device: what is measured is the server) with `lightfoot serve
+# --cache=keep` and `nbdkit file`, and runs fio's nbd engine against each: 4 KiB random reads
+# and writes, JOBS x depth 1 and 1 job x depth DEPTH, after a RAMP, for RUNTIME seconds.
+# Servers alternate within each round. Per run: IOPS (fio), the server's CPU time (utime +
+# stime of all its threads, /proc/PID/stat) over fio's requests (µs per request), and the
+# share of CPU the host stole (bench/steal.sh); rounds with steal >= STEAL_MAX % are kept in
+# the CSV but left out of the medians.
+#
+# Usage (as root, on a quiet machine): bench/limits.sh [DIR]
+#     ROUNDS=5 RUNTIME=20 RAMP=5 SIZE=1G JOBS=4 DEPTH=16 STEAL_MAX=10
+#     WORKLOADS="randread-j4 randread-d16 randwrite-j4 randwrite-d16"
+#     SERVERS="lightfoot nbdkit"   LIGHTFOOT=path/to/lightfoot   EXTRA="--threads 4"
+# Output: DIR/limits.csv (every run) and a table of medians on stdout (DIR/limits.md).
+set -euo pipefail
+export LC_ALL=C
+HERE=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=bench/steal.sh
+. "$HERE/steal.sh"
+die() { echo "limits.sh: $*" >&2; exit 1; }
+[[ $EUID -eq 0 ]] || die "run as root (it mounts a tmpfs)"
+DIR=${1:-/work/tmp/bench-limits}
+ROUNDS=${ROUNDS:-5} RUNTIME=${RUNTIME:-20} RAMP=${RAMP:-5} SIZE=${SIZE:-1G}
+JOBS=${JOBS:-4} DEPTH=${DEPTH:-16} STEAL_MAX=${STEAL_MAX:-10}
+WORKLOADS=${WORKLOADS:-"randread-j4 randread-d16 randwrite-j4 randwrite-d16"}
+SERVERS=${SERVERS:-"lightfoot nbdkit"}
+LF=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
+EXTRA=${EXTRA:-}
+[[ -x $LF ]] || die "$LF: not built (cargo build --release)"
+for t in fio nbdkit; do command -v $t >/dev/null || die "$t is not installed"; done
+mkdir -p "$DIR/mnt" "$DIR/logs"
+mountpoint -q "$DIR/mnt" || mount -t tmpfs -o size=$(( $(numfmt --from=iec "$SIZE") / 1048576 + 64 ))m tmpfs "$DIR/mnt"
+trap 'umount "$DIR/mnt" 2>/dev/null || true' EXIT
+IMG=$DIR/mnt/disk.img SOCK=$DIR/nbd.sock
+[[ -f $IMG ]] || head -c "$SIZE" /dev/urandom >"$IMG"
+CSV=$DIR/limits.csv
+echo "round,workload,server,iops,requests,cpu_s,us_per_req,steal_pct" >"$CSV"
+
+start() {
+	rm -f "$SOCK"
+	case $1 in
+	# shellcheck disable=SC2086
+	lightfoot) "$LF" serve --cache=keep $EXTRA --unix "$SOCK" "$IMG" 2>"$DIR/logs/server.log" & ;;
+	nbdkit) nbdkit -f -U "$SOCK" file "$IMG" 2>"$DIR/logs/server.log" & ;;
+	*) die "unknown server $1" ;;
+	esac
+	PID=$!
+	for _ in $(seq 200); do [[ -S $SOCK ]] && return 0; sleep 0.05; done
+	die "$1 did not start: $(cat "$DIR/logs/server.log")"
+}
+cpu_of() { awk -v hz="$(getconf CLK_TCK)" '{ sub(/^.*\) /, ""); printf "%.3f", ($12 + $13) / hz }' "/proc/$1/stat"; }
+
+for round in $(seq "$ROUNDS"); do
+	for w in $WORKLOADS; do
+		case $w in
+		*-j4) shape=(--numjobs="$JOBS" --iodepth=1) ;;
+		*-d16) shape=(--numjobs=1 --iodepth="$DEPTH") ;;
+		esac
+		rw=${w%-*}
+		servers=$SERVERS
+		((round % 2 == 0)) && servers=$(echo "$SERVERS" | awk '{ for (i = NF; i > 0; i--) printf "%s ", $i }')
+		for s in $servers; do
+			start "$s"
+			out=$DIR/logs/$round-$w-$s.json
+			# The ramp runs first, alone: the measured window starts after it.
+			fio --name=ramp --ioengine=nbd --uri="nbd+unix:///?socket=$SOCK" --bs=4k --rw="$rw" \
+				"${shape[@]}" --time_based --runtime="$RAMP" --eta=never >/dev/null
+			c0=$(cpu_of "$PID") mark=$(steal_mark)
+			fio --name="$w" --ioengine=nbd --uri="nbd+unix:///?socket=$SOCK" --bs=4k --rw="$rw" \
+				"${shape[@]}" --time_based --runtime="$RUNTIME" --group_reporting --eta=never \
+				--output-format=json --output="$out"
+			c1=$(cpu_of "$PID") steal=$(steal_pct "$mark")
+			kill -TERM "$PID"; wait "$PID" 2>/dev/null || true
+			read -r iops reqs < <(python3 -c "
+import json,sys; j=json.load(open('$out'))['jobs'][0]; side=j['read'] if j['read']['total_ios'] else j['write']
+print(round(side['iops']), side['total_ios'])")
+			cpu=$(echo "$c1 - $c0" | bc -l)
+			us=$(echo "$cpu * 1000000 / $reqs" | bc -l)
+			printf "%s,%s,%s,%s,%s,%.3f,%.2f,%s\n" "$round" "$w" "$s" "$iops" "$reqs" "$cpu" "$us" "$steal" | tee -a "$CSV"
+		done
+	done
+done
+
+python3 - "$CSV" "$STEAL_MAX" <<'PY' | tee "$DIR/limits.md"
+import csv, statistics, sys
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if int(r["steal_pct"]) < int(sys.argv[2])]
+ws = list(dict.fromkeys(r["workload"] for r in rows))
+ss = list(dict.fromkeys(r["server"] for r in rows))
+print("| workload | " + " | ".join(f"{s} IOPS | {s} µs/req" for s in ss) + " | IOPS ratio | CPU/req ratio | rounds |")
+print("|---" * (2 * len(ss) + 4) + "|")
+for w in ws:
+    med = {}
+    for s in ss:
+        rs = [r for r in rows if r["workload"] == w and r["server"] == s]
+        med[s] = (statistics.median(float(r["iops"]) for r in rs), statistics.median(float(r["us_per_req"]) for r in rs), len(rs)) if rs else None
+    cells = " | ".join(f"{m[0]:.0f} | {m[1]:.2f}" if m else "- | -" for m in med.values())
+    a, b = med.get(ss[0]), med.get(ss[-1]) if len(ss) > 1 else None
+    ratio = f"{a[0] / b[0]:.2f}× | {a[1] / b[1]:.2f}×" if a and b else "- | -"
+    print(f"| {w} | {cells} | {ratio} | {min(m[2] for m in med.values() if m)} |")
+PY
