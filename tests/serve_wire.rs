@@ -494,6 +494,58 @@ fn a_connection_holds_a_bounded_amount_of_request_data() {
     srv.stop().unwrap();
 }
 
+/// A client that waits for each reply has its requests carried out by the connection's reader
+/// itself (no hand-off to a worker); one that pipelines still has them served in parallel:
+/// eight 200 ms reads sent at once take about two rounds of the four workers, not eight.
+#[test]
+fn pipelined_requests_are_still_served_in_parallel() {
+    use lightfoot::backend::{Backend, MemoryBackend};
+    use lightfoot::testing::fault::{Fault, FaultInjector, Op, Rule};
+    use std::sync::Arc;
+
+    let store = Arc::new(MemoryBackend::new(64 * MIB));
+    let rules = vec![Rule::new(Op::Read, Fault::Slow(Duration::from_millis(200)))];
+    let slow: Arc<dyn Backend> = Arc::new(FaultInjector::new(store, rules));
+    let srv = InProcess::start(move || Ok(slow.clone()), |_| {});
+    let mut c = connect(&srv.sock);
+    go(&mut c);
+    let mut data = vec![0u8; 4096];
+    // One at a time, as a client at depth 1.
+    for i in 0..3 {
+        request(&mut c, CMD_READ, i, i * 4096, 4096);
+        assert_eq!(simple(&mut c), (i, 0));
+        c.read_exact(&mut data).unwrap();
+    }
+    // Eight at once.
+    let started = Instant::now();
+    let mut burst = Vec::new();
+    for i in 10..18u64 {
+        burst.extend_from_slice(&encode_request(&Request {
+            flags: 0,
+            cmd: CMD_READ,
+            cookie: i,
+            offset: i * 4096,
+            len: 4096,
+        }));
+    }
+    c.write_all(&burst).unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..8 {
+        let (cookie, err) = simple(&mut c);
+        assert_eq!(err, 0);
+        c.read_exact(&mut data).unwrap();
+        seen.push(cookie);
+    }
+    let took = started.elapsed();
+    seen.sort_unstable();
+    assert_eq!(seen, (10..18).collect::<Vec<_>>());
+    // Serially: 1.6 s. Four workers: two rounds, 0.4 s (one more if the first of the burst
+    // was carried out by the reader before the rest was seen).
+    assert!(took < Duration::from_millis(1000), "eight pipelined 200 ms reads took {took:?}");
+    let _ = c.shutdown(std::net::Shutdown::Both);
+    srv.stop().unwrap();
+}
+
 /// A client that connects and never finishes the handshake (silent, or dribbling a byte at a
 /// time) is cut after the handshake timeout; one that has chosen its export may then idle.
 #[test]

@@ -13,7 +13,7 @@
 //! sixteen 256 KiB ones. Only requests already received are merged, so nothing waits for it.
 
 use std::io::{self, Read, Write};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
@@ -42,6 +42,10 @@ const MERGE_MAX: u64 = 4 << 20;
 
 /// What the reader buffers of the socket: many request headers arrive in one system call.
 const READER_BUFFER: usize = 64 << 10;
+
+/// The largest request the reader carries out itself (see `read_requests`): the hand-off it
+/// saves matters for small requests, and a large one would hold up the reading of the next.
+const INLINE_MAX: u64 = 64 << 10;
 
 /// Bytes of READ and WRITE requests one connection may have in flight (read, not yet
 /// answered). Beyond it the reader stops reading requests until replies go out, and TCP
@@ -187,6 +191,8 @@ pub fn run(
         broken: &broken,
         latch: &export.latch,
         budget: &budget,
+        in_flight: AtomicUsize::new(0),
+        pipelined: AtomicBool::new(false),
     };
 
     let result = std::thread::scope(|s| {
@@ -199,41 +205,15 @@ pub fn run(
                     let job = rx.lock().unwrap().recv();
                     match job {
                         Ok(job) => {
-                            let weight = job.weight();
-                            let (req, arrived, merged) = (job.req, job.arrived, !job.merged.is_empty());
-                            let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                if merged {
-                                    conn.read_merged(server, job, &mut buf);
-                                } else {
-                                    let ok = conn.handle(job, &mut buf);
-                                    server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
-                                }
-                            }));
-                            if served.is_err() {
-                                // A bug below (or here). The request has no answer, and one may be
-                                // half sent: end the connection, so that the client sees it closed
-                                // rather than waiting for ever, and let the server go on.
-                                tracing::error!(
-                                    "internal error serving {} at {}+{}: closing the connection",
-                                    super::stats::command_name(req.cmd),
-                                    req.offset,
-                                    req.len
-                                );
-                                conn.broken.store(true, Ordering::Relaxed);
-                                closer();
-                                buf = AlignedBuf::new(0);
-                            }
-                            budget.give(weight);
-                            if buf.len() > KEEP_BUFFER_MAX {
-                                buf = AlignedBuf::new(0);
-                            }
+                            conn.serve_job(server, job, &mut buf, &closer);
+                            conn.in_flight.fetch_sub(1, Ordering::Release);
                         }
                         Err(_) => return,
                     }
                 }
             });
         }
-        let r = read_requests(server, &limits, &conn, &mut reader, &tx);
+        let r = read_requests(server, &limits, &conn, &mut reader, &tx, &closer);
         drop(tx);
         r
     });
@@ -250,16 +230,23 @@ fn read_requests(
     conn: &Conn,
     reader: &mut io::BufReader<Box<dyn Read + Send>>,
     tx: &mpsc::SyncSender<Job>,
+    closer: &crate::stream::Closer,
 ) -> io::Result<()> {
     // The reader's own buffer for reads it answers itself.
     let mut at_hand = AlignedBuf::new(HOLE_LOOKUP_MIN);
+    // The reader's buffer for the requests it carries out itself (see `inline` below).
+    let mut own = AlignedBuf::new(0);
+    let send = |job: Job| {
+        conn.in_flight.fetch_add(1, Ordering::Acquire);
+        tx.send(job).is_ok()
+    };
     // A READ held back in case the next request continues it.
     let mut held: Option<Job> = None;
     loop {
         // Nothing more has arrived: what is held goes now, before the reader waits.
         if reader.buffer().len() < REQUEST_LEN {
             if let Some(job) = held.take() {
-                if tx.send(job).is_err() {
+                if !send(job) {
                     return Ok(());
                 }
             }
@@ -275,10 +262,14 @@ fn read_requests(
         let Some(req) = parse_request(&h) else {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "bad request magic"));
         };
+        // A request that arrives while another is still being served: the client pipelines.
+        if held.is_some() || conn.in_flight.load(Ordering::Acquire) > 0 {
+            conn.pipelined.store(true, Ordering::Relaxed);
+        }
         if req.cmd == CMD_DISC {
             // Requests before the disconnect are still answered.
             if let Some(job) = held.take() {
-                let _ = tx.send(job);
+                let _ = send(job);
             }
             return Ok(());
         }
@@ -293,7 +284,7 @@ fn read_requests(
         let weight = if refused { 0 } else { weight(&req) };
         if !conn.budget.try_take(weight) {
             if let Some(job) = held.take() {
-                if tx.send(job).is_err() {
+                if !send(job) {
                     return Ok(());
                 }
             }
@@ -351,9 +342,28 @@ fn read_requests(
             }
         }
         let job = Job { req, payload, arrived, merged: Vec::new() };
+        // Carried out here, with no hand-off to a worker (a wake-up and two context switches,
+        // which took most of the server's CPU for 4 KiB requests), where no parallelism is
+        // lost: the connection has never had two requests in flight (a client that waits for
+        // each reply, as fio's jobs at depth 1 do: its next request cannot come before this
+        // one's reply), and nothing else is waiting in the buffer. A client that ever
+        // pipelines keeps the workers for good; until it is found out, only its first small
+        // request can hold up the reading of the next ones (by one request's time).
+        let inline = !conn.pipelined.load(Ordering::Relaxed)
+            && job.req.len <= INLINE_MAX
+            && held.is_none()
+            && conn.in_flight.load(Ordering::Acquire) == 0
+            && reader.buffer().len() < REQUEST_LEN;
+        if inline {
+            conn.serve_job(server, job, &mut own, closer);
+            if conn.broken.load(Ordering::Relaxed) {
+                return Err(io::Error::new(io::ErrorKind::BrokenPipe, "connection closed"));
+            }
+            continue;
+        }
         let job = if job.req.cmd == CMD_READ { held.replace(job) } else { Some(job) };
         if let Some(job) = job {
-            if tx.send(job).is_err() {
+            if !send(job) {
                 return Ok(());
             }
         }
@@ -368,9 +378,46 @@ struct Conn<'a> {
     broken: &'a AtomicBool,
     latch: &'a crate::error::WriteLatch,
     budget: &'a Budget,
+    /// Jobs handed to the workers and not yet served.
+    in_flight: AtomicUsize,
+    /// A request came while another was in flight: the reader hands every job to the workers
+    /// from then on.
+    pipelined: AtomicBool,
 }
 
 impl Conn<'_> {
+    /// Serves one job (a worker's, or the reader's own), and gives back its budget. A panic
+    /// below (a bug) ends the connection: the request has no answer and one may be half sent,
+    /// so the client sees the connection close rather than wait for ever, and the server
+    /// goes on.
+    fn serve_job(&self, server: &Server, job: Job, buf: &mut AlignedBuf, closer: &crate::stream::Closer) {
+        let weight = job.weight();
+        let (req, arrived, merged) = (job.req, job.arrived, !job.merged.is_empty());
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if merged {
+                self.read_merged(server, job, buf);
+            } else {
+                let ok = self.handle(job, buf);
+                server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
+            }
+        }));
+        if served.is_err() {
+            tracing::error!(
+                "internal error serving {} at {}+{}: closing the connection",
+                super::stats::command_name(req.cmd),
+                req.offset,
+                req.len
+            );
+            self.broken.store(true, Ordering::Relaxed);
+            closer();
+            *buf = AlignedBuf::new(0);
+        }
+        self.budget.give(weight);
+        if buf.len() > KEEP_BUFFER_MAX {
+            *buf = AlignedBuf::new(0);
+        }
+    }
+
     fn send(&self, bufs: &[&[u8]]) {
         let mut w = self.writer.lock().unwrap();
         if let Err(e) = write_all_vectored(&mut **w, bufs) {
