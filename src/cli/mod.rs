@@ -43,6 +43,8 @@ enum Command {
     Run(run::RunArgs),
 }
 
+/// Exit status for a usage error (clap's own and lightfoot's: [`usage_error`]).
+pub const EXIT_USAGE: i32 = 2;
 /// Exit status for an interrupted job (128 + SIGINT, as shells report it).
 pub const EXIT_INTERRUPTED: i32 = 130;
 /// stdout's reader went away: the status a process killed by SIGPIPE reports (128 + 13).
@@ -180,6 +182,20 @@ pub fn report(err: &dyn std::fmt::Display) {
     eprintln!("lightfoot: {err}");
 }
 
+/// A usage error that clap cannot see (arguments that are wrong together, or an endpoint that
+/// does not parse), printed as clap prints its own, with `command`'s usage; the exit status.
+pub fn usage_error(command: &str, msg: impl std::fmt::Display) -> i32 {
+    use clap::CommandFactory;
+    let mut cli = Cli::command();
+    cli.build();
+    let err = match cli.find_subcommand_mut(command) {
+        Some(sub) => sub.error(clap::error::ErrorKind::ValueValidation, msg),
+        None => cli.error(clap::error::ErrorKind::ValueValidation, msg),
+    };
+    let _ = err.print();
+    EXIT_USAGE
+}
+
 /// Writes `text` to standard output. A reader that went away (`| head -1`) is not a failure
 /// (print! would panic); another error is said on stderr.
 pub fn print_out(text: &str) {
@@ -187,7 +203,7 @@ pub fn print_out(text: &str) {
     let mut out = std::io::stdout().lock();
     if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
         if e.kind() != std::io::ErrorKind::BrokenPipe {
-            report(&format!("standard output: {e}"));
+            report(&format!("write standard output: {}", lightfoot::error::io_message(&e)));
         }
     }
 }
