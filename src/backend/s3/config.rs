@@ -123,7 +123,7 @@ impl S3Config {
                 Some(p) => match std::fs::read_to_string(p) {
                     Ok(text) => Ok(ini_section(&text, section)),
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-                    Err(e) => Err(format!("{}: {e}", p.display())),
+                    Err(e) => Err(format!("read {}: {}", p.display(), crate::error::io_message(&e))),
                 },
                 None => Ok(None),
             }
@@ -180,10 +180,27 @@ impl S3Config {
         c.session_token = token.map(Secret::new);
         if let Some(e) = &c.endpoint {
             if !(e.starts_with("http://") || e.starts_with("https://")) {
+                let e = shown_endpoint(e);
                 return Err(format!("endpoint '{e}': write it as https://HOST[:PORT] (or http://)"));
             }
         }
         Ok(c)
+    }
+}
+
+/// The password of an endpoint written `https://USER:PASSWORD@HOST` (no S3 store takes one, but
+/// a proxy in front of it may), which no message may show.
+pub fn endpoint_password(endpoint: &str) -> Option<&str> {
+    let rest = endpoint.split_once("://").map_or(endpoint, |(_, r)| r);
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    authority.rsplit_once('@')?.0.split_once(':').map(|(_, p)| p).filter(|p| !p.is_empty())
+}
+
+/// `endpoint` as messages show it: without its password.
+pub fn shown_endpoint(endpoint: &str) -> String {
+    match endpoint_password(endpoint) {
+        Some(p) => endpoint.replacen(&format!(":{p}@"), ":<redacted>@", 1),
+        None => endpoint.to_string(),
     }
 }
 
@@ -294,5 +311,10 @@ mod tests {
         assert!(e.contains("needs its secret"), "{e}");
         let e = S3Config::resolve(&env(&[("AWS_ENDPOINT_URL", "127.0.0.1:9")]), home).unwrap_err();
         assert!(e.contains("https://"), "{e}");
+        let e = S3Config::resolve(&env(&[("AWS_ENDPOINT_URL", "u:pw1234@h:9")]), home).unwrap_err();
+        assert!(e.contains("u:<redacted>@h:9") && !e.contains("pw1234"), "{e}");
+        assert_eq!(endpoint_password("http://u:pw@h:9/x@y"), Some("pw"));
+        assert_eq!(endpoint_password("http://u@h:9"), None);
+        assert_eq!(shown_endpoint("http://h:9"), "http://h:9");
     }
 }
