@@ -324,7 +324,17 @@ pub fn run(a: ServeArgs) -> i32 {
         Ok(l) => l,
         Err(e) => {
             let wher = a.unix.as_ref().map(|p| p.display().to_string()).unwrap_or(a.listen.clone());
-            super::report(&format!("listen on {wher}: {}", io_message(&e)));
+            // A port below 1024 is refused to all but root (CAP_NET_BIND_SERVICE).
+            let low = a.unix.is_none()
+                && a.listen
+                    .rsplit_once(':')
+                    .and_then(|(_, p)| p.parse::<u16>().ok())
+                    .is_some_and(|p| p < 1024);
+            let hint = match e.kind() {
+                std::io::ErrorKind::PermissionDenied if low => " (ports below 1024 need root)",
+                _ => "",
+            };
+            super::report(&format!("listen on {wher}: {}{hint}", io_message(&e)));
             return 1;
         }
     };
