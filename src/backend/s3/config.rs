@@ -179,8 +179,16 @@ impl S3Config {
         c.secret_access_key = secret.map(Secret::new);
         c.session_token = token.map(Secret::new);
         if let Some(e) = &c.endpoint {
+            // Refused as credentials in an s3:// URI are: the HTTP client's own trace logs
+            // (RUST_LOG) print the URL, and requests are signed with the keys anyway.
+            if let Some(user) = userinfo(e) {
+                let e = e.replacen(&format!("{user}@"), "<redacted>@", 1);
+                return Err(format!(
+                    "endpoint '{e}': credentials in the endpoint URL are refused (they would show in \
+                     logs): use AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or a profile"
+                ));
+            }
             if !(e.starts_with("http://") || e.starts_with("https://")) {
-                let e = shown_endpoint(e);
                 return Err(format!("endpoint '{e}': write it as https://HOST[:PORT] (or http://)"));
             }
         }
@@ -188,20 +196,11 @@ impl S3Config {
     }
 }
 
-/// The password of an endpoint written `https://USER:PASSWORD@HOST` (no S3 store takes one, but
-/// a proxy in front of it may), which no message may show.
-pub fn endpoint_password(endpoint: &str) -> Option<&str> {
+/// The `USER:PASSWORD` of an endpoint written `https://USER:PASSWORD@HOST`.
+fn userinfo(endpoint: &str) -> Option<&str> {
     let rest = endpoint.split_once("://").map_or(endpoint, |(_, r)| r);
     let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
-    authority.rsplit_once('@')?.0.split_once(':').map(|(_, p)| p).filter(|p| !p.is_empty())
-}
-
-/// `endpoint` as messages show it: without its password.
-pub fn shown_endpoint(endpoint: &str) -> String {
-    match endpoint_password(endpoint) {
-        Some(p) => endpoint.replacen(&format!(":{p}@"), ":<redacted>@", 1),
-        None => endpoint.to_string(),
-    }
+    authority.rsplit_once('@').map(|(user, _)| user)
 }
 
 /// The `key = value` pairs of `[section]` in an INI file as the AWS tools write them (`#` and
@@ -311,10 +310,11 @@ mod tests {
         assert!(e.contains("needs its secret"), "{e}");
         let e = S3Config::resolve(&env(&[("AWS_ENDPOINT_URL", "127.0.0.1:9")]), home).unwrap_err();
         assert!(e.contains("https://"), "{e}");
-        let e = S3Config::resolve(&env(&[("AWS_ENDPOINT_URL", "u:pw1234@h:9")]), home).unwrap_err();
-        assert!(e.contains("u:<redacted>@h:9") && !e.contains("pw1234"), "{e}");
-        assert_eq!(endpoint_password("http://u:pw@h:9/x@y"), Some("pw"));
-        assert_eq!(endpoint_password("http://u@h:9"), None);
-        assert_eq!(shown_endpoint("http://h:9"), "http://h:9");
+        for (endpoint, shown) in
+            [("http://u:pw1234@h:9/x@y", "http://<redacted>@h:9/x@y"), ("pw1234@h", "<redacted>@h")]
+        {
+            let e = S3Config::resolve(&env(&[("AWS_ENDPOINT_URL", endpoint)]), home).unwrap_err();
+            assert!(e.contains(shown) && e.contains("refused") && !e.contains("pw1234"), "{e}");
+        }
     }
 }

@@ -129,9 +129,7 @@ impl Store {
             });
         let mut secrets = Vec::new();
         if let Some(e) = &cfg.endpoint {
-            secrets.extend(super::config::endpoint_password(e).map(str::to_string));
             if e.starts_with("http://") {
-                let e = super::config::shown_endpoint(e);
                 tracing::warn!("{e}: plain HTTP: requests and data travel unencrypted");
                 opts = opts.with_allow_http(true);
             }
