@@ -257,7 +257,7 @@ fn mark_filesystems(fan: &Fanotify, whole: bool) -> (Vec<PathBuf>, Vec<String>) 
         let mount = PathBuf::from(unescape(f[4]));
         match fan.mark(&mount, whole) {
             Ok(()) => marked.push(mount),
-            Err(e) => notes.push(format!("{} ({fstype}) not watched: {e}", mount.display())),
+            Err(e) => notes.push(format!("{} ({fstype}) not watched: {}", mount.display(), io_message(&e))),
         }
     }
     (marked, notes)
@@ -304,7 +304,8 @@ fn handle_events(fan: Fanotify, parent: u32, tx: mpsc::Sender<Msg>, stop: &Atomi
     let mut known: HashSet<(u64, u64)> = HashSet::new();
     let mut buf = vec![0u8; 64 << 10];
     while !stop.load(Ordering::Acquire) {
-        let events = fan.read(&mut buf, 100).map_err(|e| format!("reading fanotify events: {e}"))?;
+        let events =
+            fan.read(&mut buf, 100).map_err(|e| format!("reading fanotify events: {}", io_message(&e)))?;
         for ev in events {
             match ev {
                 FanEvent::OpenPerm { fd, pid } => {
@@ -314,7 +315,7 @@ fn handle_events(fan: Fanotify, parent: u32, tx: mpsc::Sender<Msg>, stop: &Atomi
                         }
                     }
                     // Always answered, whatever happened above: the opener waits for it.
-                    fan.allow(&fd).map_err(|e| format!("answering fanotify: {e}"))?;
+                    fan.allow(&fd).map_err(|e| format!("answering fanotify: {}", io_message(&e)))?;
                 }
                 FanEvent::Close { fd, .. } => {
                     if let Ok(m) = std::fs::File::from(fd).metadata() {

@@ -233,7 +233,12 @@ fn replacing_stale<T>(
     match std::fs::remove_file(path) {
         Ok(()) => tracing::debug!("{}: replaced a stale socket file", path.display()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(io::Error::new(e.kind(), format!("cannot remove the stale socket file: {e}"))),
+        Err(e) => {
+            return Err(io::Error::new(
+                e.kind(),
+                format!("cannot remove the stale socket file: {}", crate::error::io_message(&e)),
+            ))
+        }
     }
     put().map_err(|e| if e.raw_os_error() == Some(taken) { in_use() } else { e })
 }
