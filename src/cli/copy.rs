@@ -81,7 +81,7 @@ seconds between probes, 1-32767; unanswered probes, 1-127; default 30,10,6, and 
 value is ignored with a warning: a server gone silent without closing fails the copy after
 about 90 s, or after TCP's retransmission limit, ~15 min, if it went while lightfoot was
 sending it data; one that is alive but slow is waited for). RUST_LOG (e.g. lightfoot=debug)
-overrides -v. See docs/copy.md and docs/cache-policy.md.";
+overrides -v. See docs/copy.md, docs/cache-policy.md and, for every error, docs/errors.md.";
 
 /// Copy a file, block device, stream or NBD export, leaving the page cache as it was.
 #[derive(Args)]

@@ -22,9 +22,11 @@ cache. By default every command is cache-neutral (pages cached before the job st
 the job brought in are gone when it ends) and durable (success means the data reached stable \
 storage).",
     propagate_version = true,
-    after_long_help = "Exit status: 0 success, 1 failure, 2 usage error, 130 interrupted (copy); \
-`lightfoot COMMAND --help` tells more. Documentation: docs/ (README.md, docs/copy.md, \
-docs/serve.md, docs/cache.md, docs/cache-policy.md, docs/run.md)."
+    after_long_help = "Exit status: 0 success, 1 failure, 2 usage error, 130 interrupted (copy), 141 \
+DST - closed early (copy); run: CMD's own, 125 its own failure, 126/127 CMD not executable/not \
+found. `lightfoot COMMAND --help` tells more. Documentation: docs/ (README.md, docs/copy.md, \
+docs/serve.md, docs/cache.md, docs/cache-policy.md, docs/run.md; every error message: \
+docs/errors.md)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -37,7 +39,8 @@ enum Command {
     Serve(serve::ServeArgs),
     #[command(
         subcommand,
-        after_long_help = "Exit status: 0 if every file was done, 1 otherwise, 2 usage error. See docs/cache.md."
+        after_long_help = "Exit status: 0 if every file was done, 1 otherwise, 2 usage error. See docs/cache.md \
+and docs/errors.md."
     )]
     Cache(cache::CacheCommand),
     Run(run::RunArgs),

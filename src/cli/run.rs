@@ -48,7 +48,7 @@ write (their residency is not visible) are reported as not covered.",
     after_long_help = "Exit status: CMD's own; 128+N if CMD was killed by signal N; 125 lightfoot's own \
 failure; 126 CMD not executable; 127 CMD not found. Signals sent to lightfoot (TERM, INT, HUP, QUIT, \
 USR1, USR2) are passed on to CMD; a terminal's Ctrl-C reaches CMD directly.\n\n\
-Examples:\n  lightfoot run -- tar cf /backup/home.tar /home\n  lightfoot run -v -- rsync -a /srv/ /mnt/backup/srv/\n  lightfoot run --json -- sh -c 'cat big.img | gzip > big.img.gz'\n\nSee docs/run.md."
+Examples:\n  lightfoot run -- tar cf /backup/home.tar /home\n  lightfoot run -v -- rsync -a /srv/ /mnt/backup/srv/\n  lightfoot run --json -- sh -c 'cat big.img | gzip > big.img.gz'\n\nSee docs/run.md; every error: docs/errors.md."
 )]
 pub struct RunArgs {
     /// After CMD ends, print each file it read or wrote on stderr: cached before, after, and how

@@ -62,7 +62,7 @@ Exit status: 0 after a clean shutdown (Ctrl-C, SIGTERM; also when --exit-with-pa
 the parent already gone), 1 on failure (FILE cannot be opened, the address cannot be bound,
 TLS certificates cannot be loaded, --run cannot start CMD, the pid file cannot be written, or
 write-back of held writes fails at exit), 2 usage error; with --run, the status of CMD. See
-docs/serve.md and docs/cache-policy.md.";
+docs/serve.md, docs/cache-policy.md and, for every error, docs/errors.md.";
 
 /// Serve a file or block device over NBD, leaving the page cache as it was.
 #[derive(Args)]
