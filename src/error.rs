@@ -130,16 +130,18 @@ impl fmt::Display for Error {
             write!(f, " at offset {offset} (length {len})")?;
         }
         match (&self.detail, &self.source) {
-            (Some(d), Some(s)) => write!(f, ": {d}: {}", strip_os_error(s)),
+            (Some(d), Some(s)) => write!(f, ": {d}: {}", io_message(s)),
             (Some(d), None) => write!(f, ": {d}"),
-            (None, Some(s)) => write!(f, ": {}", strip_os_error(s)),
+            (None, Some(s)) => write!(f, ": {}", io_message(s)),
             (None, None) => Ok(()),
         }
     }
 }
 
-/// "No space left on device (os error 28)" → "no space left on device".
-fn strip_os_error(err: &io::Error) -> String {
+/// An OS error as lightfoot's messages carry it: "No space left on device (os error 28)" →
+/// "no space left on device". For the few messages that hold an `io::Error` without being an
+/// [`Error`] (the binary's own: a listening address, a pid file, a command to start).
+pub fn io_message(err: &io::Error) -> String {
     let text = err.to_string();
     let text = match text.find(" (os error") {
         Some(i) => &text[..i],

@@ -356,7 +356,7 @@ fn block_devices_in_use_or_named_twice() {
 
 /// Standard input redirected from the destination: refused before it is truncated (it was
 /// truncated and the copy reported 0 bytes). A `null:` source needs a size (one of 0 bytes
-/// emptied the destination).
+/// emptied the destination): a usage error.
 #[test]
 fn stdin_from_the_destination_and_null_without_a_size() {
     let dir = scratch();
@@ -372,7 +372,7 @@ fn stdin_from_the_destination_and_null_without_a_size() {
     assert!(text(&out).contains("same file"), "{}", text(&out));
     assert_eq!(std::fs::read(&img).unwrap(), before);
     let out = copy(&["null:", s(&img)]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(out.status.code(), Some(2), "a usage error: {}", text(&out));
     assert!(text(&out).contains("needs a size"), "{}", text(&out));
     assert_eq!(std::fs::read(&img).unwrap(), before);
     // One export on both sides, however spelt.

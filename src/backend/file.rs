@@ -222,7 +222,7 @@ impl Backend for FileBackend {
                     return Err(Error::new(ErrorKind::NotSupported, "zero")
                         .path(self.file.path())
                         .at(offset, len)
-                        .detail(format!("no fast zero here ({e})")));
+                        .detail(format!("no fast zero here ({})", crate::error::io_message(&e))));
                 }
                 super::write_zeroes(self, offset, len, flags.fua)
             }

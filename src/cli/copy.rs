@@ -81,7 +81,7 @@ seconds between probes, 1-32767; unanswered probes, 1-127; default 30,10,6, and 
 value is ignored with a warning: a server gone silent without closing fails the copy after
 about 90 s, or after TCP's retransmission limit, ~15 min, if it went while lightfoot was
 sending it data; one that is alive but slow is waited for). RUST_LOG (e.g. lightfoot=debug)
-overrides -v. See docs/copy.md and docs/cache-policy.md.";
+overrides -v. See docs/copy.md, docs/cache-policy.md and, for every error, docs/errors.md.";
 
 /// Copy a file, block device, stream or NBD export, leaving the page cache as it was.
 #[derive(Args)]
@@ -274,11 +274,11 @@ pub fn run(args: CopyArgs) -> i32 {
     });
     let [src_ep, dst_ep] = match parsed {
         Ok(pair) => pair,
-        Err(e) => {
-            eprintln!("error: {e}\n\nUsage: lightfoot copy [OPTIONS] SRC DST");
-            return 2;
-        }
+        Err(e) => return super::usage_error("copy", e),
     };
+    if src_ep == Endpoint::Null(None) {
+        return super::usage_error("copy", "null: as SRC needs a size: null:SIZE (e.g. null:1G)");
+    }
     // Before anything is opened: the descriptor's number cannot name a file of our own yet.
     let to_stdout = dst_ep == Endpoint::Stdio;
     let fd_out =
@@ -286,10 +286,7 @@ pub fn run(args: CopyArgs) -> i32 {
     let (percent, footprint_out) =
         match (fd_out("--progress", args.progress.flatten()), fd_out("--footprint", args.footprint)) {
             (Ok(p), Ok(f)) => (p.flatten(), f.flatten()),
-            (Err(e), _) | (_, Err(e)) => {
-                eprintln!("error: {e}");
-                return 2;
-            }
+            (Err(e), _) | (_, Err(e)) => return super::usage_error("copy", e),
         };
     let asked = Asked {
         workers: args.workers,

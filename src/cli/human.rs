@@ -20,16 +20,17 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let s = s.trim();
     let digits = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
     let (num, unit) = s.split_at(digits);
-    let n: f64 = num.parse().map_err(|_| format!("invalid time '{s}'"))?;
+    let invalid = || format!("invalid time '{s}' (use a number with an optional ms, s, m or h suffix)");
+    let n: f64 = num.parse().map_err(|_| invalid())?;
     let secs = match unit.trim() {
         "" | "s" => n,
         "ms" => n / 1000.0,
         "us" | "µs" => n / 1e6,
         "m" | "min" => n * 60.0,
         "h" => n * 3600.0,
-        _ => return Err(format!("invalid time '{s}' (use a number with an optional ms, s, m or h suffix)")),
+        _ => return Err(invalid()),
     };
-    std::time::Duration::try_from_secs_f64(secs).map_err(|_| format!("invalid time '{s}'"))
+    std::time::Duration::try_from_secs_f64(secs).map_err(|_| invalid())
 }
 
 /// Requests made to object storage: `12 GET, 3 PUT, 1 DELETE, 1 LIST, 0 HEAD; 4.0 MiB got, 1.0 MiB put`.

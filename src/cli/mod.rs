@@ -22,9 +22,11 @@ cache. By default every command is cache-neutral (pages cached before the job st
 the job brought in are gone when it ends) and durable (success means the data reached stable \
 storage).",
     propagate_version = true,
-    after_long_help = "Exit status: 0 success, 1 failure, 2 usage error, 130 interrupted (copy); \
-`lightfoot COMMAND --help` tells more. Documentation: docs/ (README.md, docs/copy.md, \
-docs/serve.md, docs/cache.md, docs/cache-policy.md, docs/run.md)."
+    after_long_help = "Exit status: 0 success, 1 failure, 2 usage error, 130 interrupted (copy), 141 \
+DST - closed early (copy); run: CMD's own, 125 its own failure, 126/127 CMD not executable/not \
+found. `lightfoot COMMAND --help` tells more. Documentation: docs/ (README.md, docs/copy.md, \
+docs/serve.md, docs/cache.md, docs/cache-policy.md, docs/run.md; every error message: \
+docs/errors.md)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -37,12 +39,15 @@ enum Command {
     Serve(serve::ServeArgs),
     #[command(
         subcommand,
-        after_long_help = "Exit status: 0 if every file was done, 1 otherwise, 2 usage error. See docs/cache.md."
+        after_long_help = "Exit status: 0 if every file was done, 1 otherwise, 2 usage error. See docs/cache.md \
+and docs/errors.md."
     )]
     Cache(cache::CacheCommand),
     Run(run::RunArgs),
 }
 
+/// Exit status for a usage error (clap's own and lightfoot's: [`usage_error`]).
+pub const EXIT_USAGE: i32 = 2;
 /// Exit status for an interrupted job (128 + SIGINT, as shells report it).
 pub const EXIT_INTERRUPTED: i32 = 130;
 /// stdout's reader went away: the status a process killed by SIGPIPE reports (128 + 13).
@@ -180,6 +185,20 @@ pub fn report(err: &dyn std::fmt::Display) {
     eprintln!("lightfoot: {err}");
 }
 
+/// A usage error that clap cannot see (arguments that are wrong together, or an endpoint that
+/// does not parse), printed as clap prints its own, with `command`'s usage; the exit status.
+pub fn usage_error(command: &str, msg: impl std::fmt::Display) -> i32 {
+    use clap::CommandFactory;
+    let mut cli = Cli::command();
+    cli.build();
+    let err = match cli.find_subcommand_mut(command) {
+        Some(sub) => sub.error(clap::error::ErrorKind::ValueValidation, msg),
+        None => cli.error(clap::error::ErrorKind::ValueValidation, msg),
+    };
+    let _ = err.print();
+    EXIT_USAGE
+}
+
 /// Writes `text` to standard output. A reader that went away (`| head -1`) is not a failure
 /// (print! would panic); another error is said on stderr.
 pub fn print_out(text: &str) {
@@ -187,7 +206,7 @@ pub fn print_out(text: &str) {
     let mut out = std::io::stdout().lock();
     if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
         if e.kind() != std::io::ErrorKind::BrokenPipe {
-            report(&format!("standard output: {e}"));
+            report(&format!("write standard output: {}", lightfoot::error::io_message(&e)));
         }
     }
 }

@@ -53,6 +53,7 @@ impl FdOut {
         match sys::dup_inherited(fd) {
             Ok(own) => Ok(Some(FdOut { out: own.into(), option, broken: false })),
             Err(e) => {
+                let e = lightfoot::error::io_message(&e);
                 tracing::warn!(
                     "{option}={fd}: descriptor {fd} cannot be used ({e}): nothing is written to it"
                 );
@@ -66,6 +67,7 @@ impl FdOut {
             return;
         }
         if let Err(e) = self.out.write_all(format!("{text}\n").as_bytes()) {
+            let e = lightfoot::error::io_message(&e);
             tracing::warn!("{}: writing failed ({e}): no more is written", self.option);
             self.broken = true;
         }

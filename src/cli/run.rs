@@ -10,6 +10,7 @@ use std::sync::Arc;
 use clap::Args;
 
 use super::human::bytes as human;
+use lightfoot::error::io_message;
 use lightfoot::io::sys;
 use lightfoot::run::watch::Watcher;
 use lightfoot::run::{self, FileReport};
@@ -47,7 +48,7 @@ write (their residency is not visible) are reported as not covered.",
     after_long_help = "Exit status: CMD's own; 128+N if CMD was killed by signal N; 125 lightfoot's own \
 failure; 126 CMD not executable; 127 CMD not found. Signals sent to lightfoot (TERM, INT, HUP, QUIT, \
 USR1, USR2) are passed on to CMD; a terminal's Ctrl-C reaches CMD directly.\n\n\
-Examples:\n  lightfoot run -- tar cf /backup/home.tar /home\n  lightfoot run -v -- rsync -a /srv/ /mnt/backup/srv/\n  lightfoot run --json -- sh -c 'cat big.img | gzip > big.img.gz'\n\nSee docs/run.md."
+Examples:\n  lightfoot run -- tar cf /backup/home.tar /home\n  lightfoot run -v -- rsync -a /srv/ /mnt/backup/srv/\n  lightfoot run --json -- sh -c 'cat big.img | gzip > big.img.gz'\n\nSee docs/run.md; every error: docs/errors.md."
 )]
 pub struct RunArgs {
     /// After CMD ends, print each file it read or wrote on stderr: cached before, after, and how
@@ -101,7 +102,10 @@ pub fn run(a: RunArgs) -> i32 {
         Err(e) => return fail(e),
     };
     if lib.as_os_str().as_encoded_bytes().iter().any(|&b| b == b':' || b == b' ') {
-        return fail(format!("{}: LD_PRELOAD cannot name a path with ':' or a space", lib.display()));
+        return fail(format!(
+            "{}: LD_PRELOAD cannot name a path with ':' or a space (set LIGHTFOOT_PRELOAD to a copy elsewhere)",
+            lib.display()
+        ));
     }
     let dir = match run::make_run_dir() {
         Ok(d) => d,
@@ -115,7 +119,7 @@ pub fn run(a: RunArgs) -> i32 {
 fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
     // Before any thread: the forwarder below is the only one that takes these signals.
     if let Err(e) = sys::block_forwarded() {
-        eprintln!("lightfoot run: signals: {e}");
+        eprintln!("lightfoot run: signals: {}", io_message(&e));
         return EXIT_OWN_FAILURE;
     }
     let mut preload = OsString::new();
@@ -136,7 +140,8 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
         // watcher marks its mounts, so only the opens made in it wait for the watcher, not
         // the rest of the host's. Before any thread (unshare refuses a threaded process).
         (_, true) => match Watcher::start(a.max_cache, sys::unshare_mounts().is_ok()).and_then(|w| {
-            sys::become_subreaper().map_err(|e| format!("cannot become the subreaper of CMD's tree: {e}"))?;
+            sys::become_subreaper()
+                .map_err(|e| format!("cannot become the subreaper of CMD's tree: {}", io_message(&e)))?;
             Ok(w)
         }) {
             Ok(w) => Ok(w),
@@ -159,7 +164,7 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
         // The run's count of write-behind's pending blocks, mapped by every process of it.
         let pending = dir.join("pending");
         if let Err(e) = std::fs::File::create(&pending).and_then(|f| f.set_len(4096)) {
-            eprintln!("lightfoot run: {}: {e}", pending.display());
+            eprintln!("lightfoot run: create {}: {}", pending.display(), io_message(&e));
             return EXIT_OWN_FAILURE;
         }
         command.env("LIGHTFOOT_MAX_CACHE", max.to_string());
@@ -179,11 +184,11 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
                     EXIT_NOT_FOUND
                 }
                 std::io::ErrorKind::PermissionDenied => {
-                    eprintln!("lightfoot run: {name}: not executable: {e}");
+                    eprintln!("lightfoot run: {name}: not executable: {}", io_message(&e));
                     EXIT_NOT_EXECUTABLE
                 }
                 _ => {
-                    eprintln!("lightfoot run: {name}: {e}");
+                    eprintln!("lightfoot run: {name}: cannot start: {}", io_message(&e));
                     EXIT_NOT_EXECUTABLE
                 }
             };
@@ -219,7 +224,7 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
     let status = match status {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("lightfoot run: waiting for {}: {e}", cmd[0].to_string_lossy());
+            eprintln!("lightfoot run: waiting for {}: {}", cmd[0].to_string_lossy(), io_message(&e));
             return EXIT_OWN_FAILURE;
         }
     };

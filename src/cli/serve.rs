@@ -7,12 +7,14 @@ use clap::Args;
 use lightfoot::backend::s3::S3Uri;
 use lightfoot::backend::{Backend, FileBackend, S3Backend};
 use lightfoot::copy::endpoint::parse_size;
+use lightfoot::error::io_message;
 use lightfoot::filters::coalesce::CoalesceConfig;
 use lightfoot::filters::prefetch::PrefetchConfig;
 use lightfoot::filters::{Stack, StackConfig};
 use lightfoot::io::{CacheMode, Fadvise, FileJob, OpenOptions};
 use lightfoot::server::{Export, Listener, Server};
 use lightfoot::tls::ServerTls;
+use lightfoot::ErrorKind;
 
 use super::parse_enum;
 
@@ -66,7 +68,8 @@ Exit status: 0 after a clean shutdown (Ctrl-C, SIGTERM; also when --exit-with-pa
 the parent already gone), 1 on failure (FILE cannot be opened, the address cannot be bound,
 the socket systemd passed is not listening, TLS certificates cannot be loaded, --run cannot
 start CMD, the pid file cannot be written, or write-back of held writes fails at exit), 2
-usage error; with --run, the status of CMD. See docs/serve.md and docs/cache-policy.md.";
+usage error; with --run, the status of CMD. See docs/serve.md, docs/cache-policy.md and, for
+every error, docs/errors.md.";
 
 /// Serve a file or block device over NBD, leaving the page cache as it was.
 #[derive(Args)]
@@ -221,12 +224,13 @@ pub fn run(a: ServeArgs) -> i32 {
     let tls = match (a.tls, &a.tls_certificates) {
         (TlsMode::Off, None) if !a.tls_verify_peer => None,
         (TlsMode::Off, _) => {
-            super::report(&"--tls-certificates and --tls-verify-peer need --tls=on or --tls=require");
-            return 2;
+            return super::usage_error(
+                "serve",
+                "--tls-certificates and --tls-verify-peer need --tls=on or --tls=require",
+            )
         }
         (_, None) => {
-            super::report(&"--tls=on and --tls=require need --tls-certificates DIR");
-            return 2;
+            return super::usage_error("serve", "--tls=on and --tls=require need --tls-certificates DIR")
         }
         (mode, Some(dir)) => match ServerTls::load(dir, a.tls_verify_peer, mode == TlsMode::Require) {
             Ok(t) => Some(t),
@@ -253,17 +257,13 @@ pub fn run(a: ServeArgs) -> i32 {
     };
     let s3 = match path.to_str().filter(|p| S3Uri::is_s3(p)) {
         None if a.s3.object_size.is_some() => {
-            super::report(&"--object-size and --size are for s3:// images");
-            return 2;
+            return super::usage_error("serve", "--object-size and --size are for s3:// images")
         }
         None => None,
         Some(uri) => {
             let uri: S3Uri = match uri.parse() {
                 Ok(u) => u,
-                Err(e) => {
-                    super::report(&e);
-                    return 2;
-                }
+                Err(e) => return super::usage_error("serve", e),
             };
             let opts = a.s3.options(!a.read_only);
             match S3Backend::open(&uri, &opts) {
@@ -292,28 +292,31 @@ pub fn run(a: ServeArgs) -> i32 {
         let opts = OpenOptions { write, create: false, truncate: false };
         Ok(Arc::new(FileBackend::open_shared(&path, opts, mode, &tuning, shared.clone())?))
     };
+    // FILE is opened for writing unless --read-only: say so where that is what failed.
+    let open_failed = |e: lightfoot::Error| {
+        if e.kind() == ErrorKind::Permission && !a.read_only && !remote {
+            super::report(&format!("{e} (--read-only serves it without writing)"));
+        } else {
+            super::report(&e);
+        }
+        1
+    };
     let stack = match Stack::new(cfg, open) {
         Ok(s) => Arc::new(s),
-        Err(e) => {
-            super::report(&e);
-            return 1;
-        }
+        Err(e) => return open_failed(e),
     };
     let s = stack.clone();
     let opener = move || s.open();
     let export = match Export::new(&a.export_name, a.description.clone(), true, opener) {
         Ok(e) => e,
-        Err(e) => {
-            super::report(&e);
-            return 1;
-        }
+        Err(e) => return open_failed(e),
     };
     if a.exit_with_parent {
         match lightfoot::io::sys::exit_with_parent() {
             Ok(true) => {}
             Ok(false) => return 0,
             Err(e) => {
-                super::report(&format!("--exit-with-parent: {e}"));
+                super::report(&format!("--exit-with-parent: {}", io_message(&e)));
                 return 1;
             }
         }
@@ -332,7 +335,17 @@ pub fn run(a: ServeArgs) -> i32 {
         Ok(l) => l,
         Err(e) => {
             let wher = a.unix.as_ref().map(|p| p.display().to_string()).unwrap_or(a.listen.clone());
-            super::report(&format!("listen on {wher}: {e}"));
+            // A port below 1024 is refused to all but root (CAP_NET_BIND_SERVICE).
+            let low = a.unix.is_none()
+                && a.listen
+                    .rsplit_once(':')
+                    .and_then(|(_, p)| p.parse::<u16>().ok())
+                    .is_some_and(|p| p < 1024);
+            let hint = match e.kind() {
+                std::io::ErrorKind::PermissionDenied if low => " (ports below 1024 need root)",
+                _ => "",
+            };
+            super::report(&format!("listen on {wher}: {}{hint}", io_message(&e)));
             return 1;
         }
     };
@@ -347,6 +360,13 @@ pub fn run(a: ServeArgs) -> i32 {
     {
         let s = server.clone();
         let _ = ctrlc::set_handler(move || s.shutdown());
+    }
+    // Before --run starts CMD, so that a failure here leaves nothing running.
+    if let Some(p) = &a.pid_file {
+        if let Err(e) = std::fs::write(p, format!("{}\n", std::process::id())) {
+            super::report(&lightfoot::Error::io("write pid file", e).path(p));
+            return 1;
+        }
     }
     let status = Arc::new(std::sync::Mutex::new(0));
     if let Some(cmd) = &a.run {
@@ -365,7 +385,10 @@ pub fn run(a: ServeArgs) -> i32 {
         let mut child = match c.spawn() {
             Ok(ch) => ch,
             Err(e) => {
-                super::report(&format!("run '{cmd}': {e}"));
+                super::report(&format!("--run '{cmd}': {}", io_message(&e)));
+                if let Some(p) = &a.pid_file {
+                    let _ = std::fs::remove_file(p);
+                }
                 return 1;
             }
         };
@@ -378,12 +401,6 @@ pub fn run(a: ServeArgs) -> i32 {
             *st.lock().unwrap() = code;
             s.shutdown();
         });
-    }
-    if let Some(p) = &a.pid_file {
-        if let Err(e) = std::fs::write(p, format!("{}\n", std::process::id())) {
-            super::report(&format!("write {}: {e}", p.display()));
-            return 1;
-        }
     }
     if a.stats {
         let _ = lightfoot::io::sys::catch_sigusr1();
@@ -410,7 +427,7 @@ pub fn run(a: ServeArgs) -> i32 {
         print_stats(&server, &stack, s3_stats.as_deref(), a.json);
     }
     if let Err(e) = served {
-        super::report(&format!("serve: {e}"));
+        super::report(&format!("serve: {}", io_message(&e)));
         return 1;
     }
     if let Err(e) = finished {

@@ -80,10 +80,12 @@ impl std::str::FromStr for Endpoint {
             if size.is_empty() {
                 return Ok(Endpoint::Null(None));
             }
-            return parse_size(size).map(|n| Endpoint::Null(Some(n)));
+            return parse_size(size).map(|n| Endpoint::Null(Some(n))).map_err(|e| format!("'{s}': {e}"));
         }
         if s.is_empty() {
-            return Err("empty path".into());
+            return Err(
+                "an empty endpoint (''): name a file, a device, -, null:, a URI or [ CMD ARGS ]".into()
+            );
         }
         if Uri::is_nbd(s) {
             return s.parse().map(|u| Endpoint::Nbd(Target::Uri(u)));
@@ -100,14 +102,15 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(digits);
-    let n: u64 = num.parse().map_err(|_| format!("invalid size '{s}'"))?;
+    let invalid = || format!("invalid size '{s}' (use a whole number with an optional K, M, G or T suffix)");
+    let n: u64 = num.parse().map_err(|_| invalid())?;
     let shift = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
         "k" | "kib" | "kb" => 10,
         "m" | "mib" | "mb" => 20,
         "g" | "gib" | "gb" => 30,
         "t" | "tib" | "tb" => 40,
-        _ => return Err(format!("invalid size '{s}' (use a number with an optional K, M, G or T suffix)")),
+        _ => return Err(invalid()),
     };
     n.checked_mul(1u64 << shift).ok_or_else(|| format!("size '{s}' is too large"))
 }

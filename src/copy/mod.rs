@@ -343,6 +343,11 @@ fn copy_stream(
         }
         let n = src.read(&mut buf[..req], at)?;
         if n == 0 {
+            // Ctrl-C while a read waited: the writer of the pipe (in the terminal's process
+            // group) got the signal too, and its end of the data is not the stream's.
+            if cancel.load(Ordering::Relaxed) {
+                return Err(Error::new(ErrorKind::Interrupted, "copy").detail("interrupted"));
+            }
             return Ok(());
         }
         if room.is_some_and(|r| at + n as u64 > r) {

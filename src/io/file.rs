@@ -16,7 +16,7 @@ use super::footprint;
 use super::policy::{choose, CacheMode, Choice, Fadvise, Probe, ReadMech, Tuning, WriteMech};
 use super::sys::{self, Advice, AlignedBuf, CacheStat};
 use super::writebehind::WriteBehind;
-use crate::error::{Error, ErrorKind, Result, WriteLatch};
+use crate::error::{io_message, Error, ErrorKind, Result, WriteLatch};
 
 /// Most bytes of blocks the evict-behind tracker holds before evicting the least recently
 /// used (readers that never finish a block, readahead spill): the neutral footprint bound.
@@ -189,7 +189,7 @@ fn probe_dontcache(fd: BorrowedFd<'_>) -> (bool, Option<String>) {
         Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => (false, None),
         // The kernel checks the flag before any I/O: another error (an unreadable first
         // block) means the flag was accepted.
-        Err(e) => (true, Some(format!("probe read failed ({e}); RWF_DONTCACHE was accepted"))),
+        Err(e) => (true, Some(format!("probe read failed ({}); RWF_DONTCACHE was accepted", io_message(&e)))),
     }
 }
 
@@ -243,7 +243,7 @@ impl PolicyFile {
                 let why = if e.raw_os_error() == Some(libc::EPERM) {
                     "cachestat denied (the file is not writable by this user): residency unknown".to_string()
                 } else {
-                    format!("cachestat unavailable ({e}): residency unknown")
+                    format!("cachestat unavailable ({}): residency unknown", io_message(&e))
                 };
                 tracing::info!("{}: {why}", path.display());
                 pre_notes.push(why);
@@ -265,7 +265,10 @@ impl PolicyFile {
             {
                 Ok(f) => Some(f),
                 Err(e) if read == ReadMech::DontCache && write != WriteMech::Direct => {
-                    notes.push(format!("O_DIRECT unavailable ({e}): no fallback if DONTCACHE fails"));
+                    notes.push(format!(
+                        "O_DIRECT unavailable ({}): no fallback if DONTCACHE fails",
+                        io_message(&e)
+                    ));
                     None
                 }
                 // O_DIRECT chosen for speed, not forced (squashfs and iso9660 refuse it):
@@ -278,12 +281,16 @@ impl PolicyFile {
                 {
                     if dontcache && !tuning.no_dontcache {
                         read = ReadMech::DontCache;
-                        notes.push(format!("O_DIRECT unavailable ({e}): reading with DONTCACHE"));
+                        notes.push(format!(
+                            "O_DIRECT unavailable ({}): reading with DONTCACHE",
+                            io_message(&e)
+                        ));
                     } else if cachestat && !tuning.no_cachestat {
                         read = ReadMech::EvictBehind;
                         fadvise = tuning.fadvise.unwrap_or(Fadvise::Random);
                         notes.push(format!(
-                            "O_DIRECT and RWF_DONTCACHE unavailable ({e}): reading with evict-behind"
+                            "O_DIRECT and RWF_DONTCACHE unavailable ({}): reading with evict-behind",
+                            io_message(&e)
                         ));
                     } else {
                         return Err(Error::io("open", e).path(path).detail(
@@ -450,7 +457,10 @@ impl PolicyFile {
                         if let Err(e) = self.evict.before_read(self.fd(), offset, len) {
                             if self.direct.is_some() {
                                 self.read_mech.store(ReadMech::Direct as u8, Ordering::Relaxed);
-                                self.note(format!("cachestat failed ({e}): switching reads to O_DIRECT"));
+                                self.note(format!(
+                                    "cachestat failed ({}): switching reads to O_DIRECT",
+                                    io_message(&e)
+                                ));
                                 continue;
                             }
                             // No O_DIRECT here (squashfs, iso9660): the blocks it could not

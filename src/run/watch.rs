@@ -43,6 +43,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{FileReport, Record, ALL_CACHED, NOT_COVERED_NOSYS, NOT_COVERED_OTHER};
+use crate::error::io_message;
 use crate::io::sys::{self, Advice, FanEvent, Fanotify};
 
 /// The hidden subcommand the watcher process runs as.
@@ -113,7 +114,8 @@ impl Watcher {
     /// `private`: this process has a mount namespace of its own (which CMD inherits), so the
     /// watcher marks its mounts, and only opens made in it wait; else whole file systems.
     pub fn start(max_cache: Option<u64>, private: bool) -> std::result::Result<Watcher, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("cannot find lightfoot's own binary: {e}"))?;
+        let exe = std::env::current_exe()
+            .map_err(|e| format!("cannot find lightfoot's own binary: {}", io_message(&e)))?;
         let mut child = Command::new(exe)
             .arg(COMMAND)
             .arg(std::process::id().to_string())
@@ -123,7 +125,7 @@ impl Watcher {
             .stdout(Stdio::piped())
             .process_group(0)
             .spawn()
-            .map_err(|e| format!("cannot start the watcher: {e}"))?;
+            .map_err(|e| format!("cannot start the watcher: {}", io_message(&e)))?;
         let mut line = String::new();
         let mut out = std::io::BufReader::new(child.stdout.as_mut().expect("piped"));
         let _ = out.read_line(&mut line);
@@ -186,7 +188,7 @@ pub fn main(mut args: impl Iterator<Item = std::ffi::OsString>) -> i32 {
     let fan = match Fanotify::new() {
         Ok(f) => f,
         Err(e) => {
-            let _ = writeln!(stdout, "error: fanotify: {e} (the watcher needs root)");
+            let _ = writeln!(stdout, "error: fanotify: {} (the watcher needs root)", io_message(&e));
             return 1;
         }
     };
@@ -255,7 +257,7 @@ fn mark_filesystems(fan: &Fanotify, whole: bool) -> (Vec<PathBuf>, Vec<String>) 
         let mount = PathBuf::from(unescape(f[4]));
         match fan.mark(&mount, whole) {
             Ok(()) => marked.push(mount),
-            Err(e) => notes.push(format!("{} ({fstype}) not watched: {e}", mount.display())),
+            Err(e) => notes.push(format!("{} ({fstype}) not watched: {}", mount.display(), io_message(&e))),
         }
     }
     (marked, notes)
@@ -302,7 +304,8 @@ fn handle_events(fan: Fanotify, parent: u32, tx: mpsc::Sender<Msg>, stop: &Atomi
     let mut known: HashSet<(u64, u64)> = HashSet::new();
     let mut buf = vec![0u8; 64 << 10];
     while !stop.load(Ordering::Acquire) {
-        let events = fan.read(&mut buf, 100).map_err(|e| format!("reading fanotify events: {e}"))?;
+        let events =
+            fan.read(&mut buf, 100).map_err(|e| format!("reading fanotify events: {}", io_message(&e)))?;
         for ev in events {
             match ev {
                 FanEvent::OpenPerm { fd, pid } => {
@@ -312,7 +315,7 @@ fn handle_events(fan: Fanotify, parent: u32, tx: mpsc::Sender<Msg>, stop: &Atomi
                         }
                     }
                     // Always answered, whatever happened above: the opener waits for it.
-                    fan.allow(&fd).map_err(|e| format!("answering fanotify: {e}"))?;
+                    fan.allow(&fd).map_err(|e| format!("answering fanotify: {}", io_message(&e)))?;
                 }
                 FanEvent::Close { fd, .. } => {
                     if let Ok(m) = std::fs::File::from(fd).metadata() {

@@ -237,7 +237,12 @@ fn replacing_stale<T>(
     match std::fs::remove_file(path) {
         Ok(()) => tracing::debug!("{}: replaced a stale socket file", path.display()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(io::Error::new(e.kind(), format!("cannot remove the stale socket file: {e}"))),
+        Err(e) => {
+            return Err(io::Error::new(
+                e.kind(),
+                format!("cannot remove the stale socket file: {}", crate::error::io_message(&e)),
+            ))
+        }
     }
     put().map_err(|e| if e.raw_os_error() == Some(taken) { in_use() } else { e })
 }
@@ -253,7 +258,13 @@ fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
 fn lock_dir_of(path: &std::path::Path) -> Option<std::fs::File> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
     crate::io::sys::lock_dir(dir, std::time::Duration::from_secs(5))
-        .map_err(|e| tracing::warn!("{}: no lock for replacing a stale socket: {e}", dir.display()))
+        .map_err(|e| {
+            // A missing directory needs no warning: the bind that follows fails and says so.
+            if e.kind() != io::ErrorKind::NotFound {
+                let e = crate::error::io_message(&e);
+                tracing::warn!("{}: no lock for replacing a stale socket: {e}", dir.display())
+            }
+        })
         .ok()
 }
 
@@ -373,7 +384,7 @@ impl Server {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     // EMFILE and friends: keep serving the others.
-                    tracing::warn!("accept: {e}");
+                    tracing::warn!("accept: {}", crate::error::io_message(&e));
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }
@@ -391,8 +402,8 @@ impl Server {
                 b.finish().and(r)
             });
             if let Err(e) = flushed {
-                tracing::warn!("final flush: {e}");
-                return Err(io::Error::other(e.to_string()));
+                // Said once, by the binary, which reports this error.
+                return Err(io::Error::other(format!("final flush: {e}")));
             }
         }
         Ok(())

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
 use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
-use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::pem::{self, PemObject};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig};
@@ -49,11 +49,26 @@ fn read_pem(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|e| Error::io("tls", e).path(path))
 }
 
+/// What is wrong with a PEM file, in words that quote none of it: the parser's own messages
+/// carry the offending line, which in a key file pasted onto one line is the key itself.
+fn pem_problem(e: &pem::Error) -> String {
+    match e {
+        pem::Error::MissingSectionEnd { .. } => "a PEM section has no END line".into(),
+        pem::Error::IllegalSectionStart { .. } => {
+            "a malformed BEGIN line (PEM keeps its line breaks: was it pasted onto one line?)".into()
+        }
+        pem::Error::Base64Decode(_) => "bad base64 inside a PEM section".into(),
+        pem::Error::Io(e) => crate::error::io_message(e),
+        pem::Error::NoItemsFound => "no PEM section of that kind".into(),
+        _ => "not readable as PEM".into(),
+    }
+}
+
 fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>> {
     let pem = read_pem(path)?;
     let certs = CertificateDer::pem_slice_iter(&pem)
         .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| bad(path, format!("not a PEM certificate file: {e}")))?;
+        .map_err(|e| bad(path, format!("not a PEM certificate file: {}", pem_problem(&e))))?;
     if certs.is_empty() {
         return Err(bad(path, "no certificate in the file"));
     }
@@ -62,7 +77,20 @@ fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>> {
 
 fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>> {
     let pem = read_pem(path)?;
-    PrivateKeyDer::from_pem_slice(&pem).map_err(|e| bad(path, format!("no private key found: {e}")))
+    PrivateKeyDer::from_pem_slice(&pem).map_err(|e| match e {
+        pem::Error::NoItemsFound => bad(path, "no private key in the file (PKCS#8, PKCS#1 or SEC1 PEM)"),
+        e => bad(path, format!("no private key found: {}", pem_problem(&e))),
+    })
+}
+
+/// Why a key does not go with its certificate.
+fn key_problem(e: &rustls::Error) -> String {
+    match e {
+        rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch) => {
+            "it is the key of another certificate".into()
+        }
+        e => e.to_string(),
+    }
 }
 
 fn load_roots(path: &Path) -> Result<Arc<RootCertStore>> {
@@ -100,9 +128,9 @@ impl ServerTls {
         } else {
             builder.with_no_client_auth()
         };
-        let config = builder
-            .with_single_cert(certs, key)
-            .map_err(|e| bad(&dir.join(SERVER_KEY), format!("does not fit server-cert.pem: {e}")))?;
+        let config = builder.with_single_cert(certs, key).map_err(|e| {
+            bad(&dir.join(SERVER_KEY), format!("does not fit server-cert.pem: {}", key_problem(&e)))
+        })?;
         Ok(ServerTls { config: Arc::new(config), required })
     }
 
@@ -166,7 +194,7 @@ impl ClientTls {
         let config = if cert.exists() && key.exists() {
             builder
                 .with_client_auth_cert(load_certs(&cert)?, load_key(&key)?)
-                .map_err(|e| bad(&key, format!("does not fit client-cert.pem: {e}")))?
+                .map_err(|e| bad(&key, format!("does not fit client-cert.pem: {}", key_problem(&e))))?
         } else {
             builder.with_no_client_auth()
         };

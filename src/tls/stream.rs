@@ -37,6 +37,30 @@ const MAX_WRITE: usize = (256 << 10) + 64;
 /// What rustls queues before `writer()` accepts less: enough for one [`MAX_WRITE`] sealed.
 const SESSION_BUFFER: usize = 512 << 10;
 
+/// A rustls error, and for the common ones what to do, from this side's view (`client`).
+fn explain(e: &rustls::Error, client: bool) -> String {
+    use rustls::{AlertDescription as Alert, CertificateError, Error as E};
+    let (peer, ours) = if client { ("server", "client-cert.pem") } else { ("client", "server-cert.pem") };
+    let hint = match e {
+        E::InvalidCertificate(CertificateError::UnknownIssuer) => {
+            format!("the {peer}'s certificate is not signed by the CA in ca-cert.pem")
+        }
+        E::AlertReceived(Alert::CertificateRequired) => {
+            "the server wants a client certificate: put client-cert.pem and client-key.pem \
+             beside ca-cert.pem"
+                .into()
+        }
+        E::AlertReceived(Alert::UnknownCA | Alert::BadCertificate) => {
+            format!("the {peer} does not trust {ours}")
+        }
+        E::NoCertificatesPresented => {
+            "the client sent no certificate, which --tls-verify-peer requires".into()
+        }
+        _ => return e.to_string(),
+    };
+    format!("{e} ({hint})")
+}
+
 struct Tls {
     /// Encryption and decryption state. Held for CPU work only.
     session: Mutex<Connection>,
@@ -81,7 +105,11 @@ impl TlsStream {
             if let Err(e) = session.complete_io(&mut plain) {
                 // complete_io sends the alert before failing when it can; make sure.
                 while session.wants_write() && session.write_tls(&mut plain).is_ok() {}
-                return Err(e);
+                let client = matches!(session, Connection::Client(_));
+                return Err(match e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+                    Some(tls) => io::Error::new(e.kind(), explain(tls, client)),
+                    None => e,
+                });
             }
         }
         // Session tickets and the like, queued at the end of the handshake.
@@ -168,13 +196,14 @@ impl TlsReader {
     fn feed(&mut self) -> io::Result<()> {
         let processed = {
             let mut s = self.shared.session.lock().unwrap();
+            let client = matches!(*s, Connection::Client(_));
             if self.start < self.end {
                 let n = s.read_tls(&mut &self.buf[self.start..self.end])?;
                 self.start += n;
             } else {
                 s.read_tls(&mut io::empty())?;
             }
-            let r = s.process_new_packets();
+            let r = s.process_new_packets().map_err(|e| explain(&e, client));
             (r, s.wants_write())
         };
         let (result, wants_write) = processed;

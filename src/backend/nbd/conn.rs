@@ -32,7 +32,7 @@ use std::sync::{Condvar, Mutex};
 use super::handshake::ExportInfo;
 use super::interrupt::Registered;
 use crate::backend::Extent;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{io_message, Error, ErrorKind, Result};
 use crate::proto::*;
 use crate::stream::{write_all_vectored, Stream};
 
@@ -256,9 +256,9 @@ impl Connection {
         let header = encode_request(&Request { flags, cmd, cookie, offset, len });
         let sent = write_all_vectored(&mut **self.writer.lock().unwrap(), &[&header, payload]);
         if let Err(e) = sent {
-            self.kill(format!("sending: {e}"));
+            self.kill(format!("sending: {}", io_message(&e)));
             self.state.lock().unwrap().outstanding.remove(&cookie);
-            return Err(lost(&format!("sending: {e}")));
+            return Err(lost(&format!("sending: {}", io_message(&e))));
         }
 
         let mut answer = Answer::default();
@@ -379,7 +379,7 @@ impl Connection {
         target: &mut Target,
         answer: &mut Answer,
     ) -> Result<bool, String> {
-        let io = |e: std::io::Error| format!("receiving: {e}");
+        let io = |e: std::io::Error| format!("receiving: {}", io_message(&e));
         let c = match h {
             Header::Simple { error, .. } => {
                 if error != 0 {
@@ -466,12 +466,12 @@ fn read_header(r: &mut dyn Read) -> Result<Header, String> {
     let mut b = [0u8; 20];
     r.read_exact(&mut b[..16]).map_err(|e| match e.kind() {
         std::io::ErrorKind::UnexpectedEof => "the server closed the connection".to_string(),
-        _ => format!("receiving: {e}"),
+        _ => format!("receiving: {}", io_message(&e)),
     })?;
     if let Some((cookie, error)) = parse_simple_reply(b[..16].try_into().unwrap()) {
         return Ok(Header::Simple { cookie, error });
     }
-    r.read_exact(&mut b[16..]).map_err(|e| format!("receiving: {e}"))?;
+    r.read_exact(&mut b[16..]).map_err(|e| format!("receiving: {}", io_message(&e)))?;
     parse_chunk_header(&b).map(Header::Chunk).ok_or_else(|| "protocol error: bad reply magic".to_string())
 }
 

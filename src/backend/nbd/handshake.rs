@@ -184,7 +184,8 @@ fn refused(who: &str, export: &str, ty: u32, data: &[u8]) -> Error {
         REP_ERR_SHUTDOWN => (ErrorKind::Io, "the server is shutting down".to_string()),
         other => (ErrorKind::Io, format!("the server refused the export (error {:#x})", other)),
     };
-    let detail = if msg.is_empty() { what } else { format!("{what}: {msg}") };
+    // A server's own words, unless they only repeat ours (lightfoot's: "no export named 'x'").
+    let detail = if msg.is_empty() || what.contains(msg.as_ref()) { what } else { format!("{what}: {msg}") };
     Error::new(kind, "connect").path(who).detail(detail)
 }
 

@@ -123,7 +123,7 @@ impl S3Config {
                 Some(p) => match std::fs::read_to_string(p) {
                     Ok(text) => Ok(ini_section(&text, section)),
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-                    Err(e) => Err(format!("{}: {e}", p.display())),
+                    Err(e) => Err(format!("read {}: {}", p.display(), crate::error::io_message(&e))),
                 },
                 None => Ok(None),
             }
@@ -179,12 +179,28 @@ impl S3Config {
         c.secret_access_key = secret.map(Secret::new);
         c.session_token = token.map(Secret::new);
         if let Some(e) = &c.endpoint {
+            // Refused as credentials in an s3:// URI are: the HTTP client's own trace logs
+            // (RUST_LOG) print the URL, and requests are signed with the keys anyway.
+            if let Some(user) = userinfo(e) {
+                let e = e.replacen(&format!("{user}@"), "<redacted>@", 1);
+                return Err(format!(
+                    "endpoint '{e}': credentials in the endpoint URL are refused (they would show in \
+                     logs): use AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or a profile"
+                ));
+            }
             if !(e.starts_with("http://") || e.starts_with("https://")) {
                 return Err(format!("endpoint '{e}': write it as https://HOST[:PORT] (or http://)"));
             }
         }
         Ok(c)
     }
+}
+
+/// The `USER:PASSWORD` of an endpoint written `https://USER:PASSWORD@HOST`.
+fn userinfo(endpoint: &str) -> Option<&str> {
+    let rest = endpoint.split_once("://").map_or(endpoint, |(_, r)| r);
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    authority.rsplit_once('@').map(|(user, _)| user)
 }
 
 /// The `key = value` pairs of `[section]` in an INI file as the AWS tools write them (`#` and
@@ -294,5 +310,11 @@ mod tests {
         assert!(e.contains("needs its secret"), "{e}");
         let e = S3Config::resolve(&env(&[("AWS_ENDPOINT_URL", "127.0.0.1:9")]), home).unwrap_err();
         assert!(e.contains("https://"), "{e}");
+        for (endpoint, shown) in
+            [("http://u:pw1234@h:9/x@y", "http://<redacted>@h:9/x@y"), ("pw1234@h", "<redacted>@h")]
+        {
+            let e = S3Config::resolve(&env(&[("AWS_ENDPOINT_URL", endpoint)]), home).unwrap_err();
+            assert!(e.contains(shown) && e.contains("refused") && !e.contains("pw1234"), "{e}");
+        }
     }
 }

@@ -89,6 +89,8 @@ pub struct Store {
     prefix: String,
     /// Values no message may carry (see [`Self::scrub`]).
     secrets: Vec<String>,
+    /// Requests go unsigned: no credentials were found.
+    anonymous: bool,
     pub counters: Counters,
 }
 
@@ -103,6 +105,12 @@ impl Store {
             let pem = std::fs::read(ca).map_err(|e| Error::io("open", e).path(ca).detail("AWS_CA_BUNDLE"))?;
             let certs = object_store::Certificate::from_pem_bundle(&pem)
                 .map_err(|e| bad(format!("CA bundle {}: {e}", ca.display())))?;
+            if certs.is_empty() {
+                return Err(bad(format!(
+                    "CA bundle {}: no PEM certificate in the file (AWS_CA_BUNDLE)",
+                    ca.display()
+                )));
+            }
             for c in certs {
                 opts = opts.with_root_certificate(c);
             }
@@ -119,6 +127,7 @@ impl Store {
                 max_retries: 20,
                 retry_timeout: limits.retry,
             });
+        let mut secrets = Vec::new();
         if let Some(e) = &cfg.endpoint {
             if e.starts_with("http://") {
                 tracing::warn!("{e}: plain HTTP: requests and data travel unencrypted");
@@ -126,7 +135,6 @@ impl Store {
             }
             b = b.with_endpoint(e);
         }
-        let mut secrets = Vec::new();
         match (&cfg.access_key_id, &cfg.secret_access_key) {
             (Some(id), Some(secret)) => {
                 b = b.with_access_key_id(id).with_secret_access_key(secret.expose());
@@ -139,7 +147,8 @@ impl Store {
             // No keys: anonymous requests (public buckets, stores without identities).
             _ => b = b.with_skip_signature(true),
         }
-        let s3 = b.with_client_options(opts).build().map_err(|e| bad(e.to_string()))?;
+        let secrets: Vec<String> = secrets.into_iter().filter(|s| !s.is_empty()).collect();
+        let s3 = b.with_client_options(opts).build().map_err(|e| bad(scrub(&secrets, &e.to_string())))?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("lightfoot-s3")
@@ -150,7 +159,8 @@ impl Store {
             rt,
             s3: Arc::new(s3),
             prefix: format!("s3://{}/", uri.bucket),
-            secrets: secrets.into_iter().filter(|s| !s.is_empty()).collect(),
+            anonymous: cfg.secret_access_key.is_none(),
+            secrets,
             counters: Counters::default(),
         })
     }
@@ -177,12 +187,7 @@ impl Store {
     /// `text` with every secret replaced: the store's error bodies may quote a request back
     /// (SignatureDoesNotMatch carries the canonical request, session token header and all).
     pub fn scrub(&self, text: &str) -> String {
-        // (Secrets shorter than 4 bytes would match everywhere; no real one is.)
-        let mut t = text.to_string();
-        for s in &self.secrets {
-            t = t.replace(s.as_str(), "<redacted>");
-        }
-        t
+        scrub(&self.secrets, text)
     }
 
     /// `s3://BUCKET/KEY` of `key`.
@@ -199,7 +204,11 @@ impl Store {
             E::NotSupported { .. } | E::NotImplemented { .. } => ErrorKind::NotSupported,
             _ => ErrorKind::Io,
         };
-        Error::new(kind, op).path(self.uri(key)).detail(self.scrub(&explain(&full_message(e))))
+        let mut detail = explain(&full_message(e), self.anonymous);
+        if self.anonymous && kind == ErrorKind::Permission && !detail.contains(NO_CREDENTIALS) {
+            detail = format!("{NO_CREDENTIALS}: {detail}");
+        }
+        Error::new(kind, op).path(self.uri(key)).detail(self.scrub(&detail))
     }
 
     /// GETs `range` of `key` (all of it when `None`), only from version `if_match` when
@@ -308,9 +317,50 @@ impl Store {
     }
 }
 
+/// `text` with each of `secrets` replaced, and what a store (or a proxy in front of it) may
+/// quote back of a request: its `Authorization` header and signatures. A signature is good
+/// for one request only, but no message needs it.
+fn scrub(secrets: &[String], text: &str) -> String {
+    // (Secrets shorter than 4 bytes would match everywhere; no real one is.)
+    let mut t = text.to_string();
+    for s in secrets {
+        t = t.replace(s.as_str(), "<redacted>");
+    }
+    let t = redact_after(&t, "authorization:", |c| c == '\n' || c == '\r');
+    redact_after(&t, "signature=", |c| !c.is_ascii_alphanumeric())
+}
+
+/// `text` with what follows each `marker` (ASCII, any case) up to a character `end` accepts
+/// replaced by `<redacted>`.
+fn redact_after(text: &str, marker: &str, end: impl Fn(char) -> bool) -> String {
+    let lower = text.to_ascii_lowercase();
+    let (mut out, mut from) = (String::with_capacity(text.len()), 0);
+    while let Some(i) = lower[from..].find(marker) {
+        let after = from + i + marker.len();
+        let value = after + (text[after..].len() - text[after..].trim_start_matches(' ').len());
+        let stop = text[value..].find(&end).map_or(text.len(), |j| value + j);
+        out.push_str(&text[from..value]);
+        if stop > value {
+            out.push_str("<redacted>");
+        }
+        from = stop;
+    }
+    out.push_str(&text[from..]);
+    out
+}
+
+/// What an anonymous caller is told when the store refuses it.
+const NO_CREDENTIALS: &str = "no credentials were found, so the request went unsigned: set \
+     AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE";
+
+/// The longest part of a store's answer that is not S3's XML (an HTML page of a proxy, a
+/// plain-text body) kept in a message.
+const BODY_SHOWN: usize = 300;
+
 /// object_store's message with the store's XML error body (if any) replaced by its code and
-/// what to do about the common ones.
-fn explain(msg: &str) -> String {
+/// what to do about the common ones; another body is cut to its first line. `anonymous`: the
+/// request went unsigned.
+fn explain(msg: &str, anonymous: bool) -> String {
     let tag = |t: &str| {
         let (open, close) = (format!("<{t}>"), format!("</{t}>"));
         let start = msg.find(&open)? + open.len();
@@ -323,7 +373,12 @@ fn explain(msg: &str) -> String {
                  store with certificates of its own ({msg})"
             );
         }
-        return msg.to_string();
+        // The first line, and not much of it: enough to tell a proxy's page from the store.
+        let line = msg.lines().next().unwrap_or_default();
+        return match line.char_indices().nth(BODY_SHOWN) {
+            Some((i, _)) => format!("{}…", &line[..i]),
+            None => line.to_string(),
+        };
     };
     let head = msg.find("<?xml").or_else(|| msg.find('<')).map_or(msg, |i| &msg[..i]);
     let head = head.trim_end().trim_end_matches(':');
@@ -332,6 +387,7 @@ fn explain(msg: &str) -> String {
             "wrong credentials: check the access key and secret (AWS_ACCESS_KEY_ID and \
              AWS_SECRET_ACCESS_KEY, or the profile's)"
         }
+        "AccessDenied" if anonymous => NO_CREDENTIALS,
         "AccessDenied" => {
             "these credentials may not do this (docs/object-storage.md lists the permissions needed)"
         }
@@ -369,18 +425,35 @@ fn full_message(e: &(dyn std::error::Error + 'static)) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::explain;
+    use super::{explain, scrub, NO_CREDENTIALS};
 
     #[test]
     fn store_errors_are_explained() {
         let m = "Generic S3 error: Error performing GET http://h/b/k in 2ms - Server returned non-2xx status code: \
                  403 Forbidden: <?xml version=\"1.0\"?><Error><Code>RequestTimeTooSkewed</Code><Message>The difference \
                  is too large</Message></Error>";
-        let e = explain(m);
+        let e = explain(m, false);
         assert!(e.starts_with("RequestTimeTooSkewed: this machine's clock"), "{e}");
         assert!(e.contains("403 Forbidden)") && !e.contains("<?xml"), "{e}");
-        let e = explain("... 400 Bad Request: <Error><Code>Odd</Code><Message>Why</Message></Error>");
+        let e = explain("... 400 Bad Request: <Error><Code>Odd</Code><Message>Why</Message></Error>", false);
         assert!(e.starts_with("Odd: Why ("), "{e}");
-        assert_eq!(explain("connection refused"), "connection refused");
+        assert_eq!(explain("connection refused", false), "connection refused");
+        let denied = "... 403 Forbidden: <Error><Code>AccessDenied</Code></Error>";
+        assert!(explain(denied, false).contains("these credentials may not"));
+        assert!(explain(denied, true).starts_with(&format!("AccessDenied: {NO_CREDENTIALS}")));
+        // A body that is not S3's: its first line, cut short.
+        let e = explain(&format!("... 403 Forbidden: <html>{}\nmore", "x".repeat(1000)), false);
+        assert!(e.ends_with('…') && e.len() < 400 && !e.contains("more"), "{e}");
+    }
+
+    #[test]
+    fn secrets_headers_and_signatures_are_scrubbed() {
+        let quoted = "403: GET /b/k\nx-amz-security-token: TOKEN1234\nAuthorization: AWS4-HMAC-SHA256 \
+                      Credential=AKID/x, Signature=0123abcd\nhost: h?X-Amz-Signature=feed99&y=1 SECRET5678";
+        let t = scrub(&["SECRET5678".into(), "TOKEN1234".into()], quoted);
+        for gone in ["SECRET5678", "TOKEN1234", "AWS4-HMAC", "0123abcd", "feed99"] {
+            assert!(!t.contains(gone), "{gone} in {t}");
+        }
+        assert!(t.contains("Authorization: <redacted>\nhost: h?X-Amz-Signature=<redacted>&y=1"), "{t}");
     }
 }
