@@ -13,6 +13,7 @@
 #     ROUNDS=5 RUNTIME=20 RAMP=5 SIZE=1G JOBS=4 DEPTH=16 STEAL_MAX=10
 #     WORKLOADS="randread-j4 randread-d16 randwrite-j4 randwrite-d16"
 #     SERVERS="lightfoot nbdkit"   LIGHTFOOT=path/to/lightfoot   EXTRA="--threads 4"
+#     OLD=path/to/another/lightfoot: server "old" runs it (an A/B: SERVERS="lightfoot old")
 # Output: DIR/limits.csv (every run) and a table of medians on stdout (DIR/limits.md).
 set -euo pipefail
 export LC_ALL=C
@@ -43,6 +44,8 @@ start() {
 	case $1 in
 	# shellcheck disable=SC2086
 	lightfoot) "$LF" serve --cache=keep $EXTRA --unix "$SOCK" "$IMG" 2>"$DIR/logs/server.log" & ;;
+	# shellcheck disable=SC2086
+	old) "${OLD:?OLD=path to the other binary}" serve --cache=keep $EXTRA --unix "$SOCK" "$IMG" 2>"$DIR/logs/server.log" & ;;
 	nbdkit) nbdkit -f -U "$SOCK" file "$IMG" 2>"$DIR/logs/server.log" & ;;
 	*) die "unknown server $1" ;;
 	esac

@@ -14,7 +14,6 @@
 
 use std::io::{self, Read, Write};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use super::handshake::{Agreed, BASE_ALLOCATION_ID};
@@ -181,8 +180,10 @@ pub fn run(
     };
     let writer = Mutex::new(writer);
     let broken = AtomicBool::new(false);
-    let (tx, rx) = mpsc::sync_channel::<Job>(server.threads * 2);
-    let rx = Mutex::new(rx);
+    // Each worker waits on the channel itself (crossbeam's receivers are shared): behind a
+    // Mutex<Receiver> the worker holding the lock sleeps in recv while the others sleep on
+    // the lock, two wake-ups per job.
+    let (tx, rx) = crossbeam_channel::bounded::<Job>(server.threads * 2);
     let budget = Budget::default();
     let conn = Conn {
         backend: &*backend,
@@ -202,7 +203,7 @@ pub fn run(
                 // page faults and zeroing on every read.
                 let mut buf = AlignedBuf::new(0);
                 loop {
-                    let job = rx.lock().unwrap().recv();
+                    let job = rx.recv();
                     match job {
                         Ok(job) => {
                             conn.serve_job(server, job, &mut buf, &closer);
@@ -229,7 +230,7 @@ fn read_requests(
     limits: &Limits,
     conn: &Conn,
     reader: &mut io::BufReader<Box<dyn Read + Send>>,
-    tx: &mpsc::SyncSender<Job>,
+    tx: &crossbeam_channel::Sender<Job>,
     closer: &crate::stream::Closer,
 ) -> io::Result<()> {
     // The reader's own buffer for reads it answers itself.
