@@ -494,9 +494,35 @@ fn a_connection_holds_a_bounded_amount_of_request_data() {
     srv.stop().unwrap();
 }
 
+/// Eight reads sent at once from `offset`, cookies from `first`; the time until all are
+/// answered.
+fn burst_of_reads(c: &mut UnixStream, first: u64, offset: u64) -> Duration {
+    let started = Instant::now();
+    let mut burst = Vec::new();
+    for i in 0..8 {
+        let req =
+            Request { flags: 0, cmd: CMD_READ, cookie: first + i, offset: offset + i * 4096, len: 4096 };
+        burst.extend_from_slice(&encode_request(&req));
+    }
+    c.write_all(&burst).unwrap();
+    let mut data = vec![0u8; 4096];
+    let mut seen = Vec::new();
+    for _ in 0..8 {
+        let (cookie, err) = simple(c);
+        assert_eq!(err, 0);
+        c.read_exact(&mut data).unwrap();
+        seen.push(cookie);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (first..first + 8).collect::<Vec<_>>());
+    started.elapsed()
+}
+
 /// A client that waits for each reply has its requests carried out by the connection's reader
-/// itself (no hand-off to a worker); one that pipelines still has them served in parallel:
-/// eight 200 ms reads sent at once take about two rounds of the four workers, not eight.
+/// itself (no hand-off to a worker). One that pipelines has its small requests carried out by
+/// the reader while they are fast, and by the workers, in parallel, once they are slow: eight
+/// 200 ms reads sent at once take about two rounds of the four workers, not eight, both at the
+/// start and after a run of fast ones.
 #[test]
 fn pipelined_requests_are_still_served_in_parallel() {
     use lightfoot::backend::{Backend, MemoryBackend};
@@ -504,7 +530,8 @@ fn pipelined_requests_are_still_served_in_parallel() {
     use std::sync::Arc;
 
     let store = Arc::new(MemoryBackend::new(64 * MIB));
-    let rules = vec![Rule::new(Op::Read, Fault::Slow(Duration::from_millis(200)))];
+    // Reads of the first 32 MiB are slow; the rest are answered at once.
+    let rules = vec![Rule::new(Op::Read, Fault::Slow(Duration::from_millis(200))).at(0, 32 * MIB)];
     let slow: Arc<dyn Backend> = Arc::new(FaultInjector::new(store, rules));
     let srv = InProcess::start(move || Ok(slow.clone()), |_| {});
     let mut c = connect(&srv.sock);
@@ -516,32 +543,16 @@ fn pipelined_requests_are_still_served_in_parallel() {
         assert_eq!(simple(&mut c), (i, 0));
         c.read_exact(&mut data).unwrap();
     }
-    // Eight at once.
-    let started = Instant::now();
-    let mut burst = Vec::new();
-    for i in 10..18u64 {
-        burst.extend_from_slice(&encode_request(&Request {
-            flags: 0,
-            cmd: CMD_READ,
-            cookie: i,
-            offset: i * 4096,
-            len: 4096,
-        }));
-    }
-    c.write_all(&burst).unwrap();
-    let mut seen = Vec::new();
-    for _ in 0..8 {
-        let (cookie, err) = simple(&mut c);
-        assert_eq!(err, 0);
-        c.read_exact(&mut data).unwrap();
-        seen.push(cookie);
-    }
-    let took = started.elapsed();
-    seen.sort_unstable();
-    assert_eq!(seen, (10..18).collect::<Vec<_>>());
     // Serially: 1.6 s. Four workers: two rounds, 0.4 s (one more if the first of the burst
     // was carried out by the reader before the rest was seen).
+    let took = burst_of_reads(&mut c, 10, 40960);
     assert!(took < Duration::from_millis(1000), "eight pipelined 200 ms reads took {took:?}");
+    // Fast ones, pipelined, until the reader carries them out itself; then slow ones again.
+    for round in 0..8 {
+        burst_of_reads(&mut c, 100 + round * 8, 48 * MIB);
+    }
+    let took = burst_of_reads(&mut c, 200, 81920);
+    assert!(took < Duration::from_millis(1000), "after fast reads, eight 200 ms reads took {took:?}");
     let _ = c.shutdown(std::net::Shutdown::Both);
     srv.stop().unwrap();
 }
