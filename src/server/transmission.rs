@@ -370,9 +370,8 @@ fn read_requests(
             && held.is_none()
             && conn.in_flight.load(Ordering::Acquire) == 0
             && reader.buffer().len() < REQUEST_LEN;
-        let fast = job.is_small_io() && conn.fast();
-        if job.req.len <= INLINE_MAX && (depth_one || fast) {
-            let small = job.is_small_io();
+        let small = job.is_small_io();
+        if small && (depth_one || conn.fast()) {
             let started = std::time::Instant::now();
             conn.serve_job(server, job, &mut own, closer);
             if small {
