@@ -314,8 +314,18 @@ impl Mount {
 }
 
 impl Drop for Mount {
+    /// Unmounts, waiting up to 2 s while it is busy (a loop device over a file in it detaches
+    /// a moment after its own file system is unmounted), then lazily: a test never leaves a
+    /// mount behind.
     fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.path).status();
+        for _ in 0..20 {
+            let out = Command::new("umount").arg(&self.path).stderr(Stdio::null()).status();
+            if out.is_ok_and(|s| s.success()) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let _ = Command::new("umount").arg("-l").arg(&self.path).status();
     }
 }
 
