@@ -14,7 +14,7 @@
 //! stop.
 
 use std::fs::File;
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -187,8 +187,9 @@ pub struct Reporter {
 }
 
 impl Reporter {
-    /// Starts showing `progress` (of `size` bytes, if known): the bar when `bar` is asked and
-    /// stderr is a terminal, the percent lines on `percent`, the footprint when given.
+    /// Starts showing `progress` (of `size` bytes, if known): the bar when `bar` (the caller
+    /// has checked that stderr is a terminal), the percent lines on `percent`, the footprint
+    /// when given.
     pub fn start(
         bar: bool,
         percent: Option<FdOut>,
@@ -196,15 +197,15 @@ impl Reporter {
         size: Option<u64>,
         progress: Arc<Progress>,
     ) -> Reporter {
-        let bar = (bar && std::io::stderr().is_terminal()).then(|| new_bar(size));
+        let bar = bar.then(|| new_bar(size));
         let stop = Arc::new(AtomicBool::new(false));
         let mut percent = percent.map(|out| Percent { out, last: None });
         if let Some(p) = percent.as_mut() {
             p.put(0);
         }
         let mut footprint = footprint;
-        if bar.is_none() && percent.is_none() && footprint.as_ref().is_none_or(|f| f.out.is_none()) {
-            return Reporter { stop, thread: Some(std::thread::spawn(move || (percent, footprint))), bar };
+        if bar.is_none() && percent.is_none() && footprint.is_none() {
+            return Reporter { stop, thread: None, bar };
         }
         let (b, st) = (bar.clone(), stop.clone());
         let thread = std::thread::spawn(move || {

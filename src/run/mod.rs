@@ -160,6 +160,15 @@ pub struct FileReport {
     pub note: Option<String>,
 }
 
+impl FileReport {
+    /// Adds `bytes` to what was evicted, where the file is covered (else it stays unknown).
+    fn add_evicted(&mut self, bytes: u64) {
+        if let Some(e) = self.evicted.as_mut() {
+            *e += bytes;
+        }
+    }
+}
+
 /// The sweep over the records in `dir`: one report per file, in the order of first sight.
 /// Files the watcher saw (`watched`, its first sights taken at the open, so before any of the
 /// library's) are the watcher's: done already, only the library's opens are added to them.
@@ -195,9 +204,7 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
             w.report.mechanism.push_str(" and evict-behind");
             let (r, wr, ev) = moved.get(&(w.dev, w.ino)).copied().unwrap_or_default();
             (w.report.bytes_read, w.report.bytes_written) = (Some(r), Some(wr));
-            if let Some(e) = w.report.evicted.as_mut() {
-                *e += ev;
-            }
+            w.report.add_evicted(ev);
             // The library's first sight came later, at the first read or write: after an
             // O_TRUNC that the watcher's (at the open) preceded. A block empty at either
             // sight is CMD's, so the blocks empty at the library's go too.
@@ -206,9 +213,7 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
                     if after.is_some() {
                         w.report.cached_after = after;
                     }
-                    if let Some(e) = w.report.evicted.as_mut() {
-                        *e += ev * page;
-                    }
+                    w.report.add_evicted(ev);
                 }
             }
         }
@@ -239,9 +244,7 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
             Ok((path, after, ev)) => {
                 report.path = path;
                 report.cached_after = after;
-                if let Some(e) = report.evicted.as_mut() {
-                    *e += ev * page;
-                }
+                report.add_evicted(ev);
             }
             Err(e) => report.note = Some(e.to_string()),
         }
@@ -279,7 +282,7 @@ fn locate(first: &Record, renamed: &mut Renamed) -> Option<PathBuf> {
 }
 
 /// Writes back and drops what one file holds beyond its first sight; where it is, what it
-/// holds after (`None`: the file is gone, nothing of it is left to drop) and the pages the
+/// holds after (`None`: the file is gone, nothing of it is left to drop) and the bytes the
 /// drop took out.
 pub(crate) fn finish_file(
     first: &Record,
@@ -300,7 +303,7 @@ pub(crate) fn finish_file(
 }
 
 /// Writes back and drops what an open file holds beyond its first sight (a file not covered
-/// is only measured); what it holds after (None: could not be measured) and the pages the
+/// is only measured); what it holds after (None: could not be measured) and the bytes the
 /// drop took out.
 pub(crate) fn finish_open(
     file: &File,
@@ -313,7 +316,7 @@ pub(crate) fn finish_open(
         if written {
             write_back(file, path)?;
         }
-        evicted = drop_new_blocks(file, first);
+        evicted = drop_new_blocks(file, first) * sys::page_size() as u64;
     }
     Ok((residency::measure(file, path, 0, None).ok().map(|r| r.cached_bytes()), evicted))
 }

@@ -669,9 +669,7 @@ fn finish_all(files: Vec<Tracked>) -> Vec<Watched> {
                     if after.is_some() {
                         report.cached_after = after;
                     }
-                    if let Some(e) = report.evicted.as_mut() {
-                        *e += evicted * page;
-                    }
+                    report.add_evicted(evicted);
                 }
                 Err(e) => report.note = Some(e.to_string()),
             }

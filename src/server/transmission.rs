@@ -198,7 +198,6 @@ pub fn run(
         latch: &export.latch,
         budget: &budget,
         in_flight: AtomicUsize::new(0),
-        pipelined: AtomicBool::new(false),
         recent_ns: AtomicU64::new(u64::MAX),
     };
 
@@ -212,12 +211,7 @@ pub fn run(
                     let job = rx.recv();
                     match job {
                         Ok(job) => {
-                            let small = job.is_small_io();
-                            let started = std::time::Instant::now();
                             conn.serve_job(server, job, &mut buf, &closer);
-                            if small {
-                                conn.took(started.elapsed());
-                            }
                             conn.in_flight.fetch_sub(1, Ordering::Release);
                         }
                         Err(_) => return,
@@ -246,7 +240,7 @@ fn read_requests(
 ) -> io::Result<()> {
     // The reader's own buffer for reads it answers itself.
     let mut at_hand = AlignedBuf::new(HOLE_LOOKUP_MIN);
-    // The reader's buffer for the requests it carries out itself (see `inline` below).
+    // The reader's buffer for the small READs and WRITEs it carries out itself (below).
     let mut own = AlignedBuf::new(0);
     let send = |job: Job| {
         conn.in_flight.fetch_add(1, Ordering::Acquire);
@@ -254,6 +248,9 @@ fn read_requests(
     };
     // A READ held back in case the next request continues it.
     let mut held: Option<Job> = None;
+    // A request came while another was in flight: the client pipelines, and the reader hands
+    // its jobs to the workers from then on (but for fast ones: [`Conn::fast`]).
+    let mut pipelined = false;
     loop {
         // Nothing more has arrived: what is held goes now, before the reader waits.
         if reader.buffer().len() < REQUEST_LEN {
@@ -275,9 +272,7 @@ fn read_requests(
             return Err(io::Error::new(io::ErrorKind::InvalidData, "bad request magic"));
         };
         // A request that arrives while another is still being served: the client pipelines.
-        if held.is_some() || conn.in_flight.load(Ordering::Acquire) > 0 {
-            conn.pipelined.store(true, Ordering::Relaxed);
-        }
+        pipelined |= held.is_some() || conn.in_flight.load(Ordering::Acquire) > 0;
         if req.cmd == CMD_DISC {
             // Requests before the disconnect are still answered.
             if let Some(job) = held.take() {
@@ -354,29 +349,26 @@ fn read_requests(
             }
         }
         let job = Job { req, payload, arrived, merged: Vec::new() };
-        // Carried out here, with no hand-off to a worker (a wake-up and two context switches,
-        // which took most of the server's CPU for 4 KiB requests), where no parallelism is
-        // lost: the connection has never had two requests in flight (a client that waits for
-        // each reply, as fio's jobs at depth 1 do: its next request cannot come before this
-        // one's reply), and nothing else is waiting in the buffer. A client that ever
-        // pipelines keeps the workers for good; until it is found out, only its first small
-        // request can hold up the reading of the next ones (by one request's time).
+        // A small READ or WRITE is carried out here, with no hand-off to a worker (a wake-up
+        // and two context switches, which took most of the server's CPU for 4 KiB requests),
+        // where no parallelism is lost: the connection has never had two requests in flight
+        // (a client that waits for each reply, as fio's jobs at depth 1 do: its next request
+        // cannot come before this one's reply), and nothing else is waiting in the buffer.
+        // Until a pipelining client is found out, only its first small request can hold up
+        // the reading of the next ones (by one request's time).
         //
         // A client that pipelines has its small READs and WRITEs carried out here too while
         // they take less than a hand-off costs (pages in the cache, tmpfs: a few µs against
         // about 10 µs of wake-ups and switches), as measured by the recent ones (`Conn::took`);
         // once they take longer (the disk), they go to the workers, which run them in parallel.
-        let depth_one = !conn.pipelined.load(Ordering::Relaxed)
+        // Other commands (FLUSH: with it here, `--coalesce` lost 18 % on strided writes) and
+        // larger requests always go to the workers.
+        let depth_one = !pipelined
             && held.is_none()
             && conn.in_flight.load(Ordering::Acquire) == 0
             && reader.buffer().len() < REQUEST_LEN;
-        let small = job.is_small_io();
-        if small && (depth_one || conn.fast()) {
-            let started = std::time::Instant::now();
+        if job.is_small_io() && (depth_one || conn.fast()) {
             conn.serve_job(server, job, &mut own, closer);
-            if small {
-                conn.took(started.elapsed());
-            }
             if conn.broken.load(Ordering::Relaxed) {
                 return Err(io::Error::new(io::ErrorKind::BrokenPipe, "connection closed"));
             }
@@ -401,9 +393,6 @@ struct Conn<'a> {
     budget: &'a Budget,
     /// Jobs handed to the workers and not yet served.
     in_flight: AtomicUsize,
-    /// A request came while another was in flight: the reader hands every job to the workers
-    /// from then on (but for fast ones: [`Conn::fast`]).
-    pipelined: AtomicBool,
     /// Recent service time of small READs and WRITEs, in ns (an average over about the last
     /// eight); `u64::MAX` before the first.
     recent_ns: AtomicU64,
@@ -427,11 +416,12 @@ impl Conn<'_> {
         self.recent_ns.store(new, Ordering::Relaxed);
     }
 
-    /// Serves one job (a worker's, or the reader's own), and gives back its budget. A panic
-    /// below (a bug) ends the connection: the request has no answer and one may be half sent,
-    /// so the client sees the connection close rather than wait for ever, and the server
-    /// goes on.
+    /// Serves one job (a worker's, or the reader's own), gives back its budget, and times it
+    /// if it is a small READ or WRITE ([`Conn::took`]). A panic below (a bug) ends the
+    /// connection: the request has no answer and one may be half sent, so the client sees the
+    /// connection close rather than wait for ever, and the server goes on.
     fn serve_job(&self, server: &Server, job: Job, buf: &mut AlignedBuf, closer: &crate::stream::Closer) {
+        let started = job.is_small_io().then(std::time::Instant::now);
         let weight = job.weight();
         let (req, arrived, merged) = (job.req, job.arrived, !job.merged.is_empty());
         let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -456,6 +446,9 @@ impl Conn<'_> {
         self.budget.give(weight);
         if buf.len() > KEEP_BUFFER_MAX {
             *buf = AlignedBuf::new(0);
+        }
+        if let Some(started) = started {
+            self.took(started.elapsed());
         }
     }
 
