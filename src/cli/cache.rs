@@ -220,26 +220,9 @@ fn stat(a: StatArgs) -> i32 {
         "FILE", "SIZE", "CACHED", "DIRTY", "WRITEBACK", "EVICTED", "RECENT"
     );
     for (row, r) in ok {
-        let page = |n: u64| human::bytes(n * r.page_size);
-        let share = if r.pages > 0 { 100.0 * r.stat.cached as f64 / r.pages as f64 } else { 0.0 };
-        let cached = format!("{} ({share:.1}%)", page(r.stat.cached));
-        let na = |n: u64| {
-            if r.source == residency::Source::Mincore {
-                "?".to_string()
-            } else {
-                page(n)
-            }
-        };
-        println!(
-            "{:<width$}  {:>10}  {:>18}  {:>10}  {:>10}  {:>10}  {:>10}",
-            row.file,
-            human::bytes(r.len),
-            cached,
-            na(r.stat.dirty),
-            na(r.stat.writeback),
-            na(r.stat.evicted),
-            na(r.stat.recently_evicted),
-        );
+        let mincore = r.source == residency::Source::Mincore;
+        let figures = tree::stat_figures(r.len, Some((&r.stat, r.pages, r.page_size)), mincore);
+        println!("{:<width$}  {figures}", row.file);
     }
     status
 }

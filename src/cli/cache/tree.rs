@@ -217,8 +217,9 @@ fn stat_rows(t: Tree) -> Result<i32, i32> {
 }
 
 /// The columns before FILE: size, then the figures (`None`: not visible, all `?`); the share
-/// of cached pages is of `pages`. With `mincore` only the cached count is known.
-fn stat_figures(len: u64, r: Option<(&CacheStat, u64, u64)>, mincore: bool) -> String {
+/// of cached pages is of `pages`. With `mincore` only the cached count is known. The plain
+/// `cache stat FILE` table has the same columns, after FILE.
+pub(super) fn stat_figures(len: u64, r: Option<(&CacheStat, u64, u64)>, mincore: bool) -> String {
     let Some((stat, pages, page_size)) = r else {
         return format!(
             "{:>10}  {:>18}  {:>10}  {:>10}  {:>10}  {:>10}",
