@@ -123,6 +123,39 @@ fn unprivileged_stat_says_residency_is_not_visible() {
     assert_eq!(cached(&f, 0, None), 0);
 }
 
+/// What cachestat asks of an unprivileged caller (owning the file or being allowed to write
+/// it) is met through the read-only descriptor `cache stat` opens: a file nobody owns but may
+/// not write, and one nobody may write but does not own.
+#[test]
+fn unprivileged_stat_sees_files_it_owns_or_may_write() {
+    if !root_or_skip("unprivileged_stat: needs root to switch to nobody") {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let owned = dir.path().join("owned");
+    let writable = dir.path().join("writable");
+    for (f, mode) in [(&owned, 0o444), (&writable, 0o666)] {
+        sample(f, MIB, MIB);
+        warm(f, 0, MIB);
+        std::fs::set_permissions(f, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    std::os::unix::fs::chown(&owned, Some(65534), Some(65534)).unwrap();
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", bin(), "cache", "stat", "--json"])
+        .args([&owned, &writable])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let files = v.as_array().unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(files.len(), 2, "{v}");
+    for f in files {
+        assert_eq!(f["cached_bytes"].as_u64(), Some(MIB), "{v}");
+    }
+}
+
 /// A 64 MiB sample file in `dir`, nothing cached but 48-52 MiB (cached before the job: not
 /// the job's to evict), opened for writing in neutral mode.
 fn neutral_file_with_cached_block(

@@ -943,9 +943,13 @@ fn prefetch_serves_a_sequential_reader_from_its_buffer() {
     // machine: seen once in a clean-clone run, 2 streams) makes it found again, at worst once
     // per worker.
     assert!((1..=4).contains(&n("streams_found")), "{stats}");
-    // Every 64 KiB read went through the filter. How many the buffer served depends on how
-    // the client races the read-ahead (the unit tests check hits deterministically).
-    assert_eq!(n("hits") + n("misses"), 256, "{stats}");
+    // Every 64 KiB read went through the filter, alone or merged by the server with the
+    // reads before it (pipelined, adjacent): a merged read of two is one read of 128 KiB to
+    // the filter, one of more is too large for it. So each merge takes one or two reads from
+    // the filter's count. How many the buffer served depends on how the client races the
+    // read-ahead (the unit tests check hits deterministically).
+    let (filtered, merged) = (n("hits") + n("misses"), stats["reads_merged"].as_u64().unwrap());
+    assert!(filtered + merged <= 256 && filtered + 2 * merged >= 256, "{stats}");
     assert!(n("prefetched") > 0 && n("held") <= 64 * MIB, "{stats}");
 }
 

@@ -36,8 +36,14 @@ impl Residency {
     }
 }
 
-/// Opens `path` the way `cache stat|evict` need it: for writing when allowed (cachestat wants
-/// write access), otherwise read-only.
+/// Opens `path` the way `cache stat|evict` and `run`'s sweep need it: read-only.
+///
+/// cachestat (and mincore before it) shows residency through a read-only descriptor when the
+/// caller owns the file or could open it for writing, so a writable descriptor gains nothing,
+/// and holding one costs others: an executable open for writing cannot be run meanwhile
+/// (ETXTBSY, seen when `run`'s sweep met a program another process was starting), leases
+/// break, and file watchers are told the file was written. fadvise and sync_file_range need
+/// no write access either.
 ///
 /// Only regular files and block devices, looked at before they are opened: a directory's page
 /// cache says nothing about the data under it (ext4 keeps directory blocks in the device's
@@ -55,10 +61,7 @@ pub fn open(path: &Path) -> Result<File> {
             .path(path)
             .detail("not a regular file or block device"));
     }
-    match std::fs::OpenOptions::new().read(true).write(true).open(path) {
-        Ok(f) => Ok(f),
-        Err(_) => File::open(path).map_err(|e| Error::io("open", e).path(path)),
-    }
+    File::open(path).map_err(|e| Error::io("open", e).path(path))
 }
 
 /// Size of a regular file or block device.
@@ -132,4 +135,29 @@ pub fn evict(file: &File, path: &Path, offset: u64, len: Option<u64>, sync: bool
             .map_err(|e| Error::io("writeback", e).path(path))?;
     }
     sys::fadvise(fd, offset, len, Advice::DontNeed).map_err(|e| Error::io("evict", e).path(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A program whose file `open` holds can still be started: a descriptor open for writing
+    /// would make exec fail with ETXTBSY.
+    #[test]
+    fn an_open_executable_can_still_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let prog = dir.path().join("true");
+        std::fs::copy("/bin/true", &prog).unwrap();
+        std::fs::set_permissions(&prog, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let file = open(&prog).unwrap();
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", file.as_raw_fd())).unwrap();
+        let flags = info.lines().find_map(|l| l.strip_prefix("flags:")).unwrap().trim();
+        let flags = i32::from_str_radix(flags, 8).unwrap();
+        assert_eq!(flags & libc::O_ACCMODE, libc::O_RDONLY, "{info}");
+        let status = std::process::Command::new(&prog).status().unwrap();
+        assert!(status.success());
+        assert!(measure(&file, &prog, 0, None).is_ok());
+    }
 }

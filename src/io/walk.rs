@@ -25,11 +25,8 @@
 //! data, so the most that race changes is which files are measured or evicted; an
 //! `openat`-based walk would close it, at the cost of a walker of our own.
 //!
-//! Files are opened read-only, not for writing as [`super::residency::open`] tries first:
-//! cachestat accepts a read-only descriptor when the caller could write the file (or owns it),
-//! and a walk must not do what opening thousands of files for writing does (an executable
-//! opened for writing cannot be run meanwhile, ETXTBSY; it breaks other programs' leases; and
-//! each close tells file watchers the file was written).
+//! Files are opened read-only, as [`super::residency::open`] does, for the reasons given
+//! there.
 
 use std::collections::HashSet;
 use std::fs::File;
