@@ -305,6 +305,13 @@ pub struct Server {
 const GRACE: Duration = Duration::from_secs(5);
 /// How long cut connections get to run their cache clean-up.
 const CLEANUP: Duration = Duration::from_secs(5);
+/// The send buffer asked for on Unix-socket connections: one merged read's reply
+/// (`transmission::MERGE_MAX`), so the worker that sends it is back at the disk while the client
+/// reads it. `nbdcopy URI null:` of a cold 2 GiB file: 1914-2155 MB/s with the default
+/// (`net.core.wmem_default`, 208 KiB here), 2164-2435 with 4 MiB (3 alternating runs).
+/// Kernel memory of the socket, not page cache: at most this much per connection (the kernel
+/// counts it double and caps it at `net.core.wmem_max`).
+const UNIX_SEND_BUFFER: usize = 4 << 20;
 /// The default [`Server::handshake_timeout`] (qemu-nbd's handshake limit is 10 s too).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -373,13 +380,24 @@ impl Server {
                 }),
                 Listener::Unix(l, _, _) => l.accept().and_then(|(s, _)| {
                     s.set_nonblocking(false)?;
+                    // Room for a whole merged read's reply (transmission::MERGE_MAX).
+                    crate::io::sys::unix_send_buffer(std::os::fd::AsFd::as_fd(&s), UNIX_SEND_BUFFER)?;
                     Ok(Box::new(s) as Box<dyn crate::stream::Stream>)
                 }),
             };
             match accepted {
                 Ok(s) => self.spawn_connection(s),
+                // Wait for the next connection, waking at once when it comes (a client such as
+                // nbdcopy opens its connections one after another: a fixed sleep here added
+                // ~28 ms to every nbdcopy run) and every 20 ms to look at shutdown.
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(20))
+                    let fd = match listener {
+                        Listener::Tcp(l) => std::os::fd::AsFd::as_fd(l),
+                        Listener::Unix(l, _, _) => std::os::fd::AsFd::as_fd(l),
+                    };
+                    if crate::io::sys::wait_readable(fd, 20).is_err() {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {

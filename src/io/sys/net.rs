@@ -267,6 +267,45 @@ pub fn tcp_keepalive(fd: BorrowedFd) -> io::Result<()> {
     set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)
 }
 
+/// Waits up to `timeout_ms` for `fd` to be readable (a listening socket: a connection to
+/// accept). False on timeout or a signal.
+pub fn wait_readable(fd: BorrowedFd, timeout_ms: i32) -> io::Result<bool> {
+    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one live pollfd for the call.
+    match unsafe { libc::poll(&mut p, 1, timeout_ms) } {
+        n if n > 0 => Ok(true),
+        0 => Ok(false),
+        _ => match io::Error::last_os_error() {
+            e if e.kind() == io::ErrorKind::Interrupted => Ok(false),
+            e => Err(e),
+        },
+    }
+}
+
+/// Asks for a send buffer of `bytes` on a Unix stream socket (the kernel caps it at
+/// `net.core.wmem_max`; a smaller grant is not an error). On a Unix socket the sender's buffer
+/// is the only one: a reply larger than it makes `writev` wait for the client to read, and a
+/// worker waiting there reads nothing from the disk meanwhile. Not for TCP, where setting it
+/// would turn off the kernel's own sizing.
+pub fn unix_send_buffer(fd: BorrowedFd, bytes: usize) -> io::Result<()> {
+    let v = bytes.min(libc::c_int::MAX as usize) as libc::c_int;
+    // SAFETY: plain system call; `v` outlives it and the length is its size.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&raw const v).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// The first socket passed by systemd socket activation (`LISTEN_PID` is this process and
 /// `LISTEN_FDS` ≥ 1: fd 3), with its address family (`AF_UNIX` or `AF_INET`/`AF_INET6`).
 /// `None` without activation. An error when fd 3 is a connection rather than a listening
