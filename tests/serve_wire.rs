@@ -140,6 +140,55 @@ fn setup() -> (tempfile::TempDir, Server) {
     (dir, s)
 }
 
+/// The reader answers small requests itself and writes their replies together once nothing
+/// more is waiting in the socket. It must never sit on them while it waits for the client:
+/// here the client sends a burst of reads and then half of a write's payload, and waits for
+/// the reads' replies before it sends the rest.
+#[test]
+fn gathered_replies_never_wait_for_the_client() {
+    let dir = scratch();
+    let img = dir.path().join("disk.img");
+    sample(&img, MIB, 64 * 1024);
+    // Cached pages: reads fast enough for the reader to answer them itself.
+    warm(&img, 0, MIB);
+    let s = Server::start_with(&img, &["--cache=keep"]);
+    let mut c = connect(&s.sock);
+    go(&mut c);
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut data = vec![0u8; 4096];
+    // One at a time first: the server learns that its reads take a few µs.
+    for i in 0..32u64 {
+        request(&mut c, CMD_READ, i, i * 8192, 4096);
+        assert_eq!(simple(&mut c), (i, 0));
+        c.read_exact(&mut data).unwrap();
+    }
+    for round in 0..20u64 {
+        let mut burst = Vec::new();
+        for i in 0..8u64 {
+            let req = Request { flags: 0, cmd: CMD_READ, cookie: 100 + i, offset: i * 16384, len: 512 };
+            burst.extend_from_slice(&encode_request(&req));
+        }
+        let write = Request { flags: 0, cmd: CMD_WRITE, cookie: 200, offset: round * 4096, len: 4096 };
+        burst.extend_from_slice(&encode_request(&write));
+        burst.extend_from_slice(&[round as u8; 2048]);
+        c.write_all(&burst).unwrap();
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            let (cookie, err) = simple(&mut c);
+            assert_eq!(err, 0);
+            c.read_exact(&mut data[..512]).unwrap();
+            seen.push(cookie);
+        }
+        seen.sort();
+        assert_eq!(seen, (100..108).collect::<Vec<_>>(), "round {round}");
+        c.write_all(&[round as u8; 2048]).unwrap();
+        assert_eq!(simple(&mut c), (200, 0));
+    }
+    // A refused request alone gets its reply too.
+    request(&mut c, CMD_READ, 300, MIB - 1, 2);
+    assert_eq!(simple(&mut c), (300, EINVAL));
+}
+
 #[test]
 fn unknown_option_is_unsupported_and_negotiation_goes_on() {
     let (_d, s) = setup();

@@ -46,6 +46,16 @@ const READER_BUFFER: usize = 64 << 10;
 /// saves matters for small requests, and a large one would hold up the reading of the next.
 const INLINE_MAX: u64 = 64 << 10;
 
+/// Replies the reader gathers before writing them together (see [`Cork`]); a reply larger
+/// than this goes out at once, with what was gathered before it.
+const CORK_MAX: usize = 16 << 10;
+
+std::thread_local! {
+    /// The reader thread's gathered replies ([`Cork`]); `None` on the workers, which write
+    /// each reply as it is ready.
+    static CORKED: std::cell::RefCell<Option<Vec<u8>>> = const { std::cell::RefCell::new(None) };
+}
+
 /// Bytes of READ and WRITE requests one connection may have in flight (read, not yet
 /// answered). Beyond it the reader stops reading requests until replies go out, and TCP
 /// pushes back on the client: without it one client could make the server hold its queue's
@@ -244,21 +254,35 @@ fn read_requests(
     let mut own = AlignedBuf::new(0);
     let send = |job: Job| {
         conn.in_flight.fetch_add(1, Ordering::Acquire);
-        tx.send(job).is_ok()
+        match tx.try_send(job) {
+            Ok(()) => true,
+            // The workers are all busy and the queue is full: the reader will wait, so what
+            // it gathered goes first.
+            Err(crossbeam_channel::TrySendError::Full(job)) => {
+                CORKED
+                    .with_borrow_mut(|c| c.as_ref().is_some_and(|c| !c.is_empty()))
+                    .then(|| conn.flush_cork());
+                tx.send(job).is_ok()
+            }
+            Err(crossbeam_channel::TrySendError::Disconnected(_)) => false,
+        }
     };
+    let cork = Cork::new(conn);
     // A READ held back in case the next request continues it.
     let mut held: Option<Job> = None;
     // A request came while another was in flight: the client pipelines, and the reader hands
     // its jobs to the workers from then on (but for fast ones: [`Conn::fast`]).
     let mut pipelined = false;
     loop {
-        // Nothing more has arrived: what is held goes now, before the reader waits.
+        // Nothing more has arrived: what is held goes now, and the gathered replies, before
+        // the reader waits.
         if reader.buffer().len() < REQUEST_LEN {
             if let Some(job) = held.take() {
                 if !send(job) {
                     return Ok(());
                 }
             }
+            cork.flush();
         }
         let mut h = [0u8; REQUEST_LEN];
         match reader.read_exact(&mut h) {
@@ -295,6 +319,7 @@ fn read_requests(
                     return Ok(());
                 }
             }
+            cork.flush();
             conn.budget.take(weight);
         }
         // A WRITE's payload is always read, so the stream stays in step even when refused:
@@ -308,6 +333,10 @@ fn read_requests(
                 None
             }
             CMD_WRITE => {
+                // The reader may wait for the rest of the payload: nothing gathered waits too.
+                if reader.buffer().len() < req.len as usize {
+                    cork.flush();
+                }
                 let mut p = vec![0u8; req.len as usize];
                 reader.read_exact(&mut p)?;
                 Some(p)
@@ -383,6 +412,44 @@ fn read_requests(
     }
 }
 
+/// The reader's gathered replies. Replies to the requests the reader answers itself (small
+/// READs and WRITEs, refusals) are written together once no whole request is left in what
+/// it has read of the socket, rather than one write each: a client with many requests in
+/// flight sends several in one go, and each reply written alone cost a system call (with the
+/// wake-up of the client) of about a third of the request's CPU (4 KiB writes at depth 16 on
+/// tmpfs: 2.2 system calls a request, 1 of them the reply). Nothing waits for the cork: it
+/// is written before the reader can wait for anything (the socket, the rest of a payload,
+/// the connection's budget, a full queue) and when the reader ends.
+struct Cork<'c, 'a>(&'c Conn<'a>);
+
+impl<'c, 'a> Cork<'c, 'a> {
+    fn new(conn: &'c Conn<'a>) -> Self {
+        CORKED.with_borrow_mut(|c| *c = Some(Vec::with_capacity(CORK_MAX)));
+        Cork(conn)
+    }
+
+    fn flush(&self) {
+        self.0.flush_cork();
+    }
+}
+
+impl Drop for Cork<'_, '_> {
+    fn drop(&mut self) {
+        self.0.flush_cork();
+        CORKED.with_borrow_mut(|c| *c = None);
+    }
+}
+
+/// An emptied gathering buffer kept for the next replies (one that grew past the cork's
+/// size is let go).
+fn reuse(mut v: Vec<u8>) -> Vec<u8> {
+    v.clear();
+    if v.capacity() > 2 * CORK_MAX {
+        v = Vec::with_capacity(CORK_MAX);
+    }
+    v
+}
+
 struct Conn<'a> {
     backend: &'a dyn Backend,
     agreed: Agreed,
@@ -452,7 +519,41 @@ impl Conn<'_> {
         }
     }
 
+    /// Writes a reply whole, or on the reader thread adds it to the gathered replies
+    /// ([`Cork`]); a large one goes out at once in one write with what was gathered.
     fn send(&self, bufs: &[&[u8]]) {
+        let len: usize = bufs.iter().map(|b| b.len()).sum();
+        let gathered = CORKED.with_borrow_mut(|c| {
+            let c = c.as_mut()?;
+            if c.len() + len <= CORK_MAX {
+                bufs.iter().for_each(|b| c.extend_from_slice(b));
+                return Some(None);
+            }
+            Some(Some(std::mem::take(c)))
+        });
+        match gathered {
+            Some(None) => {}
+            Some(Some(before)) => {
+                let mut all = Vec::with_capacity(bufs.len() + 1);
+                all.push(&before[..]);
+                all.extend_from_slice(bufs);
+                self.write_out(&all);
+                CORKED.with_borrow_mut(|c| *c = Some(reuse(before)));
+            }
+            None => self.write_out(bufs),
+        }
+    }
+
+    /// Writes what the reader has gathered.
+    fn flush_cork(&self) {
+        let Some(before) = CORKED.with_borrow_mut(|c| c.as_mut().map(std::mem::take)) else { return };
+        if !before.is_empty() {
+            self.write_out(&[&before]);
+        }
+        CORKED.with_borrow_mut(|c| *c = Some(reuse(before)));
+    }
+
+    fn write_out(&self, bufs: &[&[u8]]) {
         let mut w = self.writer.lock().unwrap();
         if let Err(e) = write_all_vectored(&mut **w, bufs) {
             tracing::debug!("reply not sent: {e}");
