@@ -9,10 +9,16 @@
 # share of CPU the host stole (bench/steal.sh); rounds with steal >= STEAL_MAX % are kept in
 # the CSV but left out of the medians.
 #
+# With STORAGE=disk the file is on DIR's own filesystem instead (a real disk), the cache is
+# dropped before each server's run, and the servers are the cache-neutral ones:
+# lightfoot-neutral, lightfoot-direct, nbdkit-none (`nbdkit file cache=none`) and qemu-none
+# (`qemu-nbd --cache=none -e 4`); the ratio columns compare the first server with the last.
+#
 # Usage (as root, on a quiet machine): bench/limits.sh [DIR]
-#     ROUNDS=5 RUNTIME=20 RAMP=5 SIZE=1G JOBS=4 DEPTH=16 STEAL_MAX=10
+#     ROUNDS=5 RUNTIME=20 RAMP=5 SIZE=1G JOBS=4 DEPTH=16 STEAL_MAX=10 STORAGE=tmpfs|disk
 #     WORKLOADS="randread-j4 randread-d16 randwrite-j4 randwrite-d16"
-#     SERVERS="lightfoot nbdkit"   LIGHTFOOT=path/to/lightfoot   EXTRA="--threads 4"
+#     SERVERS="lightfoot nbdkit" (disk: "lightfoot-neutral lightfoot-direct qemu-none nbdkit-none")
+#     LIGHTFOOT=path/to/lightfoot   EXTRA="--threads 4"
 #     OLD=path/to/another/lightfoot: server "old" runs it (an A/B: SERVERS="lightfoot old")
 # Output: DIR/limits.csv (every run) and a table of medians on stdout (DIR/limits.md).
 set -euo pipefail
@@ -26,16 +32,28 @@ DIR=${1:-/work/tmp/bench-limits}
 ROUNDS=${ROUNDS:-5} RUNTIME=${RUNTIME:-20} RAMP=${RAMP:-5} SIZE=${SIZE:-1G}
 JOBS=${JOBS:-4} DEPTH=${DEPTH:-16} STEAL_MAX=${STEAL_MAX:-10}
 WORKLOADS=${WORKLOADS:-"randread-j4 randread-d16 randwrite-j4 randwrite-d16"}
-SERVERS=${SERVERS:-"lightfoot nbdkit"}
+STORAGE=${STORAGE:-tmpfs}
+case $STORAGE in
+tmpfs) SERVERS=${SERVERS:-"lightfoot nbdkit"} ;;
+disk) SERVERS=${SERVERS:-"lightfoot-neutral lightfoot-direct qemu-none nbdkit-none"} ;;
+*) echo "limits.sh: STORAGE is tmpfs or disk" >&2; exit 1 ;;
+esac
 LF=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
 EXTRA=${EXTRA:-}
 [[ -x $LF ]] || die "$LF: not built (cargo build --release)"
 for t in fio nbdkit; do command -v $t >/dev/null || die "$t is not installed"; done
 mkdir -p "$DIR/mnt" "$DIR/logs"
-mountpoint -q "$DIR/mnt" || mount -t tmpfs -o size=$(( $(numfmt --from=iec "$SIZE") / 1048576 + 64 ))m tmpfs "$DIR/mnt"
-trap 'umount "$DIR/mnt" 2>/dev/null || true' EXIT
-IMG=$DIR/mnt/disk.img SOCK=$DIR/nbd.sock
-[[ -f $IMG ]] || head -c "$SIZE" /dev/urandom >"$IMG"
+if [[ $STORAGE == tmpfs ]]; then
+	mountpoint -q "$DIR/mnt" || mount -t tmpfs -o size=$(( $(numfmt --from=iec "$SIZE") / 1048576 + 64 ))m tmpfs "$DIR/mnt"
+	trap 'umount "$DIR/mnt" 2>/dev/null || true' EXIT
+	IMG=$DIR/mnt/disk.img
+else
+	mountpoint -q "$DIR/mnt" && die "$DIR/mnt is a mount (a tmpfs left by a tmpfs run?): umount it first"
+	IMG=$DIR/disk.img
+	command -v qemu-nbd >/dev/null || die "qemu-nbd is not installed"
+fi
+SOCK=$DIR/nbd.sock
+[[ -f $IMG && $(stat -c %s "$IMG") -eq $(numfmt --from=iec "$SIZE") ]] || { head -c "$SIZE" /dev/urandom >"$IMG"; sync "$IMG"; }
 CSV=$DIR/limits.csv
 echo "round,workload,server,iops,requests,cpu_s,us_per_req,steal_pct" >"$CSV"
 
@@ -46,7 +64,14 @@ start() {
 	lightfoot) "$LF" serve --cache=keep $EXTRA --unix "$SOCK" "$IMG" 2>"$DIR/logs/server.log" & ;;
 	# shellcheck disable=SC2086
 	old) "${OLD:?OLD=path to the other binary}" serve --cache=keep $EXTRA --unix "$SOCK" "$IMG" 2>"$DIR/logs/server.log" & ;;
+	# shellcheck disable=SC2086
+	lightfoot-neutral) "$LF" serve $EXTRA --unix "$SOCK" "$IMG" 2>"$DIR/logs/server.log" & ;;
+	# shellcheck disable=SC2086
+	lightfoot-direct) "$LF" serve --cache=direct $EXTRA --unix "$SOCK" "$IMG" 2>"$DIR/logs/server.log" & ;;
 	nbdkit) nbdkit -f -U "$SOCK" file "$IMG" 2>"$DIR/logs/server.log" & ;;
+	nbdkit-none) nbdkit -f -U "$SOCK" file "$IMG" cache=none 2>"$DIR/logs/server.log" & ;;
+	# -t: stay up when the ramp's clients leave.
+	qemu-none) qemu-nbd -t -f raw --cache=none -e 4 -k "$SOCK" "$IMG" 2>"$DIR/logs/server.log" & ;;
 	*) die "unknown server $1" ;;
 	esac
 	PID=$!
@@ -65,6 +90,7 @@ for round in $(seq "$ROUNDS"); do
 		servers=$SERVERS
 		((round % 2 == 0)) && servers=$(echo "$SERVERS" | awk '{ for (i = NF; i > 0; i--) printf "%s ", $i }')
 		for s in $servers; do
+			[[ $STORAGE == disk ]] && { sync; echo 3 >/proc/sys/vm/drop_caches; }
 			start "$s"
 			out=$DIR/logs/$round-$w-$s.json
 			# The ramp runs first, alone: the measured window starts after it.

@@ -259,9 +259,7 @@ fn read_requests(
             // The workers are all busy and the queue is full: the reader will wait, so what
             // it gathered goes first.
             Err(crossbeam_channel::TrySendError::Full(job)) => {
-                CORKED
-                    .with_borrow_mut(|c| c.as_ref().is_some_and(|c| !c.is_empty()))
-                    .then(|| conn.flush_cork());
+                conn.flush_cork();
                 tx.send(job).is_ok()
             }
             Err(crossbeam_channel::TrySendError::Disconnected(_)) => false,
@@ -417,9 +415,10 @@ fn read_requests(
 /// it has read of the socket, rather than one write each: a client with many requests in
 /// flight sends several in one go, and each reply written alone cost a system call (with the
 /// wake-up of the client) of about a third of the request's CPU (4 KiB writes at depth 16 on
-/// tmpfs: 2.2 system calls a request, 1 of them the reply). Nothing waits for the cork: it
-/// is written before the reader can wait for anything (the socket, the rest of a payload,
-/// the connection's budget, a full queue) and when the reader ends.
+/// tmpfs: 2.2 system calls a request, 1 of them the reply). A gathered reply waits only for
+/// the reader's own work on the requests that came with it: the cork is written before the
+/// reader can wait for anything (the socket, the rest of a payload, the connection's budget,
+/// a full queue) and when the reader ends.
 struct Cork<'c, 'a>(&'c Conn<'a>);
 
 impl<'c, 'a> Cork<'c, 'a> {
