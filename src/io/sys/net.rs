@@ -242,29 +242,30 @@ fn parse_keepalive(v: &str) -> Option<(u32, u32, u32)> {
 /// alive but not reading (a server holding back a client's writes while its disk catches
 /// up), and how kernels treat that case has changed between versions.
 pub fn tcp_keepalive(fd: BorrowedFd) -> io::Result<()> {
-    let set = |level: libc::c_int, name: libc::c_int, value: u32| {
-        let v = value as libc::c_int;
-        // SAFETY: plain system call; `v` outlives it and the length is its size.
-        let r = unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                level,
-                name,
-                (&raw const v).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if r == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
-    };
     let (idle, interval, count) = keepalive_times();
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle)?;
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, interval)?;
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, count)?;
-    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)
+    set_int_sockopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle as libc::c_int)?;
+    set_int_sockopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, interval as libc::c_int)?;
+    set_int_sockopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, count as libc::c_int)?;
+    set_int_sockopt(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)
+}
+
+/// `setsockopt` of one `int` option.
+fn set_int_sockopt(fd: BorrowedFd, level: libc::c_int, name: libc::c_int, v: libc::c_int) -> io::Result<()> {
+    // SAFETY: plain system call; `v` outlives it and the length is its size.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            name,
+            (&raw const v).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 /// Waits up to `timeout_ms` for `fd` to be readable (a listening socket: a connection to
@@ -289,21 +290,7 @@ pub fn wait_readable(fd: BorrowedFd, timeout_ms: i32) -> io::Result<bool> {
 /// would turn off the kernel's own sizing.
 pub fn unix_send_buffer(fd: BorrowedFd, bytes: usize) -> io::Result<()> {
     let v = bytes.min(libc::c_int::MAX as usize) as libc::c_int;
-    // SAFETY: plain system call; `v` outlives it and the length is its size.
-    let r = unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUF,
-            (&raw const v).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    set_int_sockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, v)
 }
 
 /// The first socket passed by systemd socket activation (`LISTEN_PID` is this process and
