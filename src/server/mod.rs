@@ -268,6 +268,15 @@ fn lock_dir_of(path: &std::path::Path) -> Option<std::fs::File> {
         .ok()
 }
 
+impl std::os::fd::AsFd for Listener {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        match self {
+            Listener::Tcp(l) => l.as_fd(),
+            Listener::Unix(l, _, _) => l.as_fd(),
+        }
+    }
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
         // Only the file this listener created: if it was removed meanwhile and another server
@@ -391,11 +400,7 @@ impl Server {
                 // nbdcopy opens its connections one after another: a fixed sleep here added
                 // ~28 ms to every nbdcopy run) and every 20 ms to look at shutdown.
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let fd = match listener {
-                        Listener::Tcp(l) => std::os::fd::AsFd::as_fd(l),
-                        Listener::Unix(l, _, _) => std::os::fd::AsFd::as_fd(l),
-                    };
-                    if crate::io::sys::wait_readable(fd, 20).is_err() {
+                    if crate::io::sys::wait_readable(std::os::fd::AsFd::as_fd(listener), 20).is_err() {
                         std::thread::sleep(Duration::from_millis(20));
                     }
                 }

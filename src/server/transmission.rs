@@ -252,6 +252,7 @@ fn read_requests(
     let mut at_hand = AlignedBuf::new(HOLE_LOOKUP_MIN);
     // The reader's buffer for the small READs and WRITEs it carries out itself (below).
     let mut own = AlignedBuf::new(0);
+    let cork = Cork::new(conn);
     let send = |job: Job| {
         conn.in_flight.fetch_add(1, Ordering::Acquire);
         match tx.try_send(job) {
@@ -259,13 +260,12 @@ fn read_requests(
             // The workers are all busy and the queue is full: the reader will wait, so what
             // it gathered goes first.
             Err(crossbeam_channel::TrySendError::Full(job)) => {
-                conn.flush_cork();
+                cork.flush();
                 tx.send(job).is_ok()
             }
             Err(crossbeam_channel::TrySendError::Disconnected(_)) => false,
         }
     };
-    let cork = Cork::new(conn);
     // A READ held back in case the next request continues it.
     let mut held: Option<Job> = None;
     // A request came while another was in flight: the client pipelines, and the reader hands
@@ -439,14 +439,29 @@ impl Drop for Cork<'_, '_> {
     }
 }
 
-/// An emptied gathering buffer kept for the next replies (one that grew past the cork's
-/// size is let go).
-fn reuse(mut v: Vec<u8>) -> Vec<u8> {
+/// On the reader thread, adds a reply to the gathered ones if it fits in the cork; false on
+/// the workers, or for a reply that does not fit.
+fn gather(bufs: &[&[u8]]) -> bool {
+    CORKED.with_borrow_mut(|c| {
+        let Some(c) = c else { return false };
+        if c.len() + bufs.iter().map(|b| b.len()).sum::<usize>() > CORK_MAX {
+            return false;
+        }
+        bufs.iter().for_each(|b| c.extend_from_slice(b));
+        true
+    })
+}
+
+/// The gathered replies, taken out to be written (`None` on the workers).
+fn take_gathered() -> Option<Vec<u8>> {
+    CORKED.with_borrow_mut(|c| c.as_mut().map(std::mem::take))
+}
+
+/// Puts the gathering buffer back, emptied, for the next replies (it never grows: nothing is
+/// gathered past [`CORK_MAX`]).
+fn give_back(mut v: Vec<u8>) {
     v.clear();
-    if v.capacity() > 2 * CORK_MAX {
-        v = Vec::with_capacity(CORK_MAX);
-    }
-    v
+    CORKED.with_borrow_mut(|c| *c = Some(v));
 }
 
 struct Conn<'a> {
@@ -521,23 +536,16 @@ impl Conn<'_> {
     /// Writes a reply whole, or on the reader thread adds it to the gathered replies
     /// ([`Cork`]); a large one goes out at once in one write with what was gathered.
     fn send(&self, bufs: &[&[u8]]) {
-        let len: usize = bufs.iter().map(|b| b.len()).sum();
-        let gathered = CORKED.with_borrow_mut(|c| {
-            let c = c.as_mut()?;
-            if c.len() + len <= CORK_MAX {
-                bufs.iter().for_each(|b| c.extend_from_slice(b));
-                return Some(None);
-            }
-            Some(Some(std::mem::take(c)))
-        });
-        match gathered {
-            Some(None) => {}
-            Some(Some(before)) => {
+        if gather(bufs) {
+            return;
+        }
+        match take_gathered() {
+            Some(before) => {
                 let mut all = Vec::with_capacity(bufs.len() + 1);
                 all.push(&before[..]);
                 all.extend_from_slice(bufs);
                 self.write_out(&all);
-                CORKED.with_borrow_mut(|c| *c = Some(reuse(before)));
+                give_back(before);
             }
             None => self.write_out(bufs),
         }
@@ -545,11 +553,11 @@ impl Conn<'_> {
 
     /// Writes what the reader has gathered.
     fn flush_cork(&self) {
-        let Some(before) = CORKED.with_borrow_mut(|c| c.as_mut().map(std::mem::take)) else { return };
+        let Some(before) = take_gathered() else { return };
         if !before.is_empty() {
             self.write_out(&[&before]);
         }
-        CORKED.with_borrow_mut(|c| *c = Some(reuse(before)));
+        give_back(before);
     }
 
     fn write_out(&self, bufs: &[&[u8]]) {

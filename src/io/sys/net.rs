@@ -269,7 +269,7 @@ fn set_int_sockopt(fd: BorrowedFd, level: libc::c_int, name: libc::c_int, v: lib
 }
 
 /// Waits up to `timeout_ms` for `fd` to be readable (a listening socket: a connection to
-/// accept). False on timeout or a signal.
+/// accept; a fanotify group: events). False on timeout or a signal.
 pub fn wait_readable(fd: BorrowedFd, timeout_ms: i32) -> io::Result<bool> {
     let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     // SAFETY: one live pollfd for the call.

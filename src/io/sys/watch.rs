@@ -3,7 +3,7 @@
 //! subreaper of a process tree, and reaping any child.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
@@ -50,14 +50,7 @@ impl Fanotify {
 
     /// Waits up to `timeout_ms` for events and reads what is queued.
     pub fn read(&self, buf: &mut [u8], timeout_ms: i32) -> io::Result<Vec<FanEvent>> {
-        let mut pfd = libc::pollfd { fd: self.0.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one live pollfd for the call.
-        let n = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            return if e.kind() == io::ErrorKind::Interrupted { Ok(Vec::new()) } else { Err(e) };
-        }
-        if n == 0 {
+        if !super::net::wait_readable(self.0.as_fd(), timeout_ms)? {
             return Ok(Vec::new());
         }
         let len = retry(|| {
