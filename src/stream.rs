@@ -4,6 +4,7 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 
 pub trait Stream: Read + Write + Send + 'static {
@@ -12,6 +13,13 @@ pub trait Stream: Read + Write + Send + 'static {
 
     /// Something that ends the connection from another thread (server shutdown).
     fn closer(&self) -> io::Result<Closer>;
+
+    /// A handle on the socket, for reading only what has already arrived (`recv` with
+    /// `MSG_DONTWAIT`) between reads of the reading half; `None` where bytes can wait elsewhere
+    /// than in the socket (a TLS session's buffer).
+    fn arrived(&self) -> Option<OwnedFd> {
+        None
+    }
 }
 
 /// Shuts a connection down from outside its threads.
@@ -29,6 +37,10 @@ macro_rules! socket_stream {
             fn closer(&self) -> io::Result<Closer> {
                 let s = self.try_clone()?;
                 Ok(Box::new(move || drop(s.shutdown(std::net::Shutdown::Both))))
+            }
+
+            fn arrived(&self) -> Option<OwnedFd> {
+                self.try_clone().ok().map(OwnedFd::from)
             }
         }
     )*};

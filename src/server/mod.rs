@@ -510,7 +510,9 @@ impl Server {
             tracing::debug!("no closer for this connection: {e}");
             Box::new(|| {})
         });
+        let arrived = s.arrived();
         let (r, w) = s.split()?;
+        let r = transmission::Incoming::new(r, arrived);
         transmission::run(self, backend, agreed, r, w, closer)
     }
 }

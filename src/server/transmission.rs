@@ -12,7 +12,7 @@
 //! [`MERGE_MAX`], as a block-layer plug would: the device serves one 4 MiB read faster than
 //! sixteen 256 KiB ones. Only requests already received are merged, so nothing waits for it.
 
-use std::io::{self, Read, Write};
+use std::io::{self, BufRead, Read, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -172,7 +172,7 @@ pub fn run(
     server: &Server,
     backend: Arc<dyn Backend>,
     agreed: Agreed,
-    reader: Box<dyn Read + Send>,
+    reader: Incoming,
     writer: Box<dyn Write + Send>,
     closer: crate::stream::Closer,
 ) -> io::Result<()> {
@@ -244,7 +244,7 @@ fn read_requests(
     server: &Server,
     limits: &Limits,
     conn: &Conn,
-    reader: &mut io::BufReader<Box<dyn Read + Send>>,
+    reader: &mut io::BufReader<Incoming>,
     tx: &crossbeam_channel::Sender<Job>,
     closer: &crate::stream::Closer,
 ) -> io::Result<()> {
@@ -274,13 +274,20 @@ fn read_requests(
     loop {
         // Nothing more has arrived: what is held goes now, and the gathered replies, before
         // the reader waits.
+        // For a client that pipelines, replies gathered wait while more requests have
+        // already arrived.
         if reader.buffer().len() < REQUEST_LEN {
             if let Some(job) = held.take() {
                 if !send(job) {
                     return Ok(());
                 }
             }
-            cork.flush();
+            while reader.buffer().len() < REQUEST_LEN {
+                if !(pipelined && cork.holds_replies() && more_arrived(reader)) {
+                    cork.flush();
+                    break;
+                }
+            }
         }
         let mut h = [0u8; REQUEST_LEN];
         match reader.read_exact(&mut h) {
@@ -410,15 +417,57 @@ fn read_requests(
     }
 }
 
+/// The reading half of a connection, which can also read only what has already arrived.
+pub struct Incoming {
+    half: Box<dyn Read + Send>,
+    /// A handle on the socket `half` reads ([`crate::stream::Stream::arrived`]).
+    fd: Option<std::os::fd::OwnedFd>,
+    /// The next read takes only what has arrived, and fails with `WouldBlock` if nothing has.
+    dont_wait: bool,
+}
+
+impl Incoming {
+    pub fn new(half: Box<dyn Read + Send>, fd: Option<std::os::fd::OwnedFd>) -> Self {
+        Incoming { half, fd, dont_wait: false }
+    }
+}
+
+impl Read for Incoming {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match &self.fd {
+            Some(fd) if self.dont_wait => {
+                use std::os::fd::AsFd;
+                crate::io::sys::recv_arrived(fd.as_fd(), buf)?.ok_or_else(|| io::ErrorKind::WouldBlock.into())
+            }
+            _ => self.half.read(buf),
+        }
+    }
+}
+
+/// Reads into the reader's empty buffer what has already arrived, without waiting; true if
+/// anything had.
+fn more_arrived(reader: &mut io::BufReader<Incoming>) -> bool {
+    if !reader.buffer().is_empty() || reader.get_ref().fd.is_none() {
+        return false;
+    }
+    reader.get_mut().dont_wait = true;
+    let more = matches!(reader.fill_buf(), Ok(b) if !b.is_empty());
+    reader.get_mut().dont_wait = false;
+    more
+}
+
 /// The reader's gathered replies. Replies to the requests the reader answers itself (small
 /// READs and WRITEs, refusals) are written together once no whole request is left in what
 /// it has read of the socket, rather than one write each: a client with many requests in
 /// flight sends several in one go, and each reply written alone cost a system call (with the
 /// wake-up of the client) of about a third of the request's CPU (4 KiB writes at depth 16 on
-/// tmpfs: 2.2 system calls a request, 1 of them the reply). A gathered reply waits only for
-/// the reader's own work on the requests that came with it: the cork is written before the
-/// reader can wait for anything (the socket, the rest of a payload, the connection's budget,
-/// a full queue) and when the reader ends.
+/// tmpfs: 2.2 system calls a request, 1 of them the reply). For a client that pipelines they
+/// also wait while more requests have already arrived on the socket ([`more_arrived`]): the
+/// reader took about 2 requests per read of the socket, and writes went from 0.45 to 0.1 per
+/// request (5 % less CPU per request). A gathered reply waits only for the reader's own work
+/// on requests already sent: the cork is written before the reader can wait for anything
+/// (the socket, the rest of a payload, the connection's budget, a full queue) and when the
+/// reader ends.
 struct Cork<'c, 'a>(&'c Conn<'a>);
 
 impl<'c, 'a> Cork<'c, 'a> {
@@ -429,6 +478,10 @@ impl<'c, 'a> Cork<'c, 'a> {
 
     fn flush(&self) {
         self.0.flush_cork();
+    }
+
+    fn holds_replies(&self) -> bool {
+        CORKED.with_borrow(|c| c.as_ref().is_some_and(|c| !c.is_empty()))
     }
 }
 
@@ -505,14 +558,20 @@ impl Conn<'_> {
         let started = job.is_small_io().then(std::time::Instant::now);
         let weight = job.weight();
         let (req, arrived, merged) = (job.req, job.arrived, !job.merged.is_empty());
+        // `Some(ok)` for a request of its own; merged READs are recorded one by one inside.
         let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             if merged {
                 self.read_merged(server, job, buf);
+                None
             } else {
-                let ok = self.handle(job, buf);
-                server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
+                Some(self.handle(job, buf))
             }
         }));
+        // One clock read for the statistics and the timing of small requests.
+        let now = std::time::Instant::now();
+        if let Ok(Some(ok)) = served {
+            server.stats.record(req.cmd, req.len, now - arrived, ok);
+        }
         if served.is_err() {
             tracing::error!(
                 "internal error serving {} at {}+{}: closing the connection",
@@ -529,7 +588,7 @@ impl Conn<'_> {
             *buf = AlignedBuf::new(0);
         }
         if let Some(started) = started {
-            self.took(started.elapsed());
+            self.took(now - started);
         }
     }
 
@@ -818,5 +877,61 @@ impl Conn<'_> {
         }
         self.send(&[&block_status_chunk(REPLY_FLAG_DONE, req.cookie, BASE_ALLOCATION_ID, &descriptors)]);
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    fn incoming(s: UnixStream, with_fd: bool) -> io::BufReader<Incoming> {
+        let fd = with_fd.then(|| std::os::fd::OwnedFd::from(s.try_clone().unwrap()));
+        io::BufReader::with_capacity(64, Incoming::new(Box::new(s), fd))
+    }
+
+    /// Reading what has arrived never waits: nothing there is false, bytes there are taken
+    /// into the buffer, the end of the stream is false; reads after it wait as before.
+    #[test]
+    fn more_arrived_takes_only_what_is_there() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let mut r = incoming(a, true);
+        assert!(!more_arrived(&mut r), "nothing was sent");
+        b.write_all(b"0123456789").unwrap();
+        assert!(more_arrived(&mut r));
+        assert_eq!(r.buffer(), b"0123456789");
+        // Only into an empty buffer: what is there is read first.
+        b.write_all(b"abc").unwrap();
+        assert!(!more_arrived(&mut r));
+        r.consume(10);
+        assert!(more_arrived(&mut r));
+        assert_eq!(r.buffer(), b"abc");
+        r.consume(3);
+        // An ordinary read still waits for the bytes.
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            b.write_all(b"late").unwrap();
+            b
+        });
+        let mut late = [0u8; 4];
+        r.read_exact(&mut late).unwrap();
+        assert_eq!(&late, b"late");
+        drop(writer.join().unwrap());
+        assert!(!more_arrived(&mut r), "the client is gone");
+        assert_eq!(r.read(&mut late).unwrap(), 0);
+    }
+
+    /// Without a socket handle (a TLS session, whose buffer may hold bytes) nothing is read
+    /// early, even when bytes are there.
+    #[test]
+    fn without_a_socket_nothing_is_read_early() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let mut r = incoming(a, false);
+        b.write_all(b"xyz").unwrap();
+        assert!(!more_arrived(&mut r));
+        assert!(r.buffer().is_empty());
+        let mut got = [0u8; 3];
+        r.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"xyz");
     }
 }

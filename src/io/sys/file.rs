@@ -12,22 +12,37 @@ pub const RWF_DONTCACHE: i32 = 0x80;
 /// `RWF_DSYNC`: this write is durable when the call returns (our FUA).
 pub const RWF_DSYNC: i32 = 0x2;
 
-/// `preadv2` of one buffer with `flags`; returns the bytes read (0 at end of file).
+/// `preadv2` of one buffer with `flags`; returns the bytes read (0 at end of file). Without
+/// flags it is a plain `pread`, which skips the kernel's import of an iovec (about 1 % of a
+/// small request's CPU on tmpfs).
 pub fn pread(fd: BorrowedFd, buf: &mut [u8], offset: u64, flags: i32) -> io::Result<usize> {
     let iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     retry(|| {
         // SAFETY: `iov` points into `buf`, which is exclusively borrowed for the whole call.
-        let ret = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
+        let ret = unsafe {
+            if flags == 0 {
+                libc::pread(fd.as_raw_fd(), iov.iov_base, iov.iov_len, offset as libc::off_t)
+            } else {
+                libc::preadv2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags)
+            }
+        };
         check(ret as libc::c_long)
     })
 }
 
-/// `pwritev2` of one buffer with `flags`; returns the bytes written.
+/// `pwritev2` of one buffer with `flags`; returns the bytes written. A plain `pwrite` without
+/// flags, as [`pread`].
 pub fn pwrite(fd: BorrowedFd, buf: &[u8], offset: u64, flags: i32) -> io::Result<usize> {
     let iov = libc::iovec { iov_base: buf.as_ptr() as *mut _, iov_len: buf.len() };
     retry(|| {
         // SAFETY: `iov` points into `buf`, borrowed for the whole call; the kernel only reads it.
-        let ret = unsafe { libc::pwritev2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
+        let ret = unsafe {
+            if flags == 0 {
+                libc::pwrite(fd.as_raw_fd(), iov.iov_base, iov.iov_len, offset as libc::off_t)
+            } else {
+                libc::pwritev2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags)
+            }
+        };
         check(ret as libc::c_long)
     })
 }

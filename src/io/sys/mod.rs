@@ -47,8 +47,8 @@ pub use file::{
 };
 pub use mem::{page_size, AlignedBuf, FileMapping, BUF_ALIGN, HUGE_BUF_MIN};
 pub use net::{
-    activate_socket, keepalive_times, socket_activation, tcp_connect, tcp_keepalive, unix_connect,
-    unix_connect_nonblocking, unix_send_buffer, wait_readable, KEEPALIVE_COUNT, KEEPALIVE_IDLE,
+    activate_socket, keepalive_times, recv_arrived, socket_activation, tcp_connect, tcp_keepalive,
+    unix_connect, unix_connect_nonblocking, unix_send_buffer, wait_readable, KEEPALIVE_COUNT, KEEPALIVE_IDLE,
     KEEPALIVE_INTERVAL,
 };
 pub use process::{

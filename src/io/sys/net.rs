@@ -268,6 +268,20 @@ fn set_int_sockopt(fd: BorrowedFd, level: libc::c_int, name: libc::c_int, v: lib
     }
 }
 
+/// Reads from a socket only what has already arrived (`recv` with `MSG_DONTWAIT`): `None`
+/// when nothing has (or a signal came first), `Some(0)` at the end of the stream.
+pub fn recv_arrived(fd: BorrowedFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
+    // SAFETY: `buf` is exclusively borrowed for the call and its length is passed with it.
+    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+    if n >= 0 {
+        return Ok(Some(n as usize));
+    }
+    match io::Error::last_os_error() {
+        e if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => Ok(None),
+        e => Err(e),
+    }
+}
+
 /// Waits up to `timeout_ms` for `fd` to be readable (a listening socket: a connection to
 /// accept; a fanotify group: events). False on timeout or a signal.
 pub fn wait_readable(fd: BorrowedFd, timeout_ms: i32) -> io::Result<bool> {
