@@ -184,6 +184,32 @@ fn gathered_replies_never_wait_for_the_client() {
         c.write_all(&[round as u8; 2048]).unwrap();
         assert_eq!(simple(&mut c), (200, 0));
     }
+    // The same with a refused WRITE (past the end): the reader throws its payload away as it
+    // comes, and writes the gathered replies before it waits for the rest.
+    for round in 0..5u64 {
+        let mut burst = Vec::new();
+        for i in 0..8u64 {
+            let req = Request { flags: 0, cmd: CMD_READ, cookie: 100 + i, offset: i * 16384, len: 512 };
+            burst.extend_from_slice(&encode_request(&req));
+        }
+        let write = Request { flags: 0, cmd: CMD_WRITE, cookie: 201, offset: MIB - 1024, len: 4096 };
+        burst.extend_from_slice(&encode_request(&write));
+        burst.extend_from_slice(&[round as u8; 2048]);
+        c.write_all(&burst).unwrap();
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            let (cookie, err) = simple(&mut c);
+            assert_eq!(err, 0);
+            c.read_exact(&mut data[..512]).unwrap();
+            seen.push(cookie);
+        }
+        seen.sort();
+        assert_eq!(seen, (100..108).collect::<Vec<_>>(), "refused write, round {round}");
+        c.write_all(&[round as u8; 2048]).unwrap();
+        let (cookie, err) = simple(&mut c);
+        assert_eq!(cookie, 201);
+        assert_ne!(err, 0, "a write past the end is refused");
+    }
     // A refused request alone gets its reply too.
     request(&mut c, CMD_READ, 300, MIB - 1, 2);
     assert_eq!(simple(&mut c), (300, EINVAL));

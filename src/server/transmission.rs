@@ -282,11 +282,10 @@ fn read_requests(
                     return Ok(());
                 }
             }
-            while reader.buffer().len() < REQUEST_LEN {
-                if !(pipelined && cork.holds_replies() && more_arrived(reader)) {
-                    cork.flush();
-                    break;
-                }
+            if !(pipelined && cork.holds_replies() && more_arrived(reader)?)
+                || reader.buffer().len() < REQUEST_LEN
+            {
+                cork.flush();
             }
         }
         let mut h = [0u8; REQUEST_LEN];
@@ -331,6 +330,9 @@ fn read_requests(
         // a refused one through the reader's own buffer, into nothing.
         let payload = match req.cmd {
             CMD_WRITE if refused => {
+                if reader.buffer().len() < req.len as usize {
+                    cork.flush();
+                }
                 let skipped = io::copy(&mut reader.by_ref().take(req.len), &mut io::sink())?;
                 if skipped < req.len {
                     return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "payload cut short"));
@@ -434,26 +436,31 @@ impl Incoming {
 
 impl Read for Incoming {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match &self.fd {
-            Some(fd) if self.dont_wait => {
-                use std::os::fd::AsFd;
-                crate::io::sys::recv_arrived(fd.as_fd(), buf)?.ok_or_else(|| io::ErrorKind::WouldBlock.into())
-            }
-            _ => self.half.read(buf),
+        if !self.dont_wait {
+            return self.half.read(buf);
         }
+        let arrived = match &self.fd {
+            Some(fd) => crate::io::sys::recv_arrived(std::os::fd::AsFd::as_fd(fd), buf)?,
+            None => None,
+        };
+        arrived.ok_or_else(|| io::ErrorKind::WouldBlock.into())
     }
 }
 
 /// Reads into the reader's empty buffer what has already arrived, without waiting; true if
-/// anything had.
-fn more_arrived(reader: &mut io::BufReader<Incoming>) -> bool {
+/// anything had. The end of the stream is false (the next read sees it); an error on the
+/// socket (a reset) is returned.
+fn more_arrived(reader: &mut io::BufReader<Incoming>) -> io::Result<bool> {
     if !reader.buffer().is_empty() || reader.get_ref().fd.is_none() {
-        return false;
+        return Ok(false);
     }
     reader.get_mut().dont_wait = true;
-    let more = matches!(reader.fill_buf(), Ok(b) if !b.is_empty());
+    let more = reader.fill_buf().map(|b| !b.is_empty());
     reader.get_mut().dont_wait = false;
-    more
+    match more {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+        more => more,
+    }
 }
 
 /// The reader's gathered replies. Replies to the requests the reader answers itself (small
@@ -886,6 +893,8 @@ mod tests {
     use std::os::unix::net::UnixStream;
 
     fn incoming(s: UnixStream, with_fd: bool) -> io::BufReader<Incoming> {
+        // A read that waits when it should not fails the test rather than hanging it.
+        s.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
         let fd = with_fd.then(|| std::os::fd::OwnedFd::from(s.try_clone().unwrap()));
         io::BufReader::with_capacity(64, Incoming::new(Box::new(s), fd))
     }
@@ -896,15 +905,17 @@ mod tests {
     fn more_arrived_takes_only_what_is_there() {
         let (a, mut b) = UnixStream::pair().unwrap();
         let mut r = incoming(a, true);
-        assert!(!more_arrived(&mut r), "nothing was sent");
+        let t = std::time::Instant::now();
+        assert!(!more_arrived(&mut r).unwrap(), "nothing was sent");
+        assert!(t.elapsed() < std::time::Duration::from_secs(1), "it waited");
         b.write_all(b"0123456789").unwrap();
-        assert!(more_arrived(&mut r));
+        assert!(more_arrived(&mut r).unwrap());
         assert_eq!(r.buffer(), b"0123456789");
         // Only into an empty buffer: what is there is read first.
         b.write_all(b"abc").unwrap();
-        assert!(!more_arrived(&mut r));
+        assert!(!more_arrived(&mut r).unwrap());
         r.consume(10);
-        assert!(more_arrived(&mut r));
+        assert!(more_arrived(&mut r).unwrap());
         assert_eq!(r.buffer(), b"abc");
         r.consume(3);
         // An ordinary read still waits for the bytes.
@@ -917,8 +928,21 @@ mod tests {
         r.read_exact(&mut late).unwrap();
         assert_eq!(&late, b"late");
         drop(writer.join().unwrap());
-        assert!(!more_arrived(&mut r), "the client is gone");
+        assert!(!more_arrived(&mut r).unwrap(), "the client is gone");
         assert_eq!(r.read(&mut late).unwrap(), 0);
+    }
+
+    /// An error on the socket is returned, not taken for "nothing arrived": a client that
+    /// closes with our bytes unread resets the connection.
+    #[test]
+    fn more_arrived_returns_a_reset() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut ours = a.try_clone().unwrap();
+        let mut r = incoming(a, true);
+        ours.write_all(b"unread by the client").unwrap();
+        drop(b);
+        let e = more_arrived(&mut r).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionReset, "{e}");
     }
 
     /// Without a socket handle (a TLS session, whose buffer may hold bytes) nothing is read
@@ -928,7 +952,7 @@ mod tests {
         let (a, mut b) = UnixStream::pair().unwrap();
         let mut r = incoming(a, false);
         b.write_all(b"xyz").unwrap();
-        assert!(!more_arrived(&mut r));
+        assert!(!more_arrived(&mut r).unwrap());
         assert!(r.buffer().is_empty());
         let mut got = [0u8; 3];
         r.read_exact(&mut got).unwrap();
