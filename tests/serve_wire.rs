@@ -162,51 +162,40 @@ fn gathered_replies_never_wait_for_the_client() {
         assert_eq!(simple(&mut c), (i, 0));
         c.read_exact(&mut data).unwrap();
     }
-    for round in 0..20u64 {
+    // Eight small reads, then a WRITE with half of its payload: the reads' replies must come
+    // before the rest of the payload is sent.
+    let mut reads_then_half_a_write = |c: &mut UnixStream, write: Request, fill: u8, what: &str| {
         let mut burst = Vec::new();
         for i in 0..8u64 {
             let req = Request { flags: 0, cmd: CMD_READ, cookie: 100 + i, offset: i * 16384, len: 512 };
             burst.extend_from_slice(&encode_request(&req));
         }
-        let write = Request { flags: 0, cmd: CMD_WRITE, cookie: 200, offset: round * 4096, len: 4096 };
         burst.extend_from_slice(&encode_request(&write));
-        burst.extend_from_slice(&[round as u8; 2048]);
+        burst.extend_from_slice(&[fill; 2048]);
         c.write_all(&burst).unwrap();
         let mut seen = Vec::new();
         for _ in 0..8 {
-            let (cookie, err) = simple(&mut c);
+            let (cookie, err) = simple(c);
             assert_eq!(err, 0);
             c.read_exact(&mut data[..512]).unwrap();
             seen.push(cookie);
         }
         seen.sort();
-        assert_eq!(seen, (100..108).collect::<Vec<_>>(), "round {round}");
-        c.write_all(&[round as u8; 2048]).unwrap();
-        assert_eq!(simple(&mut c), (200, 0));
+        assert_eq!(seen, (100..108).collect::<Vec<_>>(), "{what}");
+        c.write_all(&[fill; 2048]).unwrap();
+        simple(c)
+    };
+    for round in 0..20u64 {
+        let write = Request { flags: 0, cmd: CMD_WRITE, cookie: 200, offset: round * 4096, len: 4096 };
+        let reply = reads_then_half_a_write(&mut c, write, round as u8, &format!("round {round}"));
+        assert_eq!(reply, (200, 0));
     }
     // The same with a refused WRITE (past the end): the reader throws its payload away as it
     // comes, and writes the gathered replies before it waits for the rest.
     for round in 0..5u64 {
-        let mut burst = Vec::new();
-        for i in 0..8u64 {
-            let req = Request { flags: 0, cmd: CMD_READ, cookie: 100 + i, offset: i * 16384, len: 512 };
-            burst.extend_from_slice(&encode_request(&req));
-        }
         let write = Request { flags: 0, cmd: CMD_WRITE, cookie: 201, offset: MIB - 1024, len: 4096 };
-        burst.extend_from_slice(&encode_request(&write));
-        burst.extend_from_slice(&[round as u8; 2048]);
-        c.write_all(&burst).unwrap();
-        let mut seen = Vec::new();
-        for _ in 0..8 {
-            let (cookie, err) = simple(&mut c);
-            assert_eq!(err, 0);
-            c.read_exact(&mut data[..512]).unwrap();
-            seen.push(cookie);
-        }
-        seen.sort();
-        assert_eq!(seen, (100..108).collect::<Vec<_>>(), "refused write, round {round}");
-        c.write_all(&[round as u8; 2048]).unwrap();
-        let (cookie, err) = simple(&mut c);
+        let (cookie, err) =
+            reads_then_half_a_write(&mut c, write, round as u8, &format!("refused, round {round}"));
         assert_eq!(cookie, 201);
         assert_ne!(err, 0, "a write past the end is refused");
     }
