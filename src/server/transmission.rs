@@ -272,10 +272,9 @@ fn read_requests(
     // its jobs to the workers from then on (but for fast ones: [`Conn::fast`]).
     let mut pipelined = false;
     loop {
-        // Nothing more has arrived: what is held goes now, and the gathered replies, before
-        // the reader waits.
-        // For a client that pipelines, replies gathered wait while more requests have
-        // already arrived.
+        // No whole request is left in the buffer: what is held goes now, and the gathered
+        // replies before the reader waits; for a client that pipelines, the replies first wait
+        // while more requests have already arrived on the socket.
         if reader.buffer().len() < REQUEST_LEN {
             if let Some(job) = held.take() {
                 if !send(job) {
@@ -327,12 +326,13 @@ fn read_requests(
             conn.budget.take(weight);
         }
         // A WRITE's payload is always read, so the stream stays in step even when refused:
-        // a refused one through the reader's own buffer, into nothing.
+        // a refused one through the reader's own buffer, into nothing. The reader may wait for
+        // the rest of it: nothing gathered waits too.
+        if req.cmd == CMD_WRITE && reader.buffer().len() < req.len as usize {
+            cork.flush();
+        }
         let payload = match req.cmd {
             CMD_WRITE if refused => {
-                if reader.buffer().len() < req.len as usize {
-                    cork.flush();
-                }
                 let skipped = io::copy(&mut reader.by_ref().take(req.len), &mut io::sink())?;
                 if skipped < req.len {
                     return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "payload cut short"));
@@ -340,10 +340,6 @@ fn read_requests(
                 None
             }
             CMD_WRITE => {
-                // The reader may wait for the rest of the payload: nothing gathered waits too.
-                if reader.buffer().len() < req.len as usize {
-                    cork.flush();
-                }
                 let mut p = vec![0u8; req.len as usize];
                 reader.read_exact(&mut p)?;
                 Some(p)
@@ -448,10 +444,11 @@ impl Read for Incoming {
 }
 
 /// Reads into the reader's empty buffer what has already arrived, without waiting; true if
-/// anything had. The end of the stream is false (the next read sees it); an error on the
+/// anything had. The end of the stream is false (the next read sees it), and so is a stream
+/// without a socket handle ([`Incoming`] never waits when told not to); an error on the
 /// socket (a reset) is returned.
 fn more_arrived(reader: &mut io::BufReader<Incoming>) -> io::Result<bool> {
-    if !reader.buffer().is_empty() || reader.get_ref().fd.is_none() {
+    if !reader.buffer().is_empty() {
         return Ok(false);
     }
     reader.get_mut().dont_wait = true;
