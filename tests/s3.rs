@@ -88,6 +88,14 @@ fn copies_to_and_from_both_layouts() {
     assert!(piped.status.success(), "{}", text(&piped));
     ok(lf(&w, &["copy", "s3://disks/piped.img", back1.to_str().unwrap()]));
     assert!(same_contents(&src, &back1), "piped upload round trip differs");
+    // Five 8 MiB parts, more than are kept to be reused: a part's buffer, reused, holds
+    // none of the part before it.
+    let big = dir.path().join("big.img");
+    sample(&big, 40 * MIB, MIB);
+    ok(lf(&w, &["copy", big.to_str().unwrap(), "s3://disks/big.img"]));
+    let big_back = dir.path().join("big-back.img");
+    ok(lf(&w, &["copy", "s3://disks/big.img", big_back.to_str().unwrap()]));
+    assert!(same_contents(&big, &big_back), "five-part upload round trip differs");
 
     // Into an existing image: the source's zeroes delete the objects that held data.
     let zeros = dir.path().join("zeros.img");

@@ -16,8 +16,9 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
+use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{MultipartUpload, ObjectStoreExt, PutPayload};
 use tokio::task::JoinHandle;
@@ -29,16 +30,74 @@ use crate::error::{Error, ErrorKind, Result};
 const MAX_PARTS: u64 = 10_000;
 const MIN_PART: u64 = 8 << 20;
 const STREAM_PART: u64 = 64 << 20;
-/// Parts sending at once beyond this many bytes make writers wait for the oldest. 128 MiB
-/// put a 1 GiB upload's peak RSS at 299 MiB (bench/s3.sh); uploads to the store were bound
-/// by the store, not by what was in flight (the same rate at 0 and 10 ms of latency).
-const SENDING_BYTES: u64 = 64 << 20;
+/// Parts held beyond this many bytes, on their way or full and waiting for one before them,
+/// make writers wait for the oldest on its way. Counting only those on their way (128 MiB,
+/// then 64) left the ones waiting unbounded: when one of the copy's 8 workers fell behind,
+/// the others filled up to 8 parts after its own, and a 1 GiB upload peaked at 211-267 MiB
+/// RSS (bench/s3.sh, 5 rounds). Uploads to the store here are bound by the store, not by
+/// what is in flight (the same rate at 0 and 10 ms of latency).
+const HELD_BYTES: u64 = 64 << 20;
 
 pub struct Upload {
     part_size: u64,
     /// Known in advance (a file or device source), else learnt from the writes.
     size: Option<u64>,
+    buffers: Buffers,
     state: Mutex<State>,
+}
+
+/// Part buffers come back here once their part is sent, for the parts after it: no more are
+/// ever allocated than were live at once, whatever the allocator.
+///
+/// Allocated for each part and freed once it was sent, they stayed with glibc's malloc: each
+/// of the copy's workers allocates from an arena of its own, and a part freed back to one
+/// worker's arena is not reused by the others, so each arena kept a part or more. With at
+/// most 4 kept here and the rest freed, 1 GiB uploads peaked at 211-235 MiB RSS; with all
+/// kept, at 156-179 (8 workers' 8 MiB buffers, 9 parts on their way, those waiting).
+#[derive(Clone, Default)]
+struct Buffers(Arc<Mutex<Vec<Vec<u8>>>>);
+
+impl Buffers {
+    /// A part of `len` bytes of zeroes.
+    fn take(&self, len: usize) -> Vec<u8> {
+        let kept = self.0.lock().unwrap().pop();
+        match kept {
+            Some(mut buf) => {
+                buf.clear();
+                buf.resize(len, 0);
+                buf
+            }
+            None => vec![0u8; len],
+        }
+    }
+
+    /// `buf` as a part's payload, whose buffer comes back here once the part is sent (when
+    /// the store's client drops the last copy of the payload).
+    fn payload(&self, buf: Vec<u8>) -> PutPayload {
+        PutPayload::from(Bytes::from_owner(Sent { buf, home: self.clone() }))
+    }
+
+    fn give_back(&self, buf: Vec<u8>) {
+        self.0.lock().unwrap().push(buf);
+    }
+}
+
+/// A part's bytes on their way; see [`Buffers`].
+struct Sent {
+    buf: Vec<u8>,
+    home: Buffers,
+}
+
+impl AsRef<[u8]> for Sent {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Sent {
+    fn drop(&mut self) {
+        self.home.give_back(std::mem::take(&mut self.buf));
+    }
 }
 
 #[derive(Default)]
@@ -65,7 +124,12 @@ impl Upload {
         let upload = store
             .run(store.s3().put_multipart(&Path::from(key)))
             .map_err(|e| store.error("write", key, &e))?;
-        Ok(Upload { part_size, size, state: Mutex::new(State { upload: Some(upload), ..State::default() }) })
+        Ok(Upload {
+            part_size,
+            size,
+            buffers: Buffers::default(),
+            state: Mutex::new(State { upload: Some(upload), ..State::default() }),
+        })
     }
 
     /// The object's size, where known in advance.
@@ -107,7 +171,7 @@ impl Upload {
             let start = p * self.part_size;
             let plen = self.part_size.min(limit - start) as usize;
             let n = (end - at).min(start + plen as u64 - at);
-            let entry = st.filling.entry(p).or_insert_with(|| (vec![0u8; plen], 0));
+            let entry = st.filling.entry(p).or_insert_with(|| (self.buffers.take(plen), 0));
             let dst = &mut entry.0[(at - start) as usize..(at - start + n) as usize];
             match data {
                 Some(d) => dst.copy_from_slice(&d[(at - offset) as usize..(at - offset + n) as usize]),
@@ -125,21 +189,25 @@ impl Upload {
         self.send_ready(store, key, &mut st)
     }
 
-    /// Sends the full parts that are next in line, waiting for the oldest sends while more
-    /// than [`SENDING_BYTES`] are on their way.
+    /// Sends the full parts that are next in line, then waits for the oldest sends while
+    /// the parts held (on their way, or full and waiting) take more than [`HELD_BYTES`].
+    /// Only a send is waited for, never a write: the writer of the part next in line may be
+    /// the very one waiting for the lock here, and a writer that fails never comes.
     fn send_ready(&self, store: &Store, key: &str, st: &mut State) -> Result<()> {
         while let Some(buf) = st.full.remove(&st.next) {
             let len = buf.len() as u64;
             let upload = st.upload.as_mut().expect("an upload in progress");
-            let handle = store.spawn(upload.put_part(PutPayload::from(buf)));
+            let handle = store.spawn(upload.put_part(self.buffers.payload(buf)));
             store.counters.put.fetch_add(1, Relaxed);
             let p = st.next;
             st.sending.push((p, len, handle));
             st.next += 1;
-            while st.sending.len() as u64 * self.part_size > SENDING_BYTES && st.sending.len() > 1 {
-                let (p, len, h) = st.sending.remove(0);
-                self.wait_part(store, key, p, len, h)?;
-            }
+        }
+        while (st.sending.len() + st.full.len()) as u64 * self.part_size > HELD_BYTES
+            && !st.sending.is_empty()
+        {
+            let (p, len, h) = st.sending.remove(0);
+            self.wait_part(store, key, p, len, h)?;
         }
         Ok(())
     }
@@ -233,5 +301,38 @@ impl Upload {
                 tracing::warn!("abandoning the upload: {}", store.scrub(&e.to_string()));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reused_part_buffer_holds_only_zeroes() {
+        let buffers = Buffers::default();
+        let payload = buffers.payload(vec![0xa5; 1000]);
+        assert_eq!(buffers.0.lock().unwrap().len(), 0, "kept while the payload lives");
+        let copy = payload.clone();
+        drop(payload);
+        assert_eq!(buffers.0.lock().unwrap().len(), 0, "kept while a copy lives");
+        drop(copy);
+        assert_eq!(buffers.0.lock().unwrap().len(), 1, "back once sent");
+        let again = buffers.take(600);
+        assert!(again.len() == 600 && again.iter().all(|&b| b == 0));
+        assert!(again.capacity() >= 1000, "the same allocation");
+        let longer = buffers.take(2000);
+        assert!(longer.len() == 2000 && longer.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn no_more_buffers_than_were_live_at_once() {
+        let buffers = Buffers::default();
+        let sent: Vec<_> = (0..3).map(|_| buffers.payload(buffers.take(10))).collect();
+        drop(sent);
+        assert_eq!(buffers.0.lock().unwrap().len(), 3);
+        let live: Vec<_> = (0..3).map(|_| buffers.take(10)).collect();
+        assert_eq!(buffers.0.lock().unwrap().len(), 0, "all three reused");
+        drop(live);
     }
 }
