@@ -101,7 +101,8 @@
 # Environment:
 #     SIZE        the image (default 1G; K, M, G): a multiple of 64K and of BEST
 #     ROUNDS      rounds (default 5)
-#     LATENCIES   added response latencies in ms (default "0 10"; 0: direct, no proxy)
+#     LATENCIES   added response latencies in ms (default "0 10"; 0: direct, no proxy; 0p:
+#                 through Toxiproxy with nothing added, which measures the proxy hop itself)
 #     JOBS        subset of "nbdcopy seqread randwrite trim copy" (the default: all)
 #     RUNTIME     seconds per fio run (default 30)
 #     BEST        lightfoot's own object size for the lightfoot BEST configurations
@@ -172,7 +173,7 @@ if [[ -n $BEST ]]; then
 fi
 read -r -a LATENCY_LIST <<<"${LATENCIES//,/ }"
 ((${#LATENCY_LIST[@]})) || die "LATENCIES: empty"
-for l in "${LATENCY_LIST[@]}"; do [[ $l =~ ^[0-9]+$ ]] || die "LATENCIES: $l is not a number of ms"; done
+for l in "${LATENCY_LIST[@]}"; do [[ $l =~ ^[0-9]+p?$ ]] || die "LATENCIES: $l is not a number of ms (or 0p)"; done
 read -r -a JOB_LIST <<<"${JOBS//,/ }"
 ((${#JOB_LIST[@]})) || die "JOBS: empty"
 for j in "${JOB_LIST[@]}"; do
@@ -195,7 +196,7 @@ have() { [[ " ${MISSING[*]} " != *" $1 "* ]]; }
 WEED=$("$HERE/../scripts/build-seaweedfs.sh") || die "no SeaweedFS (scripts/build-seaweedfs.sh)"
 TOXI=""
 for l in "${LATENCY_LIST[@]}"; do
-	if ((l > 0)); then
+	if [[ $l != 0 ]]; then
 		TOXI=$("$HERE/../scripts/build-toxiproxy.sh") || die "no Toxiproxy (scripts/build-toxiproxy.sh)"
 		break
 	fi
@@ -306,9 +307,12 @@ if [[ -n $TOXI ]]; then
 fi
 
 ENDPOINT=$DIRECT
-set_latency() { # MS
-	if (($1 == 0)); then
+set_latency() { # MS (0: directly; 0p: through the proxy, nothing added)
+	if [[ $1 == 0 ]]; then
 		ENDPOINT=$DIRECT
+	elif [[ $1 == 0p ]]; then
+		http -X DELETE "$TAPI/proxies/s3/toxics/latency" >/dev/null
+		ENDPOINT=$PROXIED
 	else
 		http -X DELETE "$TAPI/proxies/s3/toxics/latency" >/dev/null
 		[[ $(http -X POST "$TAPI/proxies/s3/toxics" -d "{\"name\":\"latency\",\"type\":\"latency\",\"stream\":\"downstream\",\"toxicity\":1.0,\"attributes\":{\"latency\":$1,\"jitter\":0}}") == 200 ]] ||
@@ -680,8 +684,8 @@ for ((r = 1; r <= ROUNDS; r++)); do
 		say "round $r latency $lat ms: HEAD median $hm ms through $ENDPOINT, $dm ms directly ($HEADS requests each)"
 		# Toxiproxy adds its own hop: warn when the difference strays from LATENCY by more
 		# than 2 ms or a fifth.
-		python3 -c "import sys; d = $hm - $dm - $lat; sys.exit(abs(d) > max(2, $lat / 5))" ||
-			say "WARNING: the added latency measured $(python3 -c "print(f'{$hm - $dm:.2f}')") ms, not $lat ms"
+		python3 -c "import sys; d = $hm - $dm - ${lat%p}; sys.exit(abs(d) > max(2, ${lat%p} / 5))" ||
+			say "WARNING: the added latency measured $(python3 -c "print(f'{$hm - $dm:.2f}')") ms, not ${lat%p} ms"
 		# seconds: the median through the endpoint in use; rate: directly.
 		record round="$r" latency_ms="$lat" job=head config=curl ok=1 seconds="$h" rate="$d" unit=s ops="$HEADS"
 		for job in "${JOB_LIST[@]}"; do

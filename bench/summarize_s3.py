@@ -178,8 +178,10 @@ def main():
         heads = [r for r in at if r["job"] == "head"]
         through = median(num(r["seconds"]) for r in heads)
         direct = median(num(r["rate"]) for r in heads)
-        how = "directly, no proxy" if lat == "0" else "responses held by Toxiproxy"
-        lines += [f"### added latency {lat} ms ({how})", ""]
+        how = {"0": "directly, no proxy", "0p": "through Toxiproxy, nothing added"}.get(
+            lat, "responses held by Toxiproxy"
+        )
+        lines += [f"### added latency {lat.rstrip('p')} ms ({how})", ""]
         if heads:
             lines += [f"HEAD requests (curl, median of the rounds' medians): {fmt(through and through * 1000, 2)} ms "
                       f"through the endpoint, {fmt(direct and direct * 1000, 2)} ms directly.", ""]
