@@ -310,13 +310,12 @@ ENDPOINT=$DIRECT
 set_latency() { # MS (0: directly; 0p: through the proxy, nothing added)
 	if [[ $1 == 0 ]]; then
 		ENDPOINT=$DIRECT
-	elif [[ $1 == 0p ]]; then
-		http -X DELETE "$TAPI/proxies/s3/toxics/latency" >/dev/null
-		ENDPOINT=$PROXIED
 	else
 		http -X DELETE "$TAPI/proxies/s3/toxics/latency" >/dev/null
-		[[ $(http -X POST "$TAPI/proxies/s3/toxics" -d "{\"name\":\"latency\",\"type\":\"latency\",\"stream\":\"downstream\",\"toxicity\":1.0,\"attributes\":{\"latency\":$1,\"jitter\":0}}") == 200 ]] ||
-			die "Toxiproxy: could not set a latency of $1 ms"
+		if [[ $1 != 0p ]]; then
+			[[ $(http -X POST "$TAPI/proxies/s3/toxics" -d "{\"name\":\"latency\",\"type\":\"latency\",\"stream\":\"downstream\",\"toxicity\":1.0,\"attributes\":{\"latency\":$1,\"jitter\":0}}") == 200 ]] ||
+				die "Toxiproxy: could not set a latency of $1 ms"
+		fi
 		ENDPOINT=$PROXIED
 	fi
 	export AWS_ENDPOINT_URL=$ENDPOINT RCLONE_CONFIG_S3BENCH_ENDPOINT=$ENDPOINT

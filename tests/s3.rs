@@ -88,8 +88,8 @@ fn copies_to_and_from_both_layouts() {
     assert!(piped.status.success(), "{}", text(&piped));
     ok(lf(&w, &["copy", "s3://disks/piped.img", back1.to_str().unwrap()]));
     assert!(same_contents(&src, &back1), "piped upload round trip differs");
-    // Five 8 MiB parts, more than are kept to be reused: a part's buffer, reused, holds
-    // none of the part before it.
+    // Five 8 MiB parts, the later ones in buffers of parts already sent: a reused buffer
+    // holds none of the part before it.
     let big = dir.path().join("big.img");
     sample(&big, 40 * MIB, MIB);
     ok(lf(&w, &["copy", big.to_str().unwrap(), "s3://disks/big.img"]));
