@@ -192,7 +192,9 @@ impl Upload {
     /// Sends the full parts that are next in line, then waits for the oldest sends while
     /// the parts held (on their way, or full and waiting) take more than [`HELD_BYTES`].
     /// Only a send is waited for, never a write: the writer of the part next in line may be
-    /// the very one waiting for the lock here, and a writer that fails never comes.
+    /// the very one waiting for the lock here, and a writer that fails never comes. The
+    /// last send on its way is waited for only while full parts wait too: a part alone over
+    /// the budget (images over 625 GiB) stays on its way while the next one fills.
     fn send_ready(&self, store: &Store, key: &str, st: &mut State) -> Result<()> {
         while let Some(buf) = st.full.remove(&st.next) {
             let len = buf.len() as u64;
@@ -203,8 +205,10 @@ impl Upload {
             st.sending.push((p, len, handle));
             st.next += 1;
         }
+        // Sends left on their way however much is held: one, unless full parts wait too.
+        let left = usize::from(st.full.is_empty());
         while (st.sending.len() + st.full.len()) as u64 * self.part_size > HELD_BYTES
-            && !st.sending.is_empty()
+            && st.sending.len() > left
         {
             let (p, len, h) = st.sending.remove(0);
             self.wait_part(store, key, p, len, h)?;
