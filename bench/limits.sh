@@ -9,13 +9,20 @@
 # share of CPU the host stole (bench/steal.sh); rounds with steal >= STEAL_MAX % are kept in
 # the CSV but left out of the medians.
 #
+# With RATE=N, fio asks for N requests a second in all (its jobs share it), less than either
+# server gives flat out: the servers then do the same work in the same time, and the CPU a
+# request is what the request costs. Flat out, the server that is not the bottleneck spends its
+# time left over reading the client's requests piece by piece as they come (a faster server
+# makes more, smaller reads), so the CPU a request there is bounded by the client's pace as
+# much as by the server's work.
+#
 # With STORAGE=disk the file is on DIR's own filesystem instead (a real disk), the cache is
 # dropped before each server's run, and the servers are the cache-neutral ones:
 # lightfoot-neutral, lightfoot-direct, nbdkit-none (`nbdkit file cache=none`) and qemu-none
 # (`qemu-nbd --cache=none -e 4`); the ratio columns compare the first server with the last.
 #
 # Usage (as root, on a quiet machine): bench/limits.sh [DIR]
-#     ROUNDS=5 RUNTIME=20 RAMP=5 SIZE=1G JOBS=4 DEPTH=16 STEAL_MAX=10 STORAGE=tmpfs|disk
+#     ROUNDS=5 RUNTIME=20 RAMP=5 SIZE=1G JOBS=4 DEPTH=16 STEAL_MAX=10 STORAGE=tmpfs|disk RATE=
 #     WORKLOADS="randread-j4 randread-d16 randwrite-j4 randwrite-d16"
 #     SERVERS="lightfoot nbdkit" (disk: "lightfoot-neutral lightfoot-direct qemu-none nbdkit-none")
 #     LIGHTFOOT=path/to/lightfoot   EXTRA="--threads 4"
@@ -30,7 +37,7 @@ die() { echo "limits.sh: $*" >&2; exit 1; }
 [[ $EUID -eq 0 ]] || die "run as root (it mounts a tmpfs)"
 DIR=${1:-/work/tmp/bench-limits}
 ROUNDS=${ROUNDS:-5} RUNTIME=${RUNTIME:-20} RAMP=${RAMP:-5} SIZE=${SIZE:-1G}
-JOBS=${JOBS:-4} DEPTH=${DEPTH:-16} STEAL_MAX=${STEAL_MAX:-10}
+JOBS=${JOBS:-4} DEPTH=${DEPTH:-16} STEAL_MAX=${STEAL_MAX:-10} RATE=${RATE:-}
 WORKLOADS=${WORKLOADS:-"randread-j4 randread-d16 randwrite-j4 randwrite-d16"}
 STORAGE=${STORAGE:-tmpfs}
 case $STORAGE in
@@ -86,6 +93,8 @@ for round in $(seq "$ROUNDS"); do
 		*-j4) shape=(--numjobs="$JOBS" --iodepth=1) ;;
 		*-d16) shape=(--numjobs=1 --iodepth="$DEPTH") ;;
 		esac
+		# fio's rate is each job's.
+		[[ -n $RATE ]] && shape+=(--rate_iops=$((RATE / ${shape[0]#--numjobs=})))
 		rw=${w%-*}
 		servers=$SERVERS
 		((round % 2 == 0)) && servers=$(echo "$SERVERS" | awk '{ for (i = NF; i > 0; i--) printf "%s ", $i }')

@@ -25,6 +25,7 @@ use crate::backend::{Backend, Caps};
 use crate::proto::*;
 
 pub mod handshake;
+pub mod inbox;
 pub mod stats;
 pub mod transmission;
 pub mod validate;
@@ -512,7 +513,7 @@ impl Server {
         });
         let arrived = s.arrived();
         let (r, w) = s.split()?;
-        let r = transmission::Incoming::new(r, arrived);
+        let r = inbox::Incoming::new(r, arrived);
         transmission::run(self, backend, agreed, r, w, closer)
     }
 }

@@ -12,11 +12,13 @@
 //! [`MERGE_MAX`], as a block-layer plug would: the device serves one 4 MiB read faster than
 //! sixteen 256 KiB ones. Only requests already received are merged, so nothing waits for it.
 
-use std::io::{self, BufRead, Read, Write};
+use std::borrow::Cow;
+use std::io::{self, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::handshake::{Agreed, BASE_ALLOCATION_ID};
+use super::inbox::Inbox;
 use super::validate::{check, Limits, Verdict};
 use super::Server;
 use crate::backend::{Backend, ZeroFlags};
@@ -39,7 +41,8 @@ const MAX_DESCRIPTORS: usize = 1 << 16;
 /// out of order merge less in the block layer.
 const MERGE_MAX: u64 = 4 << 20;
 
-/// What the reader buffers of the socket: many request headers arrive in one system call.
+/// What the reader buffers of the socket ([`Inbox`]): many requests arrive in one system
+/// call. WRITE payloads up to half of it are read into it and written from there.
 const READER_BUFFER: usize = 64 << 10;
 
 /// The largest request the reader carries out itself (see `read_requests`): the hand-off it
@@ -126,16 +129,25 @@ fn weight(req: &Request) -> u64 {
     }
 }
 
-struct Job {
+/// A request to carry out. A WRITE's payload is its own (a job for the workers), or borrowed
+/// from the reader's buffer (a small WRITE the reader carries out itself: no allocation or
+/// copy).
+struct Job<'p> {
     req: Request,
-    payload: Option<Vec<u8>>,
+    payload: Option<Cow<'p, [u8]>>,
     /// When the request was read, for the latency figures.
     arrived: std::time::Instant,
     /// READs that continue `req` (and one another), merged into one backend read.
     merged: Vec<(Request, std::time::Instant)>,
 }
 
-impl Job {
+impl Job<'_> {
+    /// The job with a payload of its own, for the workers.
+    fn into_owned(self) -> Job<'static> {
+        let Job { req, payload, arrived, merged } = self;
+        Job { req, payload: payload.map(|p| Cow::Owned(p.into_owned())), arrived, merged }
+    }
+
     /// A READ or WRITE of at most [`INLINE_MAX`] bytes, not merged.
     fn is_small_io(&self) -> bool {
         matches!(self.req.cmd, CMD_READ | CMD_WRITE) && self.req.len <= INLINE_MAX && self.merged.is_empty()
@@ -172,11 +184,11 @@ pub fn run(
     server: &Server,
     backend: Arc<dyn Backend>,
     agreed: Agreed,
-    reader: Incoming,
+    reader: super::inbox::Incoming,
     writer: Box<dyn Write + Send>,
     closer: crate::stream::Closer,
 ) -> io::Result<()> {
-    let mut reader = io::BufReader::with_capacity(READER_BUFFER, reader);
+    let mut reader = Inbox::new(reader, READER_BUFFER);
     let caps = backend.caps();
     let export = &server.export;
     let limits = Limits {
@@ -198,7 +210,7 @@ pub fn run(
     // Each worker waits on the channel itself (crossbeam's receivers are shared): behind a
     // Mutex<Receiver> the worker holding the lock sleeps in recv while the others sleep on
     // the lock, two wake-ups per job.
-    let (tx, rx) = crossbeam_channel::bounded::<Job>(server.threads * 2);
+    let (tx, rx) = crossbeam_channel::bounded::<Job<'static>>(server.threads * 2);
     let budget = Budget::default();
     let conn = Conn {
         backend: &*backend,
@@ -244,8 +256,8 @@ fn read_requests(
     server: &Server,
     limits: &Limits,
     conn: &Conn,
-    reader: &mut io::BufReader<Incoming>,
-    tx: &crossbeam_channel::Sender<Job>,
+    reader: &mut Inbox,
+    tx: &crossbeam_channel::Sender<Job<'static>>,
     closer: &crate::stream::Closer,
 ) -> io::Result<()> {
     // The reader's own buffer for reads it answers itself.
@@ -253,7 +265,7 @@ fn read_requests(
     // The reader's buffer for the small READs and WRITEs it carries out itself (below).
     let mut own = AlignedBuf::new(0);
     let cork = Cork::new(conn);
-    let send = |job: Job| {
+    let send = |job: Job<'static>| {
         conn.in_flight.fetch_add(1, Ordering::Acquire);
         match tx.try_send(job) {
             Ok(()) => true,
@@ -267,37 +279,31 @@ fn read_requests(
         }
     };
     // A READ held back in case the next request continues it.
-    let mut held: Option<Job> = None;
+    let mut held: Option<Job<'static>> = None;
     // A request came while another was in flight: the client pipelines, and the reader hands
     // its jobs to the workers from then on (but for fast ones: [`Conn::fast`]).
     let mut pipelined = false;
     loop {
         // No whole request is left in the buffer: what is held goes now, and the gathered
-        // replies before the reader waits; for a client that pipelines, the replies first wait
-        // while more requests have already arrived on the socket.
+        // replies before the reader waits ([`Cork`]).
         if reader.buffer().len() < REQUEST_LEN {
             if let Some(job) = held.take() {
                 if !send(job) {
                     return Ok(());
                 }
             }
-            if !(pipelined && cork.holds_replies() && more_arrived(reader)?)
-                || reader.buffer().len() < REQUEST_LEN
-            {
-                cork.flush();
+            // A client that vanishes between requests is a normal end.
+            if !reader.fill_to(REQUEST_LEN, pipelined && cork.holds_replies(), || cork.flush())? {
+                return Ok(());
             }
         }
-        let mut h = [0u8; REQUEST_LEN];
-        match reader.read_exact(&mut h) {
-            Ok(()) => {}
-            // A client that vanishes between requests is a normal end.
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
-        }
         let arrived = std::time::Instant::now();
-        let Some(req) = parse_request(&h) else {
+        let h: &[u8; REQUEST_LEN] =
+            reader.buffer()[..REQUEST_LEN].try_into().expect("a whole header is held");
+        let Some(req) = parse_request(h) else {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "bad request magic"));
         };
+        reader.consume(REQUEST_LEN);
         // A request that arrives while another is still being served: the client pipelines.
         pipelined |= held.is_some() || conn.in_flight.load(Ordering::Acquire) > 0;
         if req.cmd == CMD_DISC {
@@ -326,137 +332,108 @@ fn read_requests(
             conn.budget.take(weight);
         }
         // A WRITE's payload is always read, so the stream stays in step even when refused:
-        // a refused one through the reader's own buffer, into nothing. The reader may wait for
-        // the rest of it: nothing gathered waits too.
-        if req.cmd == CMD_WRITE && reader.buffer().len() < req.len as usize {
-            cork.flush();
-        }
+        // a refused one is thrown away as it is read. A small one is read into the reader's
+        // buffer, where it stays until the request is served (below), and is taken from there:
+        // a WRITE the reader carries out itself is written straight from the buffer, and one
+        // for the workers is copied out. A larger one is read into a buffer of its own. The
+        // gathered replies are written before the reader waits for any of it ([`Cork`]).
+        let len = req.len as usize;
+        let look = pipelined && cork.holds_replies();
+        let buffered = req.cmd == CMD_WRITE && !refused && len <= reader.capacity() / 2;
         let payload = match req.cmd {
             CMD_WRITE if refused => {
-                let skipped = io::copy(&mut reader.by_ref().take(req.len), &mut io::sink())?;
-                if skipped < req.len {
+                reader.skip(req.len, || cork.flush())?;
+                None
+            }
+            CMD_WRITE if buffered => {
+                if !reader.fill_to(len, look, || cork.flush())? {
                     return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "payload cut short"));
                 }
                 None
             }
             CMD_WRITE => {
-                let mut p = vec![0u8; req.len as usize];
-                reader.read_exact(&mut p)?;
-                Some(p)
+                let mut p = vec![0u8; len];
+                reader.read_exact(&mut p, || cork.flush())?;
+                Some(Cow::Owned(p))
             }
             _ => None,
         };
-        if conn.broken.load(Ordering::Relaxed) {
-            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "client stopped reading"));
-        }
-        let errno = match verdict {
-            Verdict::Error(e) => Some(e),
-            _ if server.is_shutting_down() => Some(ESHUTDOWN),
-            _ => None,
-        };
-        if let Some(e) = errno {
-            conn.reply_error(&req, e, "request refused");
-            conn.budget.give(weight);
-            server.stats.record(req.cmd, 0, arrived.elapsed(), false);
-            continue;
-        }
-        if req.cmd == CMD_WRITE && req.flags & CMD_FLAG_FUA == 0 {
-            if let Some(ok) = conn.write_at_hand(&req, payload.as_deref().unwrap_or_default()) {
-                conn.budget.give(weight);
-                server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
-                continue;
-            }
-        }
-        if req.cmd == CMD_READ {
-            if let Some(ok) = conn.read_at_hand(&req, &mut at_hand) {
-                conn.budget.give(weight);
-                server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
-                continue;
-            }
-        }
-        if let Some(job) = held.as_mut() {
-            if job.can_merge(&req) {
-                job.merged.push((req, arrived));
-                continue;
-            }
-        }
-        let job = Job { req, payload, arrived, merged: Vec::new() };
-        // A small READ or WRITE is carried out here, with no hand-off to a worker (a wake-up
-        // and two context switches, which took most of the server's CPU for 4 KiB requests),
-        // where no parallelism is lost: the connection has never had two requests in flight
-        // (a client that waits for each reply, as fio's jobs at depth 1 do: its next request
-        // cannot come before this one's reply), and nothing else is waiting in the buffer.
-        // Until a pipelining client is found out, only its first small request can hold up
-        // the reading of the next ones (by one request's time).
-        //
-        // A client that pipelines has its small READs and WRITEs carried out here too while
-        // they take less than a hand-off costs (pages in the cache, tmpfs: a few µs against
-        // about 10 µs of wake-ups and switches), as measured by the recent ones (`Conn::took`);
-        // once they take longer (the disk), they go to the workers, which run them in parallel.
-        // Other commands (FLUSH: with it here, `--coalesce` lost 18 % on strided writes) and
-        // larger requests always go to the workers.
-        let depth_one = !pipelined
-            && held.is_none()
-            && conn.in_flight.load(Ordering::Acquire) == 0
-            && reader.buffer().len() < REQUEST_LEN;
-        if job.is_small_io() && (depth_one || conn.fast()) {
-            conn.serve_job(server, job, &mut own, closer);
+        // Every way through this block ends with the buffered payload taken (after it).
+        'served: {
+            let payload = if buffered { Some(Cow::Borrowed(&reader.buffer()[..len])) } else { payload };
+            // What the buffer holds beyond this request.
+            let after = reader.buffer().len() - if buffered { len } else { 0 };
             if conn.broken.load(Ordering::Relaxed) {
-                return Err(io::Error::new(io::ErrorKind::BrokenPipe, "connection closed"));
+                return Err(io::Error::new(io::ErrorKind::BrokenPipe, "client stopped reading"));
             }
-            continue;
-        }
-        let job = if job.req.cmd == CMD_READ { held.replace(job) } else { Some(job) };
-        if let Some(job) = job {
-            if !send(job) {
-                return Ok(());
+            let errno = match verdict {
+                Verdict::Error(e) => Some(e),
+                _ if server.is_shutting_down() => Some(ESHUTDOWN),
+                _ => None,
+            };
+            if let Some(e) = errno {
+                conn.reply_error(&req, e, "request refused");
+                conn.budget.give(weight);
+                server.stats.record(req.cmd, 0, arrived.elapsed(), false);
+                break 'served;
+            }
+            if req.cmd == CMD_WRITE && req.flags & CMD_FLAG_FUA == 0 {
+                if let Some(ok) = conn.write_at_hand(&req, payload.as_deref().unwrap_or_default()) {
+                    conn.budget.give(weight);
+                    server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
+                    break 'served;
+                }
+            }
+            if req.cmd == CMD_READ {
+                if let Some(ok) = conn.read_at_hand(&req, &mut at_hand) {
+                    conn.budget.give(weight);
+                    server.stats.record(req.cmd, req.len, arrived.elapsed(), ok);
+                    break 'served;
+                }
+            }
+            if let Some(job) = held.as_mut() {
+                if job.can_merge(&req) {
+                    job.merged.push((req, arrived));
+                    break 'served;
+                }
+            }
+            let job = Job { req, payload, arrived, merged: Vec::new() };
+            // A small READ or WRITE is carried out here, with no hand-off to a worker (a wake-up
+            // and two context switches, which took most of the server's CPU for 4 KiB requests),
+            // where no parallelism is lost: the connection has never had two requests in flight
+            // (a client that waits for each reply, as fio's jobs at depth 1 do: its next request
+            // cannot come before this one's reply), and nothing else is waiting in the buffer.
+            // Until a pipelining client is found out, only its first small request can hold up
+            // the reading of the next ones (by one request's time).
+            //
+            // A client that pipelines has its small READs and WRITEs carried out here too while
+            // they take less than a hand-off costs (pages in the cache, tmpfs: a few µs against
+            // about 10 µs of wake-ups and switches), as measured by the recent ones (`Conn::took`);
+            // once they take longer (the disk), they go to the workers, which run them in parallel.
+            // Other commands (FLUSH: with it here, `--coalesce` lost 18 % on strided writes) and
+            // larger requests always go to the workers.
+            let depth_one = !pipelined
+                && held.is_none()
+                && conn.in_flight.load(Ordering::Acquire) == 0
+                && after < REQUEST_LEN;
+            if job.is_small_io() && (depth_one || conn.fast()) {
+                conn.serve_job(server, job, &mut own, closer);
+                if conn.broken.load(Ordering::Relaxed) {
+                    return Err(io::Error::new(io::ErrorKind::BrokenPipe, "connection closed"));
+                }
+                break 'served;
+            }
+            let job = job.into_owned();
+            let job = if job.req.cmd == CMD_READ { held.replace(job) } else { Some(job) };
+            if let Some(job) = job {
+                if !send(job) {
+                    return Ok(());
+                }
             }
         }
-    }
-}
-
-/// The reading half of a connection, which can also read only what has already arrived.
-pub struct Incoming {
-    half: Box<dyn Read + Send>,
-    /// A handle on the socket `half` reads ([`crate::stream::Stream::arrived`]).
-    fd: Option<std::os::fd::OwnedFd>,
-    /// The next read takes only what has arrived, and fails with `WouldBlock` if nothing has.
-    dont_wait: bool,
-}
-
-impl Incoming {
-    pub fn new(half: Box<dyn Read + Send>, fd: Option<std::os::fd::OwnedFd>) -> Self {
-        Incoming { half, fd, dont_wait: false }
-    }
-}
-
-impl Read for Incoming {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if !self.dont_wait {
-            return self.half.read(buf);
+        if buffered {
+            reader.consume(len);
         }
-        let arrived = match &self.fd {
-            Some(fd) => crate::io::sys::recv_arrived(std::os::fd::AsFd::as_fd(fd), buf)?,
-            None => None,
-        };
-        arrived.ok_or_else(|| io::ErrorKind::WouldBlock.into())
-    }
-}
-
-/// Reads into the reader's empty buffer what has already arrived, without waiting; true if
-/// anything had. The end of the stream is false (the next read sees it), and so is a stream
-/// without a socket handle ([`Incoming`] never waits when told not to); an error on the
-/// socket (a reset) is returned.
-fn more_arrived(reader: &mut io::BufReader<Incoming>) -> io::Result<bool> {
-    if !reader.buffer().is_empty() {
-        return Ok(false);
-    }
-    reader.get_mut().dont_wait = true;
-    let more = reader.fill_buf().map(|b| !b.is_empty());
-    reader.get_mut().dont_wait = false;
-    match more {
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
-        more => more,
     }
 }
 
@@ -466,12 +443,12 @@ fn more_arrived(reader: &mut io::BufReader<Incoming>) -> io::Result<bool> {
 /// flight sends several in one go, and each reply written alone cost a system call (with the
 /// wake-up of the client) of about a third of the request's CPU (4 KiB writes at depth 16 on
 /// tmpfs: 2.2 system calls a request, 1 of them the reply). For a client that pipelines they
-/// also wait while more requests have already arrived on the socket ([`more_arrived`]): the
-/// reader took about 2 requests per read of the socket, and writes went from 0.45 to 0.1 per
-/// request (5 % less CPU per request). A gathered reply waits only for the reader's own work
-/// on requests already sent: the cork is written before the reader can wait for anything
-/// (the socket, the rest of a payload, the connection's budget, a full queue) and when the
-/// reader ends.
+/// also wait while more of its bytes have already arrived on the socket, a request or the
+/// rest of one ([`Inbox::fill_to`]): the reader took about 2 requests per read of the socket,
+/// and writes went from 0.45 to 0.1 per request (5 % less CPU per request). A gathered reply
+/// waits only for the reader's own work on requests already sent: the cork is written before
+/// the reader can wait for anything (the socket, the rest of a payload, the connection's
+/// budget, a full queue) and when the reader ends.
 struct Cork<'c, 'a>(&'c Conn<'a>);
 
 impl<'c, 'a> Cork<'c, 'a> {
@@ -558,7 +535,7 @@ impl Conn<'_> {
     /// if it is a small READ or WRITE ([`Conn::took`]). A panic below (a bug) ends the
     /// connection: the request has no answer and one may be half sent, so the client sees the
     /// connection close rather than wait for ever, and the server goes on.
-    fn serve_job(&self, server: &Server, job: Job, buf: &mut AlignedBuf, closer: &crate::stream::Closer) {
+    fn serve_job(&self, server: &Server, job: Job<'_>, buf: &mut AlignedBuf, closer: &crate::stream::Closer) {
         let started = job.is_small_io().then(std::time::Instant::now);
         let weight = job.weight();
         let (req, arrived, merged) = (job.req, job.arrived, !job.merged.is_empty());
@@ -649,7 +626,7 @@ impl Conn<'_> {
     }
 
     /// Carries out a request and replies; false if the reply was an error.
-    fn handle(&self, job: Job, buf: &mut AlignedBuf) -> bool {
+    fn handle(&self, job: Job<'_>, buf: &mut AlignedBuf) -> bool {
         let req = job.req;
         let fua = req.flags & CMD_FLAG_FUA != 0;
         let b = self.backend;
@@ -750,7 +727,7 @@ impl Conn<'_> {
     /// Carries out READs merged by the reader: one backend read for all of them when their
     /// bytes are all data, then a reply each. Holes, or an error, send each request down the
     /// ordinary path, so every request gets its own chunks or its own error.
-    fn read_merged(&self, server: &Server, job: Job, buf: &mut AlignedBuf) {
+    fn read_merged(&self, server: &Server, job: Job<'_>, buf: &mut AlignedBuf) {
         let start = job.req.offset;
         let total = job.merged_len() as usize;
         if buf.len() < total {
@@ -881,78 +858,5 @@ impl Conn<'_> {
         }
         self.send(&[&block_status_chunk(REPLY_FLAG_DONE, req.cookie, BASE_ALLOCATION_ID, &descriptors)]);
         true
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::unix::net::UnixStream;
-
-    fn incoming(s: UnixStream, with_fd: bool) -> io::BufReader<Incoming> {
-        // A read that waits when it should not fails the test rather than hanging it.
-        s.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
-        let fd = with_fd.then(|| std::os::fd::OwnedFd::from(s.try_clone().unwrap()));
-        io::BufReader::with_capacity(64, Incoming::new(Box::new(s), fd))
-    }
-
-    /// Reading what has arrived never waits: nothing there is false, bytes there are taken
-    /// into the buffer, the end of the stream is false; reads after it wait as before.
-    #[test]
-    fn more_arrived_takes_only_what_is_there() {
-        let (a, mut b) = UnixStream::pair().unwrap();
-        let mut r = incoming(a, true);
-        let t = std::time::Instant::now();
-        assert!(!more_arrived(&mut r).unwrap(), "nothing was sent");
-        assert!(t.elapsed() < std::time::Duration::from_secs(1), "it waited");
-        b.write_all(b"0123456789").unwrap();
-        assert!(more_arrived(&mut r).unwrap());
-        assert_eq!(r.buffer(), b"0123456789");
-        // Only into an empty buffer: what is there is read first.
-        b.write_all(b"abc").unwrap();
-        assert!(!more_arrived(&mut r).unwrap());
-        r.consume(10);
-        assert!(more_arrived(&mut r).unwrap());
-        assert_eq!(r.buffer(), b"abc");
-        r.consume(3);
-        // An ordinary read still waits for the bytes.
-        let writer = std::thread::spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(50));
-            b.write_all(b"late").unwrap();
-            b
-        });
-        let mut late = [0u8; 4];
-        r.read_exact(&mut late).unwrap();
-        assert_eq!(&late, b"late");
-        drop(writer.join().unwrap());
-        assert!(!more_arrived(&mut r).unwrap(), "the client is gone");
-        assert_eq!(r.read(&mut late).unwrap(), 0);
-    }
-
-    /// An error on the socket is returned, not taken for "nothing arrived": a client that
-    /// closes with our bytes unread resets the connection.
-    #[test]
-    fn more_arrived_returns_a_reset() {
-        let (a, b) = UnixStream::pair().unwrap();
-        let mut ours = a.try_clone().unwrap();
-        let mut r = incoming(a, true);
-        ours.write_all(b"unread by the client").unwrap();
-        drop(b);
-        let e = more_arrived(&mut r).unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::ConnectionReset, "{e}");
-    }
-
-    /// Without a socket handle (a TLS session, whose buffer may hold bytes) nothing is read
-    /// early, even when bytes are there.
-    #[test]
-    fn without_a_socket_nothing_is_read_early() {
-        let (a, mut b) = UnixStream::pair().unwrap();
-        let mut r = incoming(a, false);
-        b.write_all(b"xyz").unwrap();
-        assert!(!more_arrived(&mut r).unwrap());
-        assert!(r.buffer().is_empty());
-        let mut got = [0u8; 3];
-        r.read_exact(&mut got).unwrap();
-        assert_eq!(&got, b"xyz");
     }
 }
