@@ -33,12 +33,7 @@ impl Incoming {
     }
 
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        loop {
-            match self.half.read(buf) {
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                r => return r,
-            }
-        }
+        crate::io::sys::retry(|| self.half.read(buf))
     }
 }
 
@@ -143,7 +138,8 @@ impl Inbox {
     }
 }
 
-fn cut_short() -> io::Error {
+/// The stream ended inside a WRITE's payload.
+pub(super) fn cut_short() -> io::Error {
     io::Error::new(io::ErrorKind::UnexpectedEof, "payload cut short")
 }
 

@@ -338,7 +338,6 @@ fn read_requests(
         // for the workers is copied out. A larger one is read into a buffer of its own. The
         // gathered replies are written before the reader waits for any of it ([`Cork`]).
         let len = req.len as usize;
-        let look = pipelined && cork.holds_replies();
         let buffered = req.cmd == CMD_WRITE && !refused && len <= reader.capacity() / 2;
         let payload = match req.cmd {
             CMD_WRITE if refused => {
@@ -346,8 +345,8 @@ fn read_requests(
                 None
             }
             CMD_WRITE if buffered => {
-                if !reader.fill_to(len, look, || cork.flush())? {
-                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "payload cut short"));
+                if !reader.fill_to(len, pipelined && cork.holds_replies(), || cork.flush())? {
+                    return Err(super::inbox::cut_short());
                 }
                 None
             }

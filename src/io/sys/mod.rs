@@ -66,7 +66,7 @@ fn check(ret: libc::c_long) -> io::Result<usize> {
 }
 
 /// Retries a call interrupted by a signal (Ctrl-C is handled by a flag, not by EINTR).
-fn retry<T>(mut f: impl FnMut() -> io::Result<T>) -> io::Result<T> {
+pub(crate) fn retry<T>(mut f: impl FnMut() -> io::Result<T>) -> io::Result<T> {
     loop {
         match f() {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
