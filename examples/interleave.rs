@@ -57,7 +57,7 @@ fn parse_args() -> Result<Args, String> {
             "--wrap" => wrap = true,
             "-h" | "--help" => return Err(USAGE.into()),
             s if s.starts_with('-') => return Err(format!("unknown option {s}\n{USAGE}")),
-            s if uri.is_none() => uri = Some(s.parse::<Uri>()?),
+            s if uri.is_none() => uri = Some(s.parse::<Uri>().map_err(|e| e.to_string())?),
             s => return Err(format!("unexpected argument {s}\n{USAGE}")),
         }
     }

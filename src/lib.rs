@@ -41,4 +41,4 @@ pub mod stream;
 pub mod testing;
 pub mod tls;
 
-pub use error::{Error, ErrorKind, Result};
+pub use error::{Error, ErrorKind, Op, Result};

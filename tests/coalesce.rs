@@ -57,7 +57,7 @@ fn check_extents(
             }
             let mut buf = vec![0u8; e.len as usize];
             b.read(&mut buf, at).map_err(|e| format!("{what}: read: {e}"))?;
-            m.check(&buf, at, what)?;
+            m.check(&buf, at, what).map_err(|e| e.to_string())?;
         }
         at += e.len;
     }
@@ -127,12 +127,13 @@ fn mix(seed: u64, steps: usize, cfg: CoalesceConfig, via: Via) -> Result<(), Str
                 let mut got = vec![0u8; 4 * K as usize];
                 f.read(&mut got, off)
                     .map_err(|e| format!("seed {seed} step {step}: stream read {off}: {e}"))?;
-                m.check(&got, off, &format!("seed {seed} step {step}: stream read {off}"))?;
+                m.check(&got, off, &format!("seed {seed} step {step}: stream read {off}"))
+                    .map_err(|e| e.to_string())?;
             }
             45..=69 => {
                 let mut got = vec![0u8; len as usize];
                 f.read(&mut got, off).map_err(|e| format!("{}: {e}", ctx("read")))?;
-                m.check(&got, off, &ctx("read"))?;
+                m.check(&got, off, &ctx("read")).map_err(|e| e.to_string())?;
             }
             70..=77 => {
                 let flags = ZeroFlags { may_trim: rng.below(2) == 0, fast: false, fua: rng.below(4) == 0 };
@@ -164,7 +165,7 @@ fn mix(seed: u64, steps: usize, cfg: CoalesceConfig, via: Via) -> Result<(), Str
     stack.finish().map_err(|e| format!("seed {seed}: finish: {e}"))?;
     let mut all = vec![0u8; SIZE as usize];
     mem.read(&mut all, 0).unwrap();
-    m.check(&all, 0, &format!("seed {seed}: written back"))?;
+    m.check(&all, 0, &format!("seed {seed}: written back")).map_err(|e| e.to_string())?;
     if c.stats().held != 0 {
         return Err(format!("seed {seed}: {:?} after finish", c.stats()));
     }
@@ -233,7 +234,7 @@ fn concurrent_fronts_on_disjoint_regions() {
                             _ => {
                                 let mut got = vec![0u8; len as usize];
                                 f.read(&mut got, base + off).map_err(|e| format!("{ctx}: {e}"))?;
-                                m.check(&got, off, &ctx)?;
+                                m.check(&got, off, &ctx).map_err(|e| e.to_string())?;
                             }
                         }
                     }

@@ -64,7 +64,7 @@ fn mix(seed: u64, steps: usize, late_read_ahead: bool) -> Result<(), String> {
             0..=74 => {
                 let got = &mut buf[..len as usize];
                 f.read(got, off).map_err(|e| format!("{}: {e}", ctx("read")))?;
-                m.check(got, off, &ctx("read"))?;
+                m.check(got, off, &ctx("read")).map_err(|e| e.to_string())?;
             }
             75..=89 => {
                 let data = &mut buf[..len as usize];
@@ -172,7 +172,8 @@ fn concurrent_fronts_on_disjoint_regions() {
                         }
                         let got = &mut buf[..K4 as usize];
                         f.read(got, base + cursor).map_err(|e| e.to_string())?;
-                        m.check(got, cursor, &format!("thread {t} step {step} read"))?;
+                        m.check(got, cursor, &format!("thread {t} step {step} read"))
+                            .map_err(|e| e.to_string())?;
                         cursor += K4;
                     } else {
                         let len = 1 + rng.below(16 << 10);

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 use crate::io::{sys, CacheMode, FileJob, OpenOptions, PolicyFile, Tuning};
 
 /// Extents reported by one call at most; callers ask again for the rest.
@@ -43,9 +43,9 @@ impl FileBackend {
     ) -> Result<FileBackend> {
         let file = PolicyFile::open_shared(path, opts, mode, tuning, shared)?;
         let size = file.size()?;
-        let meta = file.file().metadata().map_err(|e| Error::io("stat", e).path(path))?;
+        let meta = file.file().metadata().map_err(|e| Error::io(Op::Stat, e).path(path))?;
         let (rotational, logical_block) = if file.is_block() {
-            let lbs = sys::block_logical_size(file.fd()).map_err(|e| Error::io("ioctl", e).path(path))?;
+            let lbs = sys::block_logical_size(file.fd()).map_err(|e| Error::io(Op::Ioctl, e).path(path))?;
             (rotational(meta.rdev()), lbs)
         } else {
             (rotational(meta.dev()), 1)
@@ -75,7 +75,7 @@ impl FileBackend {
 
     /// Sets the size of a regular file (a copy destination is truncated to its source size).
     pub fn set_len(&self, len: u64) -> Result<()> {
-        self.file.set_len(len).map_err(|e| Error::io("truncate", e).path(self.file.path()).at(0, len))?;
+        self.file.set_len(len).map_err(|e| Error::io(Op::Truncate, e).path(self.file.path()).at(0, len))?;
         self.size.store(len, Ordering::Relaxed);
         Ok(())
     }
@@ -90,13 +90,13 @@ impl FileBackend {
         match self.file.allocate(len) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => return Ok(false),
-            Err(e) => return Err(Error::io("preallocate", e).path(self.file.path()).at(0, len)),
+            Err(e) => return Err(Error::io(Op::Preallocate, e).path(self.file.path()).at(0, len)),
         }
         self.size.fetch_max(len, Ordering::Relaxed);
         Ok(true)
     }
 
-    fn err(&self, op: &'static str, offset: u64, len: u64) -> impl Fn(std::io::Error) -> Error + '_ {
+    fn err(&self, op: Op, offset: u64, len: u64) -> impl Fn(std::io::Error) -> Error + '_ {
         move |e| Error::io(op, e).path(self.file.path()).at(offset, len)
     }
 
@@ -195,7 +195,7 @@ impl Backend for FileBackend {
         let fd = self.file.fd();
         let res = if self.is_block() {
             if flags.fast {
-                return Err(Error::new(ErrorKind::NotSupported, "zero")
+                return Err(Error::new(ErrorKind::NotSupported, Op::Zero)
                     .path(self.file.path())
                     .at(offset, len)
                     .detail("a device cannot promise fast zeroing"));
@@ -219,14 +219,14 @@ impl Backend for FileBackend {
                 if flags.fast {
                     // Not fast here: ENOTSUP to an NBD client, which then writes zeroes its
                     // own way (an EINVAL from fallocate would read as a bad request).
-                    return Err(Error::new(ErrorKind::NotSupported, "zero")
+                    return Err(Error::new(ErrorKind::NotSupported, Op::Zero)
                         .path(self.file.path())
                         .at(offset, len)
                         .detail(format!("no fast zero here ({})", crate::error::io_message(&e))));
                 }
                 super::write_zeroes(self, offset, len, flags.fua)
             }
-            Err(e) => Err(self.err("zero", offset, len)(e)),
+            Err(e) => Err(self.err(Op::Zero, offset, len)(e)),
         }
     }
 
@@ -249,7 +249,7 @@ impl Backend for FileBackend {
         match res {
             // Trimming is advisory: where it is unsupported the data simply stays.
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => self.fua(fua),
-            Err(e) => Err(self.err("trim", offset, len)(e)),
+            Err(e) => Err(self.err(Op::Trim, offset, len)(e)),
             Ok(()) => self.fua(fua),
         }
     }
@@ -266,8 +266,11 @@ impl Backend for FileBackend {
         // Only `keep` may leave pages behind. The prefetch filter gives CACHE a meaning in
         // the other modes (its bounded buffer).
         if self.file.mode() == CacheMode::Keep {
-            sys::fadvise(self.file.fd(), offset, len, sys::Advice::WillNeed)
-                .map_err(self.err("cache", offset, len))?;
+            sys::fadvise(self.file.fd(), offset, len, sys::Advice::WillNeed).map_err(self.err(
+                Op::Cache,
+                offset,
+                len,
+            ))?;
         }
         Ok(())
     }
@@ -292,7 +295,7 @@ impl Backend for FileBackend {
                     out.push(Extent::data(end - at));
                     break;
                 }
-                Err(e) => return Err(self.err("seek", at, end - at)(e)),
+                Err(e) => return Err(self.err(Op::Seek, at, end - at)(e)),
             };
             match data {
                 None => {
@@ -305,7 +308,7 @@ impl Backend for FileBackend {
                     at = d;
                 }
                 Some(_) => {
-                    let h = sys::seek_hole(fd, at).map_err(self.err("seek", at, end - at))?.unwrap_or(end);
+                    let h = sys::seek_hole(fd, at).map_err(self.err(Op::Seek, at, end - at))?.unwrap_or(end);
                     // A hole at `at` right after SEEK_DATA said data: the file changed under us.
                     let h = h.max(at + 1);
                     known.learn(at..h);

@@ -9,7 +9,7 @@
 //! `debug_assert!` only. Data-path methods have no default bodies on purpose: adding an
 //! operation must make every filter decide what to do with it.
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 use crate::io::{CacheStat, Mechanism};
 
 pub mod file;
@@ -224,7 +224,7 @@ pub trait Backend: Send + Sync {
 pub fn read_exact(b: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<()> {
     let n = b.read(buf, offset)?;
     if n < buf.len() {
-        return Err(Error::new(ErrorKind::UnexpectedEof, "read")
+        return Err(Error::new(ErrorKind::UnexpectedEof, Op::Read)
             .path(b.name())
             .at(offset, buf.len() as u64)
             .detail(format!("data ended after {n} bytes")));

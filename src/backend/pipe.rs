@@ -8,7 +8,7 @@ use std::os::fd::AsFd;
 use std::sync::Mutex;
 
 use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 
 pub struct PipeBackend {
     name: String,
@@ -20,14 +20,15 @@ pub struct PipeBackend {
 impl PipeBackend {
     /// Standard input, for reading.
     pub fn stdin() -> Result<PipeBackend> {
-        let fd = std::io::stdin().as_fd().try_clone_to_owned().map_err(|e| Error::io("open", e).path("-"))?;
+        let fd =
+            std::io::stdin().as_fd().try_clone_to_owned().map_err(|e| Error::io(Op::Open, e).path("-"))?;
         Ok(PipeBackend { name: "-".into(), writable: false, state: Mutex::new((File::from(fd), 0)) })
     }
 
     /// Standard output, for writing.
     pub fn stdout() -> Result<PipeBackend> {
         let fd =
-            std::io::stdout().as_fd().try_clone_to_owned().map_err(|e| Error::io("open", e).path("-"))?;
+            std::io::stdout().as_fd().try_clone_to_owned().map_err(|e| Error::io(Op::Open, e).path("-"))?;
         Ok(PipeBackend { name: "-".into(), writable: true, state: Mutex::new((File::from(fd), 0)) })
     }
 
@@ -36,7 +37,7 @@ impl PipeBackend {
         PipeBackend { name: name.into(), writable, state: Mutex::new((file, 0)) }
     }
 
-    fn out_of_order(&self, op: &'static str, offset: u64, len: u64, pos: u64) -> Error {
+    fn out_of_order(&self, op: Op, offset: u64, len: u64, pos: u64) -> Error {
         Error::new(ErrorKind::InvalidInput, op)
             .path(&self.name)
             .at(offset, len)
@@ -85,7 +86,7 @@ impl Backend for PipeBackend {
         let mut state = self.state.lock().unwrap();
         let (file, pos) = &mut *state;
         if offset != *pos {
-            return Err(self.out_of_order("read", offset, buf.len() as u64, *pos));
+            return Err(self.out_of_order(Op::Read, offset, buf.len() as u64, *pos));
         }
         let mut done = 0;
         while done < buf.len() {
@@ -94,7 +95,7 @@ impl Backend for PipeBackend {
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    return Err(Error::io("read", e)
+                    return Err(Error::io(Op::Read, e)
                         .path(&self.name)
                         .at(offset + done as u64, (buf.len() - done) as u64))
                 }
@@ -112,10 +113,10 @@ impl Backend for PipeBackend {
         let mut state = self.state.lock().unwrap();
         let (file, pos) = &mut *state;
         if offset != *pos {
-            return Err(self.out_of_order("write", offset, buf.len() as u64, *pos));
+            return Err(self.out_of_order(Op::Write, offset, buf.len() as u64, *pos));
         }
         file.write_all(buf)
-            .map_err(|e| Error::io("write", e).path(&self.name).at(offset, buf.len() as u64))?;
+            .map_err(|e| Error::io(Op::Write, e).path(&self.name).at(offset, buf.len() as u64))?;
         *pos += buf.len() as u64;
         Ok(())
     }
@@ -125,7 +126,7 @@ impl Backend for PipeBackend {
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         if flags.fast {
-            return Err(Error::new(ErrorKind::NotSupported, "zero")
+            return Err(Error::new(ErrorKind::NotSupported, Op::Zero)
                 .path(&self.name)
                 .detail("a pipe cannot zero quickly"));
         }
@@ -139,7 +140,7 @@ impl Backend for PipeBackend {
 
     fn flush(&self) -> Result<()> {
         let mut state = self.state.lock().unwrap();
-        state.0.flush().map_err(|e| Error::io("flush", e).path(&self.name))
+        state.0.flush().map_err(|e| Error::io(Op::Flush, e).path(&self.name))
     }
 
     fn cache(&self, _offset: u64, _len: u64) -> Result<()> {

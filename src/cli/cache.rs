@@ -153,8 +153,8 @@ fn open_named(path: &Path) -> lightfoot::Result<File> {
 
 fn parse_range(s: &str) -> Result<(u64, Option<u64>), String> {
     let (off, len) = s.split_once(':').ok_or("expected OFFSET:LENGTH")?;
-    let off = if off.is_empty() { 0 } else { parse_size(off)? };
-    let len = if len.is_empty() { None } else { Some(parse_size(len)?) };
+    let off = if off.is_empty() { 0 } else { parse_size(off).map_err(|e| e.to_string())? };
+    let len = if len.is_empty() { None } else { Some(parse_size(len).map_err(|e| e.to_string())?) };
     Ok((off, len))
 }
 

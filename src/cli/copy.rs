@@ -173,7 +173,7 @@ pub struct CopyArgs {
 }
 
 fn parse_request_size(s: &str) -> Result<usize, String> {
-    let n = parse_size(s)?;
+    let n = parse_size(s).map_err(|e| e.to_string())?;
     if !(64 << 10..=256 << 20).contains(&n) {
         return Err(format!("request size must be between 64K and 256M, not {s}"));
     }
@@ -268,7 +268,7 @@ fn cached_of(opened: &Opened) -> (Option<u64>, Option<CacheStat>, Option<Mechani
 
 pub fn run(args: CopyArgs) -> i32 {
     super::init_logging(args.verbose);
-    let parsed = parse_endpoints(&args.endpoints).and_then(|eps| {
+    let parsed = parse_endpoints(&args.endpoints).map_err(|e| e.to_string()).and_then(|eps| {
         <[Endpoint; 2]>::try_from(eps)
             .map_err(|eps| format!("expected SRC and DST, got {} endpoints", eps.len()))
     });

@@ -92,8 +92,8 @@ pub fn init_logging(verbose: u8) {
 }
 
 /// Parses one of lightfoot's named values (`--cache`, `--fadvise`, mechanisms).
-pub fn parse_enum<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, String> {
-    s.parse()
+pub fn parse_enum<T: std::str::FromStr<Err = lightfoot::Error>>(s: &str) -> Result<T, String> {
+    s.parse().map_err(|e: lightfoot::Error| e.to_string())
 }
 
 /// The object-storage options `copy` and `serve` share (docs/object-storage.md).
@@ -213,7 +213,7 @@ pub fn print_out(text: &str) {
 
 /// `--object-size`: the bytes of each block object of an s3:// image.
 fn parse_object_size(s: &str) -> Result<u64, String> {
-    let n = lightfoot::copy::endpoint::parse_size(s)?;
+    let n = lightfoot::copy::endpoint::parse_size(s).map_err(|e| e.to_string())?;
     if !(512..=1 << 30).contains(&n) {
         return Err(format!("object size must be between 512 and 1G, not {s}"));
     }

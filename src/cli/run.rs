@@ -99,7 +99,7 @@ pub fn run(a: RunArgs) -> i32 {
     };
     let lib = match run::find_preload() {
         Ok(p) => p,
-        Err(e) => return fail(e),
+        Err(e) => return fail(e.to_string()),
     };
     if lib.as_os_str().as_encoded_bytes().iter().any(|&b| b == b':' || b == b' ') {
         return fail(format!(
@@ -139,11 +139,13 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
         // CMD (with this process) in a mount namespace of its own, a copy of this one: the
         // watcher marks its mounts, so only the opens made in it wait for the watcher, not
         // the rest of the host's. Before any thread (unshare refuses a threaded process).
-        (_, true) => match Watcher::start(a.max_cache, sys::unshare_mounts().is_ok()).and_then(|w| {
-            sys::become_subreaper()
-                .map_err(|e| format!("cannot become the subreaper of CMD's tree: {}", io_message(&e)))?;
-            Ok(w)
-        }) {
+        (_, true) => match Watcher::start(a.max_cache, sys::unshare_mounts().is_ok())
+            .map_err(|e| e.to_string())
+            .and_then(|w| {
+                sys::become_subreaper()
+                    .map_err(|e| format!("cannot become the subreaper of CMD's tree: {}", io_message(&e)))?;
+                Ok(w)
+            }) {
             Ok(w) => Ok(w),
             Err(e) if a.watch == Watch::Always => {
                 eprintln!("lightfoot run: the watcher: {e}");
@@ -237,7 +239,7 @@ fn run_in(a: &RunArgs, lib: &std::path::Path, dir: &std::path::Path) -> i32 {
             }
             Err(e) => {
                 eprintln!("lightfoot run: {e}");
-                (Vec::new(), serde_json::json!({ "on": false, "why": e }))
+                (Vec::new(), serde_json::json!({ "on": false, "why": e.to_string() }))
             }
         },
         Err(why) => (Vec::new(), serde_json::json!({ "on": false, "why": why })),

@@ -7,7 +7,7 @@ use clap::Args;
 use lightfoot::backend::s3::S3Uri;
 use lightfoot::backend::{Backend, FileBackend, S3Backend};
 use lightfoot::copy::endpoint::parse_size;
-use lightfoot::error::io_message;
+use lightfoot::error::{io_message, Op};
 use lightfoot::filters::coalesce::CoalesceConfig;
 use lightfoot::filters::prefetch::PrefetchConfig;
 use lightfoot::filters::{Stack, StackConfig};
@@ -364,7 +364,7 @@ pub fn run(a: ServeArgs) -> i32 {
     // Before --run starts CMD, so that a failure here leaves nothing running.
     if let Some(p) = &a.pid_file {
         if let Err(e) = std::fs::write(p, format!("{}\n", std::process::id())) {
-            super::report(&lightfoot::Error::io("write pid file", e).path(p));
+            super::report(&lightfoot::Error::io(Op::WritePidFile, e).path(p));
             return 1;
         }
     }
@@ -427,7 +427,7 @@ pub fn run(a: ServeArgs) -> i32 {
         print_stats(&server, &stack, s3_stats.as_deref(), a.json);
     }
     if let Err(e) = served {
-        super::report(&format!("serve: {}", io_message(&e)));
+        super::report(&e);
         return 1;
     }
     if let Err(e) = finished {
@@ -441,14 +441,14 @@ pub fn run(a: ServeArgs) -> i32 {
 /// A size that must not be 0 (`--prefetch-size`, `--prefetch-max-request`, `--coalesce-size`):
 /// 0 would leave the filter on but doing nothing.
 fn parse_nonzero_size(s: &str) -> Result<u64, String> {
-    match parse_size(s)? {
+    match parse_size(s).map_err(|e| e.to_string())? {
         0 => Err(format!("'{s}': must be more than 0")),
         n => Ok(n),
     }
 }
 
 fn parse_prefetch_size(s: &str) -> Result<u64, String> {
-    match parse_size(s)? {
+    match parse_size(s).map_err(|e| e.to_string())? {
         n if n < lightfoot::filters::prefetch::buffer::CHUNK => {
             Err(format!("'{s}': at least 256K (one chunk)"))
         }
@@ -464,7 +464,7 @@ fn parse_coalesce_age(s: &str) -> Result<std::time::Duration, String> {
 }
 
 fn parse_coalesce_block(s: &str) -> Result<u64, String> {
-    let n = parse_size(s)?;
+    let n = parse_size(s).map_err(|e| e.to_string())?;
     if n == 0 || n % 4096 != 0 || n > lightfoot::filters::coalesce::MAX_BLOCK {
         return Err(format!("'{s}': a multiple of 4K, at most 16M"));
     }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use crate::backend::nbd::{Target, Uri};
 use crate::backend::s3::{S3Options, S3Uri};
 use crate::backend::{Backend, FileBackend, NbdBackend, NullBackend, PipeBackend, S3Backend, ZeroFlags};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 use crate::io::{CacheMode, OpenOptions, Tuning};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,12 +42,12 @@ impl std::fmt::Display for Endpoint {
 
 /// Groups command-line arguments into endpoints: `[ CMD ARGS… ]` (the brackets separate
 /// arguments) is a captive NBD server; every other argument is one endpoint.
-pub fn parse_endpoints(args: &[String]) -> Result<Vec<Endpoint>, String> {
+pub fn parse_endpoints(args: &[String]) -> Result<Vec<Endpoint>> {
     let mut out = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         if a == "]" {
-            return Err("']' without '['".into());
+            return Err(Error::invalid(Op::Parse, "']' without '['"));
         }
         if a != "[" {
             out.push(a.parse()?);
@@ -57,13 +57,20 @@ pub fn parse_endpoints(args: &[String]) -> Result<Vec<Endpoint>, String> {
         loop {
             match it.next() {
                 Some(x) if x == "]" => break,
-                Some(x) if x == "[" => return Err("'[' inside '[ … ]': captive servers do not nest".into()),
+                Some(x) if x == "[" => {
+                    return Err(Error::invalid(Op::Parse, "'[' inside '[ … ]': captive servers do not nest"))
+                }
                 Some(x) => argv.push(x.clone()),
-                None => return Err("'[' without ']': write captive servers as [ CMD ARGS ]".into()),
+                None => {
+                    return Err(Error::invalid(
+                        Op::Parse,
+                        "'[' without ']': write captive servers as [ CMD ARGS ]",
+                    ))
+                }
             }
         }
         if argv.is_empty() {
-            return Err("'[ ]' names no server command".into());
+            return Err(Error::invalid(Op::Parse, "'[ ]' names no server command"));
         }
         out.push(Endpoint::Nbd(Target::Captive(argv)));
     }
@@ -71,8 +78,8 @@ pub fn parse_endpoints(args: &[String]) -> Result<Vec<Endpoint>, String> {
 }
 
 impl std::str::FromStr for Endpoint {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
         if s == "-" {
             return Ok(Endpoint::Stdio);
         }
@@ -80,12 +87,15 @@ impl std::str::FromStr for Endpoint {
             if size.is_empty() {
                 return Ok(Endpoint::Null(None));
             }
-            return parse_size(size).map(|n| Endpoint::Null(Some(n))).map_err(|e| format!("'{s}': {e}"));
+            return parse_size(size)
+                .map(|n| Endpoint::Null(Some(n)))
+                .map_err(|e| Error::after(Op::Parse, &e).detail(format!("'{s}'")));
         }
         if s.is_empty() {
-            return Err(
-                "an empty endpoint (''): name a file, a device, -, null:, a URI or [ CMD ARGS ]".into()
-            );
+            return Err(Error::invalid(
+                Op::Parse,
+                "an empty endpoint (''): name a file, a device, -, null:, a URI or [ CMD ARGS ]",
+            ));
         }
         if Uri::is_nbd(s) {
             return s.parse().map(|u| Endpoint::Nbd(Target::Uri(u)));
@@ -98,11 +108,16 @@ impl std::str::FromStr for Endpoint {
 }
 
 /// Parses `4096`, `64K`, `4M`, `1G`, `2T` (powers of 1024; `KiB`/`MiB`/... also accepted).
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64> {
     let s = s.trim();
     let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(digits);
-    let invalid = || format!("invalid size '{s}' (use a whole number with an optional K, M, G or T suffix)");
+    let invalid = || {
+        Error::invalid(
+            Op::Parse,
+            format!("invalid size '{s}' (use a whole number with an optional K, M, G or T suffix)"),
+        )
+    };
     let n: u64 = num.parse().map_err(|_| invalid())?;
     let shift = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
@@ -112,7 +127,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "t" | "tib" | "tb" => 40,
         _ => return Err(invalid()),
     };
-    n.checked_mul(1u64 << shift).ok_or_else(|| format!("size '{s}' is too large"))
+    n.checked_mul(1u64 << shift).ok_or_else(|| Error::invalid(Op::Parse, format!("size '{s}' is too large")))
 }
 
 /// An endpoint opened for a copy.
@@ -163,7 +178,7 @@ impl Opened {
 
     fn file(file: FileBackend, created: bool, zeroed: bool) -> Result<Opened> {
         let meta =
-            file.policy().file().metadata().map_err(|e| Error::io("stat", e).path(file.policy().path()))?;
+            file.policy().file().metadata().map_err(|e| Error::io(Op::Stat, e).path(file.policy().path()))?;
         let file = Arc::new(file);
         Ok(Opened {
             backend: file.clone(),
@@ -184,13 +199,13 @@ impl Opened {
     pub fn check_size_unchanged(&self, size: Option<u64>) -> Result<()> {
         let (Some(f), Some(size)) = (&self.file, size) else { return Ok(()) };
         let path = f.policy().path();
-        let meta = f.policy().file().metadata().map_err(|e| Error::io("stat", e).path(path))?;
+        let meta = f.policy().file().metadata().map_err(|e| Error::io(Op::Stat, e).path(path))?;
         if !meta.is_file() {
             return Ok(());
         }
         let now = meta.len();
         if now < size {
-            return Err(Error::new(ErrorKind::UnexpectedEof, "copy").path(path).detail(format!(
+            return Err(Error::new(ErrorKind::UnexpectedEof, Op::Copy).path(path).detail(format!(
                 "the source shrank during the copy, from {size} to {now} bytes: the destination \
                  does not match it"
             )));
@@ -217,8 +232,8 @@ impl Opened {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),
         };
-        let dir = std::fs::File::open(parent).map_err(|e| Error::io("open", e).path(parent))?;
-        dir.sync_all().map_err(|e| Error::io("flush", e).path(parent))
+        let dir = std::fs::File::open(parent).map_err(|e| Error::io(Op::Open, e).path(parent))?;
+        dir.sync_all().map_err(|e| Error::io(Op::Flush, e).path(parent))
     }
 }
 
@@ -249,17 +264,17 @@ pub fn open_source(
             }
             Ok(o)
         }
-        Endpoint::Null(None) => Err(Error::new(ErrorKind::InvalidInput, "open")
+        Endpoint::Null(None) => Err(Error::new(ErrorKind::InvalidInput, Op::Open)
             .path("null:")
             .detail("a null: source needs a size (null:SIZE, e.g. null:1G)")),
         Endpoint::Null(size) => Ok(Opened::plain(Arc::new(NullBackend::new(*size)), false)),
         Endpoint::Path(p) => {
-            let meta = std::fs::metadata(p).map_err(|e| Error::io("open", e).path(p))?;
+            let meta = std::fs::metadata(p).map_err(|e| Error::io(Op::Open, e).path(p))?;
             if meta.is_dir() {
-                return Err(Error::new(ErrorKind::InvalidInput, "open").path(p).detail("is a directory"));
+                return Err(Error::new(ErrorKind::InvalidInput, Op::Open).path(p).detail("is a directory"));
             }
             if meta.file_type().is_fifo() || meta.file_type().is_char_device() {
-                let f = std::fs::File::open(p).map_err(|e| Error::io("open", e).path(p))?;
+                let f = std::fs::File::open(p).map_err(|e| Error::io(Op::Open, e).path(p))?;
                 return Ok(Opened::plain(
                     Arc::new(PipeBackend::from_file(&p.display().to_string(), f, false)),
                     false,
@@ -297,12 +312,12 @@ fn open_s3_destination(u: &S3Uri, size: Option<u64>, opts: &DestOptions) -> Resu
         return Ok(Opened::s3(S3Backend::create_object(u, size, &opts.s3)?, false));
     };
     let Some(size) = size else {
-        return Err(Error::new(ErrorKind::InvalidInput, "open")
+        return Err(Error::new(ErrorKind::InvalidInput, Op::Open)
             .path(u.to_string())
             .detail("a block image needs the source's size in advance (a pipe has none)"));
     };
     if !size.is_multiple_of(object_size) {
-        return Err(Error::new(ErrorKind::InvalidInput, "open").path(u.to_string()).detail(format!(
+        return Err(Error::new(ErrorKind::InvalidInput, Op::Open).path(u.to_string()).detail(format!(
             "the source's size ({size}) is not a multiple of --object-size ({object_size}): \
              a block image holds whole objects"
         )));
@@ -339,18 +354,20 @@ pub fn open_destination(
             let existing = match std::fs::metadata(p) {
                 Ok(m) => Some(m),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-                Err(e) => return Err(Error::io("open", e).path(p)),
+                Err(e) => return Err(Error::io(Op::Open, e).path(p)),
             };
             if let (Some(m), Some(id)) = (&existing, src.id) {
                 if identity(m) == id {
-                    return Err(Error::new(ErrorKind::InvalidInput, "copy")
+                    return Err(Error::new(ErrorKind::InvalidInput, Op::Copy)
                         .path(p)
                         .detail("source and destination are the same file"));
                 }
             }
             match &existing {
                 Some(m) if m.is_dir() => {
-                    return Err(Error::new(ErrorKind::InvalidInput, "open").path(p).detail("is a directory"))
+                    return Err(Error::new(ErrorKind::InvalidInput, Op::Open)
+                        .path(p)
+                        .detail("is a directory"))
                 }
                 Some(m) if m.file_type().is_block_device() => {
                     // O_EXCL on a block device: refused while it is mounted or claimed (as
@@ -358,10 +375,10 @@ pub fn open_destination(
                     let claim =
                         std::fs::OpenOptions::new().write(true).custom_flags(libc::O_EXCL).open(p).map_err(
                             |e| match e.raw_os_error() {
-                                Some(libc::EBUSY) => Error::new(ErrorKind::Permission, "open")
+                                Some(libc::EBUSY) => Error::new(ErrorKind::Permission, Op::Open)
                                     .path(p)
                                     .detail("the device is in use (mounted, or held by another program)"),
-                                _ => Error::io("open", e).path(p),
+                                _ => Error::io(Op::Open, e).path(p),
                             },
                         )?;
                     let opts_o = OpenOptions { write: true, create: false, truncate: false };
@@ -374,7 +391,7 @@ pub fn open_destination(
                     let f = std::fs::OpenOptions::new()
                         .write(true)
                         .open(p)
-                        .map_err(|e| Error::io("open", e).path(p))?;
+                        .map_err(|e| Error::io(Op::Open, e).path(p))?;
                     return Ok(Opened::plain(
                         Arc::new(PipeBackend::from_file(&p.display().to_string(), f, true)),
                         false,

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::backend::{is_zero, Backend, ZeroFlags};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 use crate::io::AlignedBuf;
 
 pub mod endpoint;
@@ -136,7 +136,7 @@ fn request_size(src: &dyn Backend, dst: &dyn Backend, asked: usize) -> usize {
 pub fn check_destination(dst: &dyn Backend, size: u64) -> Result<()> {
     check_room(dst, size)?;
     if dst.caps().read_only {
-        return Err(Error::new(ErrorKind::Permission, "copy")
+        return Err(Error::new(ErrorKind::Permission, Op::Copy)
             .path(dst.name())
             .detail("destination is read-only"));
     }
@@ -145,7 +145,7 @@ pub fn check_destination(dst: &dyn Backend, size: u64) -> Result<()> {
 
 fn check_room(dst: &dyn Backend, size: u64) -> Result<()> {
     match dst.size() {
-        Some(room) if room < size => Err(Error::new(ErrorKind::NoSpace, "copy")
+        Some(room) if room < size => Err(Error::new(ErrorKind::NoSpace, Op::Copy)
             .path(dst.name())
             .detail(format!("destination is smaller than the source ({room} < {size} bytes)"))),
         _ => Ok(()),
@@ -182,10 +182,9 @@ fn copy_sized(
                         return;
                     }
                     if cancel.load(Ordering::Relaxed) {
-                        first_error
-                            .lock()
-                            .unwrap()
-                            .get_or_insert(Error::new(ErrorKind::Interrupted, "copy").detail("interrupted"));
+                        first_error.lock().unwrap().get_or_insert(
+                            Error::new(ErrorKind::Interrupted, Op::Copy).detail("interrupted"),
+                        );
                         stop.store(true, Ordering::Relaxed);
                         return;
                     }
@@ -218,14 +217,9 @@ fn copy_sized(
 /// out evens first, then odds: 0, 2, 4 … 1, 3, 5 … With `group` twice the workers, the
 /// evens in flight together are a chunk apart; an odd can meet a neighbouring even still in
 /// flight, and the last chunk of a group the first of the next, so neighbours are rarer, not
-/// gone (handing the odds out a group late would keep them apart: not measured yet). Handed
-/// out in order, 16 workers' requests are neighbours, and the block layer merges them into
-/// 1-3 MiB requests: the NBD server's reads (qemu-nbd, 256 KiB each, merged to 0.8-1 MiB)
-/// and the file's writes (merged to 1.2-2.8 MiB, only while the disk also reads). A pull of
-/// 4 GiB of random data was then 1.17-1.29x nbdcopy's time on this VM, whose requests stay
-/// at 260-630 KiB; taken this way requests averaged 260-270 KiB at the device, and the pull
-/// was faster than in order in 15 rounds of 18 (0.91-0.94x nbdcopy in the last two sets);
-/// other transfers level (docs/benchmarks/runs/nbd.md, 2026-11-25).
+/// gone. Handed out in order, 16 workers' requests are neighbours, and the block layer merges
+/// them into 1-3 MiB requests, which made a pull from an NBD server slower than nbdcopy's on
+/// this VM's disk (docs/benchmarks/runs/code-notes.md#interleaved).
 /// Chunks are still taken from one counter, so a slow request delays nobody. `group` < 2:
 /// in order.
 pub fn interleaved(t: u64, group: u64) -> u64 {
@@ -264,7 +258,7 @@ fn copy_chunk(
                 let data = &mut buf[..n as usize];
                 let got = src.read(data, at)?;
                 if got < data.len() {
-                    return Err(Error::new(ErrorKind::UnexpectedEof, "read")
+                    return Err(Error::new(ErrorKind::UnexpectedEof, Op::Read)
                         .path(src.name())
                         .at(at + got as u64, n - got as u64)
                         .detail("the source ended early (did it shrink during the copy?)"));
@@ -339,14 +333,14 @@ fn copy_stream(
     let mut at = 0u64;
     loop {
         if cancel.load(Ordering::Relaxed) {
-            return Err(Error::new(ErrorKind::Interrupted, "copy").detail("interrupted"));
+            return Err(Error::new(ErrorKind::Interrupted, Op::Copy).detail("interrupted"));
         }
         let n = src.read(&mut buf[..req], at)?;
         if n == 0 {
             // Ctrl-C while a read waited: the writer of the pipe (in the terminal's process
             // group) got the signal too, and its end of the data is not the stream's.
             if cancel.load(Ordering::Relaxed) {
-                return Err(Error::new(ErrorKind::Interrupted, "copy").detail("interrupted"));
+                return Err(Error::new(ErrorKind::Interrupted, Op::Copy).detail("interrupted"));
             }
             return Ok(());
         }

@@ -5,7 +5,7 @@
 
 use super::{CopyOptions, Endpoint};
 use crate::backend::nbd::Target;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 
 /// What the user set (`--workers`, `--request-size`, `--connections`, `--object-size`);
 /// `None`: choose.
@@ -43,7 +43,7 @@ impl Plan {
         // apart.
         if let (Endpoint::Nbd(Target::Uri(a)), Endpoint::Nbd(Target::Uri(b))) = (src, dst) {
             if a.address == b.address && a.export == b.export {
-                return Err(Error::new(ErrorKind::InvalidInput, "copy")
+                return Err(Error::new(ErrorKind::InvalidInput, Op::Copy)
                     .path(dst.to_string())
                     .detail("source and destination are the same export"));
             }

@@ -159,7 +159,7 @@ fn flush_error_fails_the_copy() {
     let src = source();
     let dst = faulty(Arc::new(MemoryBackend::new(SIZE)), Rule::new(Op::Flush, Fault::Fail(ErrorKind::Io)));
     let f = run(&*src, &dst, &opts(2)).unwrap_err();
-    assert_eq!(f.error.op(), "flush");
+    assert_eq!(f.error.op(), Op::Flush);
     // Without a flush requested, the same destination succeeds.
     let o = CopyOptions { flush: false, ..opts(2) };
     run(&*src, &dst, &o).unwrap();
@@ -169,7 +169,7 @@ fn flush_error_fails_the_copy() {
 fn extents_error_fails_the_copy() {
     let src = faulty(source(), Rule::new(Op::Extents, Fault::Fail(ErrorKind::Io)).every(3, 1));
     let dst = MemoryBackend::new(SIZE);
-    assert_eq!(run(&src, &dst, &opts(2)).unwrap_err().error.op(), "extents");
+    assert_eq!(run(&src, &dst, &opts(2)).unwrap_err().error.op(), Op::Extents);
 }
 
 #[test]

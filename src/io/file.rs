@@ -16,7 +16,7 @@ use super::footprint;
 use super::policy::{choose, CacheMode, Choice, Fadvise, Probe, ReadMech, Tuning, WriteMech};
 use super::sys::{self, Advice, AlignedBuf, CacheStat};
 use super::writebehind::WriteBehind;
-use crate::error::{io_message, Error, ErrorKind, Result, WriteLatch};
+use crate::error::{io_message, Error, ErrorKind, Op, Result, Sticky};
 
 /// Most bytes of blocks the evict-behind tracker holds before evicting the least recently
 /// used (readers that never finish a block, readahead spill): the neutral footprint bound.
@@ -69,7 +69,7 @@ fn partial_units(offset: u64, len: u64, unit: u64) -> [Option<u64>; 2] {
 /// must still be one per export), the locks of pages written in part, and the last data
 /// extent found.
 pub struct FileJob {
-    latch: WriteLatch,
+    latch: Sticky,
     rmw_locks: Vec<Mutex<()>>,
     /// Held over a neutral-mode write of part of a page, buffered or direct
     /// ([`PolicyFile::write_at`]; 2^[`PAGE_LOCK_BITS`] locks, one chosen by [`super::spread`]
@@ -85,17 +85,16 @@ pub struct FileJob {
     classes: Arc<super::writebehind::Classes>,
     /// The first open's answer to the RWF_DONTCACHE probe (accepted, and a note if the read
     /// failed), reused by the later opens: each probe reads the file's first page, which stays
-    /// cached for a moment, and a server's connections open the file while other connections
-    /// write. A write that found the page cached took its 2 MiB block for one cached before the
-    /// job and left it cached at exit (the first page, or the whole block when small writes
-    /// went through the cache there: 3 of 20 plain-server runs, 2026-11-25).
+    /// cached for a moment, and a write that found it cached while other connections opened
+    /// took its 2 MiB block for one cached before the job, and left it cached at exit
+    /// (docs/benchmarks/runs/code-notes.md#dontcache_probe).
     dontcache_probe: OnceLock<(bool, Option<String>)>,
 }
 
 impl Default for FileJob {
     fn default() -> FileJob {
         FileJob {
-            latch: WriteLatch::default(),
+            latch: Sticky::default(),
             rmw_locks: (0..1 << RMW_LOCK_BITS).map(|_| Mutex::new(())).collect(),
             page_locks: (0..1 << PAGE_LOCK_BITS).map(|_| Mutex::new(())).collect(),
             holes: AtomicBool::new(false),
@@ -207,7 +206,7 @@ impl PolicyFile {
         tuning: &Tuning,
         shared: Arc<FileJob>,
     ) -> Result<PolicyFile> {
-        let open_err = |e: io::Error| Error::io("open", e).path(path);
+        let open_err = |e: io::Error| Error::io(Op::Open, e).path(path);
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(opts.write)
@@ -223,7 +222,7 @@ impl PolicyFile {
             shared.holes.store(true, Ordering::Relaxed);
         }
         if !is_block && !meta.is_file() {
-            return Err(Error::new(ErrorKind::InvalidInput, "open")
+            return Err(Error::new(ErrorKind::InvalidInput, Op::Open)
                 .path(path)
                 .detail("not a regular file or block device"));
         }
@@ -293,14 +292,14 @@ impl PolicyFile {
                             io_message(&e)
                         ));
                     } else {
-                        return Err(Error::io("open", e).path(path).detail(
+                        return Err(Error::io(Op::Open, e).path(path).detail(
                             "O_DIRECT; with neither RWF_DONTCACHE nor cachestat here, a read cannot \
                              leave the page cache as it found it: use --cache drop or --cache keep",
                         ));
                     }
                     None
                 }
-                Err(e) => return Err(Error::io("open", e).path(path).detail("O_DIRECT")),
+                Err(e) => return Err(Error::io(Op::Open, e).path(path).detail("O_DIRECT")),
             }
         } else {
             None
@@ -393,7 +392,7 @@ impl PolicyFile {
         self.mode
     }
 
-    pub fn latch(&self) -> &WriteLatch {
+    pub fn latch(&self) -> &Sticky {
         &self.shared.latch
     }
 
@@ -442,7 +441,7 @@ impl PolicyFile {
     /// Reads into `buf` at `offset`; returns `buf.len()`, or fewer only at end of file.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
         let len = buf.len() as u64;
-        let err = |e: io::Error| Error::io("read", e).path(&self.path).at(offset, len);
+        let err = |e: io::Error| Error::io(Op::Read, e).path(&self.path).at(offset, len);
         self.touch(offset, len);
         loop {
             let mech = self.read_mech();
@@ -588,7 +587,7 @@ impl PolicyFile {
             return Ok(());
         }
         let len = buf.len() as u64;
-        let err = |e: io::Error| Error::io("write", e).path(&self.path).at(offset, len);
+        let err = |e: io::Error| Error::io(Op::Write, e).path(&self.path).at(offset, len);
         self.touch(offset, len);
         let dsync = if fua { sys::RWF_DSYNC } else { 0 };
         self.classify_before_write(offset, len);
@@ -652,7 +651,7 @@ impl PolicyFile {
                     }
                     Ok(_) => {}
                     Err(e) => {
-                        let e = Error::io("writeback", e).path(&self.path);
+                        let e = Error::io(Op::Writeback, e).path(&self.path);
                         self.shared.latch.set(&e);
                         return Err(e);
                     }
@@ -698,7 +697,7 @@ impl PolicyFile {
         res?;
         if let Some(e) = first_err {
             let raw = e.raw_os_error().unwrap_or(libc::EIO);
-            self.shared.latch.set(&Error::io("writeback", e).path(&self.path));
+            self.shared.latch.set(&Error::io(Op::Writeback, e).path(&self.path));
             return Err(io::Error::from_raw_os_error(raw));
         }
         Ok(())
@@ -843,15 +842,15 @@ impl PolicyFile {
     /// Makes every completed write durable (`fdatasync`), or reports the error latched since.
     pub fn sync(&self) -> Result<()> {
         if let Err(e) = sys::fdatasync(self.fd()) {
-            let e = Error::io("flush", e).path(&self.path);
+            let e = Error::io(Op::Flush, e).path(&self.path);
             self.shared.latch.set(&e);
             return Err(e);
         }
-        self.shared.latch.check("flush", &self.path)?;
+        self.shared.latch.check_writes(Op::Flush, &self.path)?;
         // Everything is clean now: evicting the windows costs nothing and keeps the footprint
         // low between flushes.
         if let Err(e) = self.write_behind.drain(self.fd()) {
-            let e = Error::io("writeback", e).path(&self.path);
+            let e = Error::io(Op::Writeback, e).path(&self.path);
             self.shared.latch.set(&e);
             return Err(e);
         }
@@ -883,7 +882,7 @@ impl PolicyFile {
             }
         }
         drained.map(drop).map_err(|e| {
-            let e = Error::io("writeback", e).path(&self.path);
+            let e = Error::io(Op::Writeback, e).path(&self.path);
             self.shared.latch.set(&e);
             e
         })
@@ -906,9 +905,9 @@ impl PolicyFile {
     /// The size of the file or device now.
     pub fn size(&self) -> Result<u64> {
         if self.is_block {
-            sys::block_size_bytes(self.fd()).map_err(|e| Error::io("size", e).path(&self.path))
+            sys::block_size_bytes(self.fd()).map_err(|e| Error::io(Op::Size, e).path(&self.path))
         } else {
-            Ok(self.file.metadata().map_err(|e| Error::io("stat", e).path(&self.path))?.len())
+            Ok(self.file.metadata().map_err(|e| Error::io(Op::Stat, e).path(&self.path))?.len())
         }
     }
 }

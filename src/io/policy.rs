@@ -189,11 +189,14 @@ macro_rules! names {
             }
         }
         impl FromStr for $ty {
-            type Err = String;
-            fn from_str(s: &str) -> Result<Self, String> {
+            type Err = crate::Error;
+            fn from_str(s: &str) -> crate::Result<Self> {
                 match s {
                     $($name => Ok(<$ty>::$variant),)*
-                    _ => Err(format!("expected one of: {}", Self::NAMES.join(", "))),
+                    _ => Err(crate::Error::invalid(
+                        crate::Op::Parse,
+                        format!("expected one of: {}", Self::NAMES.join(", ")),
+                    )),
                 }
             }
         }
@@ -280,6 +283,6 @@ mod tests {
         for n in ReadMech::NAMES {
             assert_eq!(n.parse::<ReadMech>().unwrap().name(), *n);
         }
-        assert!("bogus".parse::<CacheMode>().unwrap_err().contains("neutral"));
+        assert!("bogus".parse::<CacheMode>().unwrap_err().to_string().contains("neutral"));
     }
 }

@@ -7,7 +7,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 
 use super::sys::{self, Advice, CacheStat};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 
 /// Where residency figures came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -50,25 +50,25 @@ impl Residency {
 /// cache), and opening a FIFO would wake the program at its other end and then leave it (it
 /// could read an empty pipe and finish, or be killed by SIGPIPE); a tape device would rewind.
 pub fn open(path: &Path) -> Result<File> {
-    let kind = std::fs::metadata(path).map_err(|e| Error::io("open", e).path(path))?.file_type();
+    let kind = std::fs::metadata(path).map_err(|e| Error::io(Op::Open, e).path(path))?.file_type();
     if kind.is_dir() {
-        return Err(Error::new(ErrorKind::InvalidInput, "open")
+        return Err(Error::new(ErrorKind::InvalidInput, Op::Open)
             .path(path)
             .detail("a directory: name the files in it (for example DIR/*)"));
     }
     if !kind.is_file() && !kind.is_block_device() {
-        return Err(Error::new(ErrorKind::InvalidInput, "open")
+        return Err(Error::new(ErrorKind::InvalidInput, Op::Open)
             .path(path)
             .detail("not a regular file or block device"));
     }
-    File::open(path).map_err(|e| Error::io("open", e).path(path))
+    File::open(path).map_err(|e| Error::io(Op::Open, e).path(path))
 }
 
 /// Size of a regular file or block device.
 pub fn file_size(file: &File, path: &Path) -> Result<u64> {
-    let meta = file.metadata().map_err(|e| Error::io("stat", e).path(path))?;
+    let meta = file.metadata().map_err(|e| Error::io(Op::Stat, e).path(path))?;
     if meta.file_type().is_block_device() {
-        sys::block_size_bytes(file.as_fd()).map_err(|e| Error::io("size", e).path(path))
+        sys::block_size_bytes(file.as_fd()).map_err(|e| Error::io(Op::Size, e).path(path))
     } else {
         Ok(meta.len())
     }
@@ -85,7 +85,7 @@ pub fn clamp(size: u64, offset: u64, len: Option<u64>) -> (u64, u64) {
 /// (cachestat's EPERM, or no cachestat and a file mincore would lie about), rather than a
 /// failure: the figures are unknown, not zero.
 pub fn not_visible(err: &Error) -> bool {
-    err.op() == "cachestat" && matches!(err.kind(), ErrorKind::Permission | ErrorKind::NotSupported)
+    err.op() == Op::Cachestat && matches!(err.kind(), ErrorKind::Permission | ErrorKind::NotSupported)
 }
 
 /// Residency of `[offset, offset+len)` (`len == None`: to the end).
@@ -106,22 +106,22 @@ pub fn measure(file: &File, path: &Path, offset: u64, len: Option<u64>) -> Resul
     }
     match sys::cachestat(fd, offset, len) {
         Ok(stat) => Ok(Residency { offset, len, page_size, pages, stat, source: Source::Cachestat }),
-        Err(e) if e.raw_os_error() == Some(libc::EPERM) => Err(Error::io("cachestat", e)
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => Err(Error::io(Op::Cachestat, e)
             .path(path)
             .detail("residency of a file this user cannot write is not visible (and mincore would report every page cached)")),
         Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
             // Kernels before 6.5. mincore is only truthful for files we may write.
             let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap_or_default();
             if !sys::can_write(&c) {
-                return Err(Error::new(ErrorKind::NotSupported, "cachestat")
+                return Err(Error::new(ErrorKind::NotSupported, Op::Cachestat)
                     .path(path)
                     .detail("no cachestat on this kernel, and mincore is meaningless for files this user cannot write"));
             }
-            let cached = sys::mincore_cached_pages(fd, offset, len).map_err(|e| Error::io("mincore", e).path(path))?;
+            let cached = sys::mincore_cached_pages(fd, offset, len).map_err(|e| Error::io(Op::Mincore, e).path(path))?;
             let stat = CacheStat { cached, ..CacheStat::default() };
             Ok(Residency { offset, len, page_size, pages, stat, source: Source::Mincore })
         }
-        Err(e) => Err(Error::io("cachestat", e).path(path)),
+        Err(e) => Err(Error::io(Op::Cachestat, e).path(path)),
     }
 }
 
@@ -132,9 +132,9 @@ pub fn evict(file: &File, path: &Path, offset: u64, len: Option<u64>, sync: bool
     if sync {
         // Wait for writeback of the range, then for anything already under writeback.
         sys::sync_file_range(fd, offset, len, sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER)
-            .map_err(|e| Error::io("writeback", e).path(path))?;
+            .map_err(|e| Error::io(Op::Writeback, e).path(path))?;
     }
-    sys::fadvise(fd, offset, len, Advice::DontNeed).map_err(|e| Error::io("evict", e).path(path))
+    sys::fadvise(fd, offset, len, Advice::DontNeed).map_err(|e| Error::io(Op::Evict, e).path(path))
 }
 
 #[cfg(test)]

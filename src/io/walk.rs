@@ -33,7 +33,7 @@ use std::fs::File;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 
 /// How to walk.
 #[derive(Debug, Clone, Copy, Default)]
@@ -118,7 +118,7 @@ impl Walk {
             // A root: followed if it is a symlink, and the file system the walk stays on.
             let meta = match std::fs::metadata(path) {
                 Ok(m) => m,
-                Err(e) => return Some(Err(Error::io("walk", e).path(path))),
+                Err(e) => return Some(Err(Error::io(Op::Walk, e).path(path))),
             };
             self.root_dev = Some(meta.dev());
             kind = meta.file_type();
@@ -160,9 +160,9 @@ impl Walk {
                 self.skipped.symlinks += 1;
                 return Ok(None);
             }
-            Err(e) => return Err(Error::io("open", e).path(path)),
+            Err(e) => return Err(Error::io(Op::Open, e).path(path)),
         };
-        let meta = file.metadata().map_err(|e| Error::io("stat", e).path(path))?;
+        let meta = file.metadata().map_err(|e| Error::io(Op::Stat, e).path(path))?;
         let kind = meta.file_type();
         if !(kind.is_file() || block_ok && kind.is_block_device()) {
             self.skipped.not_regular += 1;
@@ -215,11 +215,11 @@ fn walk_error(e: walkdir::Error) -> Error {
     let path = e.path().map(Path::to_path_buf).unwrap_or_default();
     if let Some(ancestor) = e.loop_ancestor() {
         let detail = format!("a symlink loop back to {}: not followed", ancestor.display());
-        return Error::new(ErrorKind::InvalidInput, "walk").path(path).detail(detail);
+        return Error::new(ErrorKind::InvalidInput, Op::Walk).path(path).detail(detail);
     }
     match e.into_io_error() {
-        Some(io) => Error::io("walk", io).path(path),
-        None => Error::new(ErrorKind::Io, "walk").path(path),
+        Some(io) => Error::io(Op::Walk, io).path(path),
+        None => Error::new(ErrorKind::Io, Op::Walk).path(path),
     }
 }
 

@@ -268,14 +268,11 @@ impl WriteBehind {
     }
 
     /// Waits for each window's writeback and evicts the job's pages in it. DONTNEED leaves a
-    /// page it cannot drop at that moment (locked, mapped or otherwise referenced), and such a
-    /// window used to be forgotten: with `--coalesce`, whose FLUSHes evict windows the
-    /// background write-back is writing into, 1-82 clean pages of a 4 GiB file (whole 64 KiB
-    /// blocks, near the ends of windows) were still cached after the server exited in 16 of 26
-    /// 6 s runs of 4 fio clients (2026-11-25; which reference held them was not traced). So
-    /// each evicted range is looked at again (cachestat) and a window with pages left is
-    /// queued again, for the next drain; none were left in 14 runs since. Without cachestat
-    /// nothing is looked at.
+    /// page it cannot drop at that moment (locked, mapped or otherwise referenced; seen with
+    /// `--coalesce`, whose FLUSHes evict windows the background write-back is writing into:
+    /// docs/benchmarks/runs/code-notes.md#wait_and_evict), so each evicted range is looked at
+    /// again (cachestat) and a window with pages left is queued again, for the next drain.
+    /// Without cachestat nothing is looked at.
     fn wait_and_evict(&self, fd: BorrowedFd, windows: Vec<Entry>) -> io::Result<Outcome> {
         let mut outcome = Outcome::default();
         let mut first_err = None;

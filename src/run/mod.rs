@@ -15,7 +15,7 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 use crate::io::residency;
 use crate::io::sys::{self, Advice};
 
@@ -174,7 +174,7 @@ impl FileReport {
 /// library's) are the watcher's: done already, only the library's opens are added to them.
 pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>> {
     let log = dir.join("files");
-    let bytes = std::fs::read(&log).map_err(|e| Error::io("read", e).path(&log))?;
+    let bytes = std::fs::read(&log).map_err(|e| Error::io(Op::Read, e).path(&log))?;
     let (done, records): (Vec<Record>, Vec<Record>) =
         parse(&bytes).into_iter().partition(|r| r.flags & DONE != 0);
     let page = sys::page_size() as u64;
@@ -293,9 +293,9 @@ pub(crate) fn finish_file(
     let at = |(after, evicted): (Option<u64>, u64)| Ok((path.clone(), after, evicted));
     let path = &path;
     let file = residency::open(path)?;
-    let meta = file.metadata().map_err(|e| Error::io("stat", e).path(path))?;
+    let meta = file.metadata().map_err(|e| Error::io(Op::Stat, e).path(path))?;
     if (meta.dev(), meta.ino()) != (first.dev, first.ino) {
-        return Err(Error::new(crate::error::ErrorKind::InvalidInput, "sweep")
+        return Err(Error::new(crate::error::ErrorKind::InvalidInput, Op::Sweep)
             .path(path)
             .detail("replaced by another file while the sweep looked at it: left alone"));
     }
@@ -325,7 +325,7 @@ pub(crate) fn finish_open(
 /// command has ended: its descriptors, and the errors they were owed, are gone with it).
 fn write_back(file: &File, path: &Path) -> Result<()> {
     sys::sync_file_range(file.as_fd(), 0, 0, sys::SFR_WAIT_BEFORE | sys::SFR_WRITE | sys::SFR_WAIT_AFTER)
-        .map_err(|e| Error::io("writeback", e).path(path))
+        .map_err(|e| Error::io(Op::Writeback, e).path(path))
 }
 
 /// Drops every block that held no page at first sight, in runs, and all past the first sight's
@@ -366,7 +366,7 @@ fn drop_new_blocks(file: &File, first: &Record) -> u64 {
 
 /// Where the preload library is: `$LIGHTFOOT_PRELOAD`, beside this binary (a cargo build), or
 /// in `../lib/lightfoot/` from it (`make install`).
-pub fn find_preload() -> std::result::Result<PathBuf, String> {
+pub fn find_preload() -> Result<PathBuf> {
     const NAME: &str = "liblightfoot_preload.so";
     let mut tried = Vec::new();
     if let Some(p) = std::env::var_os("LIGHTFOOT_PRELOAD") {
@@ -374,7 +374,8 @@ pub fn find_preload() -> std::result::Result<PathBuf, String> {
         if p.is_file() {
             return Ok(p);
         }
-        return Err(format!("LIGHTFOOT_PRELOAD names {}, which is not a file", p.display()));
+        let why = format!("LIGHTFOOT_PRELOAD names {}, which is not a file", p.display());
+        return Err(Error::new(ErrorKind::NotFound, Op::Parse).detail(why));
     }
     if let Some(dir) = std::env::current_exe()
         .ok()
@@ -388,10 +389,9 @@ pub fn find_preload() -> std::result::Result<PathBuf, String> {
             tried.push(p.display().to_string());
         }
     }
-    Err(format!(
-        "the preload library {NAME} is in none of: {} (`make` builds it, `make install` installs it)",
-        tried.join(", ")
-    ))
+    Err(Error::new(ErrorKind::NotFound, Op::Open)
+        .path(NAME)
+        .detail(format!("not in any of {} (`make` builds it, `make install` installs it)", tried.join(", "))))
 }
 
 /// A private directory for one run's records: in /dev/shm (memory, never written back to a
@@ -408,14 +408,14 @@ pub fn make_run_dir() -> Result<PathBuf> {
         match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
             Ok(()) => {
                 let log = dir.join("files");
-                std::fs::File::create(&log).map_err(|e| Error::io("create", e).path(&log))?;
+                std::fs::File::create(&log).map_err(|e| Error::io(Op::Create, e).path(&log))?;
                 return Ok(dir);
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(Error::io("create", e).path(&dir)),
+            Err(e) => return Err(Error::io(Op::Create, e).path(&dir)),
         }
     }
-    Err(Error::new(crate::error::ErrorKind::InvalidInput, "create")
+    Err(Error::new(crate::error::ErrorKind::InvalidInput, Op::Create)
         .path(&base)
         .detail("no free name for a run directory"))
 }

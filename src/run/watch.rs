@@ -43,7 +43,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{FileReport, Record, ALL_CACHED, NOT_COVERED_NOSYS, NOT_COVERED_OTHER};
-use crate::error::io_message;
+use crate::error::{io_message, Error, ErrorKind, Op, Result};
 use crate::io::sys::{self, Advice, FanEvent, Fanotify};
 
 /// The hidden subcommand the watcher process runs as.
@@ -113,9 +113,9 @@ impl Watcher {
     /// are in place. Needs root (CAP_SYS_ADMIN).
     /// `private`: this process has a mount namespace of its own (which CMD inherits), so the
     /// watcher marks its mounts, and only opens made in it wait; else whole file systems.
-    pub fn start(max_cache: Option<u64>, private: bool) -> std::result::Result<Watcher, String> {
+    pub fn start(max_cache: Option<u64>, private: bool) -> Result<Watcher> {
         let exe = std::env::current_exe()
-            .map_err(|e| format!("cannot find lightfoot's own binary: {}", io_message(&e)))?;
+            .map_err(|e| Error::io(Op::Watch, e).detail("cannot find lightfoot's own binary"))?;
         let mut child = Command::new(exe)
             .arg(COMMAND)
             .arg(std::process::id().to_string())
@@ -125,16 +125,15 @@ impl Watcher {
             .stdout(Stdio::piped())
             .process_group(0)
             .spawn()
-            .map_err(|e| format!("cannot start the watcher: {}", io_message(&e)))?;
+            .map_err(|e| Error::io(Op::Watch, e).detail("cannot start it"))?;
         let mut line = String::new();
         let mut out = std::io::BufReader::new(child.stdout.as_mut().expect("piped"));
         let _ = out.read_line(&mut line);
         let Some(list) = line.strip_prefix("ready ") else {
             let _ = child.kill();
             let _ = child.wait();
-            let why =
-                line.trim().strip_prefix("error: ").unwrap_or("it ended before it was ready").to_string();
-            return Err(why);
+            let why = line.trim().strip_prefix("error: ").unwrap_or("it ended before it was ready");
+            return Err(Error::new(ErrorKind::Io, Op::Watch).detail(why));
         };
         let filesystems = serde_json::from_str(list).unwrap_or_default();
         let stdin = child.stdin.take();
@@ -147,7 +146,7 @@ impl Watcher {
 
     /// Tells the watcher CMD has ended, and takes its report. `reaped`: the watcher already
     /// ended and was reaped by `lightfoot run`'s wait for any child.
-    pub fn finish(mut self, reaped: bool) -> std::result::Result<Outcome, String> {
+    pub fn finish(mut self, reaped: bool) -> Result<Outcome> {
         drop(self.stdin.take());
         let mut text = String::new();
         let _ = self.child.stdout.as_mut().expect("piped").read_to_string(&mut text);
@@ -156,13 +155,14 @@ impl Watcher {
         }
         let json = text.lines().last().unwrap_or_default();
         serde_json::from_str(json).map_err(|_| {
+            let e = Error::new(ErrorKind::Io, Op::Watch);
             if reaped {
-                "the watcher ended before CMD did: files CMD opened afterwards were not watched".to_string()
+                e.detail("it ended before CMD did: files CMD opened afterwards were not watched")
             } else {
-                format!(
-                    "the watcher's report is unreadable: {:?}",
+                e.detail(format!(
+                    "its report is unreadable: {:?}",
                     text.chars().take(200).collect::<String>()
-                )
+                ))
             }
         })
     }
@@ -224,8 +224,10 @@ pub fn main(mut args: impl Iterator<Item = std::ffi::OsString>) -> i32 {
     // CMD's end: `lightfoot run` closes our stdin (or dies, which closes it too).
     let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
     stop.store(true, Ordering::Release);
-    if let Err(e) = handler.join().unwrap_or_else(|_| Err("the event handler panicked".into())) {
-        notes.push(e);
+    match handler.join() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => notes.push(e.to_string()),
+        Err(_) => notes.push("the event handler panicked".into()),
     }
     let files = scanner.join().map(finish_all).unwrap_or_else(|_| {
         notes.push("the scanner panicked".into());
@@ -298,14 +300,14 @@ struct Sight {
 /// Answers every open on the watched file systems; takes the first sight of files the tree
 /// opens. Returns when `stop` is set (dropping the group removes the marks; opens still
 /// waiting are let through by the kernel).
-fn handle_events(fan: Fanotify, parent: u32, tx: mpsc::Sender<Msg>, stop: &AtomicBool) -> Result<(), String> {
+fn handle_events(fan: Fanotify, parent: u32, tx: mpsc::Sender<Msg>, stop: &AtomicBool) -> Result<()> {
     let own = std::process::id();
     let mut tree = Tree::new(parent, own);
     let mut known: HashSet<(u64, u64)> = HashSet::new();
     let mut buf = vec![0u8; 64 << 10];
     while !stop.load(Ordering::Acquire) {
         let events =
-            fan.read(&mut buf, 100).map_err(|e| format!("reading fanotify events: {}", io_message(&e)))?;
+            fan.read(&mut buf, 100).map_err(|e| Error::io(Op::Watch, e).detail("reading fanotify events"))?;
         for ev in events {
             match ev {
                 FanEvent::OpenPerm { fd, pid } => {
@@ -315,7 +317,7 @@ fn handle_events(fan: Fanotify, parent: u32, tx: mpsc::Sender<Msg>, stop: &Atomi
                         }
                     }
                     // Always answered, whatever happened above: the opener waits for it.
-                    fan.allow(&fd).map_err(|e| format!("answering fanotify: {}", io_message(&e)))?;
+                    fan.allow(&fd).map_err(|e| Error::io(Op::Watch, e).detail("answering fanotify"))?;
                 }
                 FanEvent::Close { fd, .. } => {
                     if let Ok(m) = std::fs::File::from(fd).metadata() {

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, Caps};
+use crate::error::{Error, Op, Result};
 use crate::proto::*;
 
 pub mod handshake;
@@ -46,7 +47,7 @@ pub struct Export {
     /// write, a writeback error), on any connection: every later flush and FUA request fails
     /// with it. Kept here, not per connection, because the kernel reports a writeback error
     /// only once per open file, and each connection has its own.
-    pub latch: crate::error::WriteLatch,
+    pub latch: crate::error::Sticky,
     open: Opener,
 }
 
@@ -61,7 +62,7 @@ impl Export {
     ) -> crate::Result<Export> {
         let probe = open()?;
         let size = probe.size().ok_or_else(|| {
-            crate::Error::new(crate::ErrorKind::InvalidInput, "serve")
+            crate::Error::new(crate::ErrorKind::InvalidInput, Op::Serve)
                 .path(probe.name())
                 .detail("size unknown: only files, devices and memory can be served")
         })?;
@@ -372,11 +373,12 @@ impl Server {
 
     /// Accepts connections until [`Server::shutdown`], then waits (up to a few seconds) for
     /// the open ones to finish.
-    pub fn serve(self: &Arc<Self>, listener: &Listener) -> io::Result<()> {
+    pub fn serve(self: &Arc<Self>, listener: &Listener) -> Result<()> {
         match listener {
-            Listener::Tcp(l) => l.set_nonblocking(true)?,
-            Listener::Unix(l, _, _) => l.set_nonblocking(true)?,
+            Listener::Tcp(l) => l.set_nonblocking(true),
+            Listener::Unix(l, _, _) => l.set_nonblocking(true),
         }
+        .map_err(|e| Error::io(Op::Serve, e).detail("the listening socket"))?;
         while !self.is_shutting_down() {
             self.reap_handshakes();
             let accepted: io::Result<Box<dyn crate::stream::Stream>> = match listener {
@@ -427,7 +429,7 @@ impl Server {
             });
             if let Err(e) = flushed {
                 // Said once, by the binary, which reports this error.
-                return Err(io::Error::other(format!("final flush: {e}")));
+                return Err(Error::after(Op::Serve, &e).detail("final flush"));
             }
         }
         Ok(())
@@ -490,18 +492,19 @@ impl Server {
     }
 
     /// Serves one connection from handshake to disconnect.
-    pub fn connection(&self, s: Box<dyn crate::stream::Stream>) -> io::Result<()> {
+    pub fn connection(&self, s: Box<dyn crate::stream::Stream>) -> Result<()> {
         self.connection_numbered(s, None)
     }
 
     /// [`Server::connection`] of accepted connection `id`, whose handshake is timed (see
     /// [`Server::reap_handshakes`]) until the client has chosen its export. The closer taken
     /// at accept shuts the socket under any TLS session, so the deadline covers STARTTLS too.
-    fn connection_numbered(&self, s: Box<dyn crate::stream::Stream>, id: Option<u64>) -> io::Result<()> {
-        let (agreed, backend, s) = match handshake::negotiate(self, s)? {
-            handshake::Outcome::Go(a, b, s) => (a, b, s),
-            handshake::Outcome::Close => return Ok(()),
-        };
+    fn connection_numbered(&self, s: Box<dyn crate::stream::Stream>, id: Option<u64>) -> Result<()> {
+        let (agreed, backend, s) =
+            match handshake::negotiate(self, s).map_err(|e| Error::io(Op::Handshake, e))? {
+                handshake::Outcome::Go(a, b, s) => (a, b, s),
+                handshake::Outcome::Close => return Ok(()),
+            };
         if let Some(id) = id {
             self.handshakes.lock().unwrap().remove(&id);
         }
@@ -512,7 +515,7 @@ impl Server {
             Box::new(|| {})
         });
         let arrived = s.arrived();
-        let (r, w) = s.split()?;
+        let (r, w) = s.split().map_err(|e| Error::io(Op::Serve, e))?;
         let r = inbox::Incoming::new(r, arrived);
         transmission::run(self, backend, agreed, r, w, closer)
     }

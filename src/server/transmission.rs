@@ -14,7 +14,7 @@
 
 use std::borrow::Cow;
 use std::io::{self, Write};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::handshake::{Agreed, BASE_ALLOCATION_ID};
@@ -22,7 +22,7 @@ use super::inbox::Inbox;
 use super::validate::{check, Limits, Verdict};
 use super::Server;
 use crate::backend::{Backend, ZeroFlags};
-use crate::error::Error;
+use crate::error::{Error, Op, Result, Sticky};
 use crate::io::AlignedBuf;
 use crate::proto::*;
 use crate::stream::write_all_vectored;
@@ -187,7 +187,7 @@ pub fn run(
     reader: super::inbox::Incoming,
     writer: Box<dyn Write + Send>,
     closer: crate::stream::Closer,
-) -> io::Result<()> {
+) -> Result<()> {
     let mut reader = Inbox::new(reader, READER_BUFFER);
     let caps = backend.caps();
     let export = &server.export;
@@ -206,7 +206,7 @@ pub fn run(
         can_cache: true,
     };
     let writer = Mutex::new(writer);
-    let broken = AtomicBool::new(false);
+    let broken = Sticky::default();
     // Each worker waits on the channel itself (crossbeam's receivers are shared): behind a
     // Mutex<Receiver> the worker holding the lock sleeps in recv while the others sleep on
     // the lock, two wake-ups per job.
@@ -252,6 +252,11 @@ pub fn run(
     result
 }
 
+/// A failed read of the client's requests.
+fn received(e: io::Error) -> Error {
+    Error::io(Op::Receive, e)
+}
+
 fn read_requests(
     server: &Server,
     limits: &Limits,
@@ -259,7 +264,7 @@ fn read_requests(
     reader: &mut Inbox,
     tx: &crossbeam_channel::Sender<Job<'static>>,
     closer: &crate::stream::Closer,
-) -> io::Result<()> {
+) -> Result<()> {
     // The reader's own buffer for reads it answers itself.
     let mut at_hand = AlignedBuf::new(HOLE_LOOKUP_MIN);
     // The reader's buffer for the small READs and WRITEs it carries out itself (below).
@@ -293,7 +298,10 @@ fn read_requests(
                 }
             }
             // A client that vanishes between requests is a normal end.
-            if !reader.fill_to(REQUEST_LEN, pipelined && cork.holds_replies(), || cork.flush())? {
+            if !reader
+                .fill_to(REQUEST_LEN, pipelined && cork.holds_replies(), || cork.flush())
+                .map_err(received)?
+            {
                 return Ok(());
             }
         }
@@ -301,7 +309,7 @@ fn read_requests(
         let h: &[u8; REQUEST_LEN] =
             reader.buffer()[..REQUEST_LEN].try_into().expect("a whole header is held");
         let Some(req) = parse_request(h) else {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "bad request magic"));
+            return Err(Error::invalid(Op::Receive, "bad request magic"));
         };
         reader.consume(REQUEST_LEN);
         // A request that arrives while another is still being served: the client pipelines.
@@ -315,7 +323,7 @@ fn read_requests(
         }
         let verdict = check(&req, limits);
         if verdict == Verdict::Disconnect {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("write of {} bytes", req.len)));
+            return Err(Error::invalid(Op::Receive, format!("write of {} bytes", req.len)));
         }
         // Room for this request in the connection's budget, given back when it is answered
         // (or below, when it is answered here). A held READ goes first if there is no room:
@@ -341,18 +349,21 @@ fn read_requests(
         let buffered = req.cmd == CMD_WRITE && !refused && len <= reader.capacity() / 2;
         let payload = match req.cmd {
             CMD_WRITE if refused => {
-                reader.skip(req.len, || cork.flush())?;
+                reader.skip(req.len, || cork.flush()).map_err(received)?;
                 None
             }
             CMD_WRITE if buffered => {
-                if !reader.fill_to(len, pipelined && cork.holds_replies(), || cork.flush())? {
-                    return Err(super::inbox::cut_short());
+                if !reader
+                    .fill_to(len, pipelined && cork.holds_replies(), || cork.flush())
+                    .map_err(received)?
+                {
+                    return Err(received(super::inbox::cut_short()));
                 }
                 None
             }
             CMD_WRITE => {
                 let mut p = vec![0u8; len];
-                reader.read_exact(&mut p, || cork.flush())?;
+                reader.read_exact(&mut p, || cork.flush()).map_err(received)?;
                 Some(Cow::Owned(p))
             }
             _ => None,
@@ -362,8 +373,8 @@ fn read_requests(
             let payload = if buffered { Some(Cow::Borrowed(&reader.buffer()[..len])) } else { payload };
             // What the buffer holds beyond this request.
             let after = reader.buffer().len() - if buffered { len } else { 0 };
-            if conn.broken.load(Ordering::Relaxed) {
-                return Err(io::Error::new(io::ErrorKind::BrokenPipe, "client stopped reading"));
+            if let Some(e) = conn.broken.get() {
+                return Err(e.clone());
             }
             let errno = match verdict {
                 Verdict::Error(e) => Some(e),
@@ -417,8 +428,8 @@ fn read_requests(
                 && after < REQUEST_LEN;
             if job.is_small_io() && (depth_one || conn.fast()) {
                 conn.serve_job(server, job, &mut own, closer);
-                if conn.broken.load(Ordering::Relaxed) {
-                    return Err(io::Error::new(io::ErrorKind::BrokenPipe, "connection closed"));
+                if let Some(e) = conn.broken.get() {
+                    return Err(e.clone());
                 }
                 break 'served;
             }
@@ -501,9 +512,10 @@ struct Conn<'a> {
     backend: &'a dyn Backend,
     agreed: Agreed,
     writer: &'a Mutex<Box<dyn Write + Send>>,
-    /// A reply could not be written: the client is gone.
-    broken: &'a AtomicBool,
-    latch: &'a crate::error::WriteLatch,
+    /// Why the connection ends: a reply could not be written (the client is gone), or a
+    /// request's handling panicked.
+    broken: &'a Sticky,
+    latch: &'a crate::error::Sticky,
     budget: &'a Budget,
     /// Jobs handed to the workers and not yet served.
     in_flight: AtomicUsize,
@@ -559,7 +571,8 @@ impl Conn<'_> {
                 req.offset,
                 req.len
             );
-            self.broken.store(true, Ordering::Relaxed);
+            let why = Error::new(crate::ErrorKind::Io, Op::Serve).detail("internal error: connection closed");
+            self.broken.set(&why);
             closer();
             *buf = AlignedBuf::new(0);
         }
@@ -602,8 +615,9 @@ impl Conn<'_> {
     fn write_out(&self, bufs: &[&[u8]]) {
         let mut w = self.writer.lock().unwrap();
         if let Err(e) = write_all_vectored(&mut **w, bufs) {
+            let e = Error::io(Op::Send, e).detail("client stopped reading");
             tracing::debug!("reply not sent: {e}");
-            self.broken.store(true, Ordering::Relaxed);
+            self.broken.set(&e);
         }
     }
 
@@ -654,9 +668,10 @@ impl Conn<'_> {
         // A flush or FUA request promises durability: not after a write error was latched.
         let durable =
             req.cmd == CMD_FLUSH || (fua && matches!(req.cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES));
-        let res = res.and_then(|()| if durable { self.latch.check("flush", b.name()) } else { Ok(()) });
+        let res =
+            res.and_then(|()| if durable { self.latch.check_writes(Op::Flush, b.name()) } else { Ok(()) });
         if let Err(e) = &res {
-            if e.kind() == crate::ErrorKind::Io && (durable || matches!(e.op(), "writeback" | "flush")) {
+            if e.kind() == crate::ErrorKind::Io && (durable || matches!(e.op(), Op::Writeback | Op::Flush)) {
                 self.latch.set(e);
             }
         }

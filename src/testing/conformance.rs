@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use crate::backend::{Backend, ZeroFlags};
+use crate::error::{Error, ErrorKind, Op, Result};
 
 /// What the backend is expected to behave like.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,15 +62,15 @@ impl Model {
     }
 
     /// Compares what the backend returned for `[offset, offset+got.len())` with the model.
-    pub fn check(&self, got: &[u8], offset: u64, what: &str) -> Result<(), String> {
+    pub fn check(&self, got: &[u8], offset: u64, what: &str) -> Result<()> {
         let o = offset as usize;
         for (i, &b) in got.iter().enumerate() {
             if self.known[o + i] && self.data[o + i] != b {
-                return Err(format!(
+                return Err(fail(format!(
                     "{what}: byte at offset {} is {b:#04x}, expected {:#04x}",
                     o + i,
                     self.data[o + i]
-                ));
+                )));
             }
         }
         Ok(())
@@ -107,12 +108,18 @@ impl Rng {
     }
 }
 
-fn err<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> String + '_ {
-    move |e| format!("{what}: {e}")
+/// A backend's error during check `what`.
+fn err(what: &str) -> impl Fn(Error) -> Error + '_ {
+    move |e| Error::after(Op::Check, &e).detail(what)
+}
+
+/// A check that found the backend differing from the model.
+fn fail(what: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Io, Op::Check).detail(what)
 }
 
 /// Reads the whole backend and compares it with the model.
-fn check_all(b: &dyn Backend, m: &Model, what: &str) -> Result<(), String> {
+fn check_all(b: &dyn Backend, m: &Model, what: &str) -> Result<()> {
     let size = m.data.len();
     let piece = 1 << 20;
     let mut buf = vec![0u8; piece];
@@ -121,7 +128,7 @@ fn check_all(b: &dyn Backend, m: &Model, what: &str) -> Result<(), String> {
         let n = piece.min(size - at);
         let got = b.read(&mut buf[..n], at as u64).map_err(err(what))?;
         if got != n {
-            return Err(format!("{what}: read at {at} returned {got} of {n} bytes"));
+            return Err(fail(format!("{what}: read at {at} returned {got} of {n} bytes")));
         }
         m.check(&buf[..n], at as u64, what)?;
         at += n;
@@ -129,14 +136,7 @@ fn check_all(b: &dyn Backend, m: &Model, what: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn write(
-    b: &dyn Backend,
-    m: &mut Model,
-    rng: &mut Rng,
-    offset: u64,
-    len: usize,
-    fua: bool,
-) -> Result<(), String> {
+fn write(b: &dyn Backend, m: &mut Model, rng: &mut Rng, offset: u64, len: usize, fua: bool) -> Result<()> {
     let mut buf = vec![0u8; len];
     rng.fill(&mut buf);
     b.write(&buf, offset, fua).map_err(err(&format!("write {offset}+{len}")))?;
@@ -145,11 +145,11 @@ fn write(
 }
 
 /// Runs every check; returns the first failure, described.
-pub fn run(b: &dyn Backend, expect: Expect, seed: u64) -> Result<(), String> {
-    let size = b.size().ok_or("a conformance backend needs a size")?;
+pub fn run(b: &dyn Backend, expect: Expect, seed: u64) -> Result<()> {
+    let size = b.size().ok_or_else(|| fail("a conformance backend needs a size"))?;
     let caps = b.caps();
     if caps.read_only {
-        return Err("a conformance backend must be writable".into());
+        return Err(fail("a conformance backend must be writable"));
     }
     let mut m = Model::new(size as usize, expect);
     let mut rng = Rng::new(seed);
@@ -176,7 +176,7 @@ pub fn run(b: &dyn Backend, expect: Expect, seed: u64) -> Result<(), String> {
         let mut buf = vec![0u8; len];
         let got = b.read(&mut buf, off).map_err(err("edge read"))?;
         if got != len {
-            return Err(format!("edge read at {off}: got {got} of {len} bytes"));
+            return Err(fail(format!("edge read at {off}: got {got} of {len} bytes")));
         }
         m.check(&buf, off, "edge read")?;
     }
@@ -238,7 +238,7 @@ pub fn run(b: &dyn Backend, expect: Expect, seed: u64) -> Result<(), String> {
                 let mut buf = vec![0u8; len as usize];
                 let got = b.read(&mut buf, off).map_err(err("random read"))?;
                 if got as u64 != len {
-                    return Err(format!("random read at {off}: got {got} of {len}"));
+                    return Err(fail(format!("random read at {off}: got {got} of {len}")));
                 }
                 m.check(&buf, off, &format!("random read #{i} at {off}+{len}"))?;
             }
@@ -255,7 +255,7 @@ pub fn run(b: &dyn Backend, expect: Expect, seed: u64) -> Result<(), String> {
 /// Two sequential readers taking 4 KiB at a time, interleaved, with writes, zeroes and trims
 /// landing 64-320 KiB ahead of them, where a read-ahead filter (`--prefetch`) has data
 /// buffered or being read: every read must see every change made before it.
-fn streams(b: &dyn Backend, m: &mut Model, rng: &mut Rng) -> Result<(), String> {
+fn streams(b: &dyn Backend, m: &mut Model, rng: &mut Rng) -> Result<()> {
     const STEP: u64 = 4096;
     let caps = b.caps();
     let size = m.data.len() as u64;
@@ -267,7 +267,7 @@ fn streams(b: &dyn Backend, m: &mut Model, rng: &mut Rng) -> Result<(), String> 
             let mut buf = vec![0u8; len as usize];
             let got = b.read(&mut buf, *p).map_err(err("sequential read"))?;
             if got as u64 != len {
-                return Err(format!("sequential read at {p}: got {got} of {len}"));
+                return Err(fail(format!("sequential read at {p}: got {got} of {len}")));
             }
             m.check(&buf, *p, &format!("reader {s}, read #{i} at {p}"))?;
             *p += len;
@@ -298,16 +298,16 @@ fn streams(b: &dyn Backend, m: &mut Model, rng: &mut Rng) -> Result<(), String> 
 
 /// Extents cover the request contiguously from its start, and what they call zero reads as
 /// zeroes.
-fn check_extents(b: &dyn Backend, m: &Model) -> Result<(), String> {
+fn check_extents(b: &dyn Backend, m: &Model) -> Result<()> {
     let size = m.data.len() as u64;
     for (off, len) in [(0, size), (1, size - 1), (size / 3, 70_000), (size - 1, 1)] {
         let exts = b.extents(off, len).map_err(err("extents"))?;
         if exts.is_empty() {
-            return Err(format!("extents {off}+{len}: none returned"));
+            return Err(fail(format!("extents {off}+{len}: none returned")));
         }
         let total: u64 = exts.iter().map(|e| e.len).sum();
         if total == 0 || total > len {
-            return Err(format!("extents {off}+{len}: cover {total} bytes"));
+            return Err(fail(format!("extents {off}+{len}: cover {total} bytes")));
         }
         let mut at = off;
         for e in exts {
@@ -315,11 +315,11 @@ fn check_extents(b: &dyn Backend, m: &Model) -> Result<(), String> {
                 let mut buf = vec![0u8; e.len as usize];
                 b.read(&mut buf, at).map_err(err("read of a zero extent"))?;
                 if let Some(i) = buf.iter().position(|&x| x != 0) {
-                    return Err(format!(
+                    return Err(fail(format!(
                         "extent at {at}+{} says zero but byte {} is not",
                         e.len,
                         at + i as u64
-                    ));
+                    )));
                 }
             }
             at += e.len;
@@ -329,13 +329,13 @@ fn check_extents(b: &dyn Backend, m: &Model) -> Result<(), String> {
 }
 
 /// Several threads write disjoint ranges at once; every byte must land.
-pub fn run_parallel(b: Arc<dyn Backend>, threads: usize, seed: u64) -> Result<(), String> {
-    let size = b.size().ok_or("needs a size")?;
+pub fn run_parallel(b: Arc<dyn Backend>, threads: usize, seed: u64) -> Result<()> {
+    let size = b.size().ok_or_else(|| fail("needs a size"))?;
     let slice = size / threads as u64;
     let handles: Vec<_> = (0..threads)
         .map(|t| {
             let b = b.clone();
-            std::thread::spawn(move || -> Result<Vec<u8>, String> {
+            std::thread::spawn(move || -> Result<Vec<u8>> {
                 let mut rng = Rng::new(seed + t as u64);
                 let mut buf = vec![0u8; slice as usize];
                 rng.fill(&mut buf);
@@ -354,7 +354,7 @@ pub fn run_parallel(b: Arc<dyn Backend>, threads: usize, seed: u64) -> Result<()
     let mut m = Model::new(size as usize, Expect::Store);
     // Untouched tail bytes are whatever they were: only check the written slices.
     for (t, h) in handles.into_iter().enumerate() {
-        let buf = h.join().map_err(|_| "a writer thread panicked".to_string())??;
+        let buf = h.join().map_err(|_| fail("a writer thread panicked"))??;
         m.write(&buf, t as u64 * slice);
         let mut got = vec![0u8; buf.len()];
         b.read(&mut got, t as u64 * slice).map_err(err("parallel read back"))?;

@@ -6,18 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{Backend, CacheInfo, Caps, Extent, ZeroFlags};
+/// Which operations a rule applies to: `Read`, `Write`, `Zero`, `Trim`, `Flush` or `Extents`
+/// (the error's operation, so a fired rule's error names the operation it failed).
+pub use crate::error::Op;
 use crate::error::{Error, ErrorKind, Result};
-
-/// Which operations a rule applies to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
-    Read,
-    Write,
-    Zero,
-    Trim,
-    Flush,
-    Extents,
-}
 
 /// What happens when a rule fires.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,7 +111,7 @@ impl FaultInjector {
         None
     }
 
-    fn fail(&self, kind: ErrorKind, op: &'static str, offset: u64, len: u64) -> Error {
+    fn fail(&self, kind: ErrorKind, op: Op, offset: u64, len: u64) -> Error {
         let errno = match kind {
             ErrorKind::NoSpace => libc::ENOSPC,
             ErrorKind::Permission => libc::EPERM,
@@ -144,11 +136,11 @@ impl FaultInjector {
         below: impl Fn(&[u8], u64, bool) -> Result<()>,
     ) -> Result<()> {
         match self.check(Op::Write, offset, buf.len() as u64) {
-            Some(Fault::Fail(k)) => Err(self.fail(k, "write", offset, buf.len() as u64)),
+            Some(Fault::Fail(k)) => Err(self.fail(k, Op::Write, offset, buf.len() as u64)),
             Some(Fault::Short) => {
                 let half = buf.len() / 2;
                 below(&buf[..half], offset, fua)?;
-                Err(self.fail(ErrorKind::Io, "write", offset + half as u64, (buf.len() - half) as u64))
+                Err(self.fail(ErrorKind::Io, Op::Write, offset + half as u64, (buf.len() - half) as u64))
             }
             Some(Fault::Late(d)) => late(d, below(buf, offset, fua)),
             _ => below(buf, offset, fua),
@@ -177,7 +169,7 @@ impl Backend for FaultInjector {
 
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
         match self.check(Op::Read, offset, buf.len() as u64) {
-            Some(Fault::Fail(k)) => Err(self.fail(k, "read", offset, buf.len() as u64)),
+            Some(Fault::Fail(k)) => Err(self.fail(k, Op::Read, offset, buf.len() as u64)),
             Some(Fault::Short) => {
                 let half = buf.len() / 2;
                 self.inner.read(&mut buf[..half], offset)
@@ -220,10 +212,10 @@ impl Backend for FaultInjector {
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         match self.check(Op::Zero, offset, len) {
-            Some(Fault::Fail(k)) => Err(self.fail(k, "zero", offset, len)),
+            Some(Fault::Fail(k)) => Err(self.fail(k, Op::Zero, offset, len)),
             Some(Fault::Short) => {
                 self.inner.zero(offset, len / 2, flags)?;
-                Err(self.fail(ErrorKind::Io, "zero", offset + len / 2, len - len / 2))
+                Err(self.fail(ErrorKind::Io, Op::Zero, offset + len / 2, len - len / 2))
             }
             _ => self.inner.zero(offset, len, flags),
         }
@@ -231,14 +223,14 @@ impl Backend for FaultInjector {
 
     fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         match self.check(Op::Trim, offset, len) {
-            Some(Fault::Fail(k)) => Err(self.fail(k, "trim", offset, len)),
+            Some(Fault::Fail(k)) => Err(self.fail(k, Op::Trim, offset, len)),
             _ => self.inner.trim(offset, len, fua),
         }
     }
 
     fn flush(&self) -> Result<()> {
         match self.check(Op::Flush, 0, 0) {
-            Some(Fault::Fail(k)) => Err(self.fail(k, "flush", 0, 0)),
+            Some(Fault::Fail(k)) => Err(self.fail(k, Op::Flush, 0, 0)),
             _ => self.inner.flush(),
         }
     }
@@ -249,7 +241,7 @@ impl Backend for FaultInjector {
 
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         match self.check(Op::Extents, offset, len) {
-            Some(Fault::Fail(k)) => Err(self.fail(k, "extents", offset, len)),
+            Some(Fault::Fail(k)) => Err(self.fail(k, Op::Extents, offset, len)),
             _ => self.inner.extents(offset, len),
         }
     }

@@ -27,7 +27,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig};
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 pub use stream::TlsStream;
 
 /// The certificate authority, in the server's and the client's directory.
@@ -42,11 +42,11 @@ fn provider() -> Arc<CryptoProvider> {
 }
 
 fn bad(path: &Path, detail: impl Into<String>) -> Error {
-    Error::new(ErrorKind::InvalidInput, "tls").path(path).detail(detail)
+    Error::new(ErrorKind::InvalidInput, Op::Tls).path(path).detail(detail)
 }
 
 fn read_pem(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| Error::io("tls", e).path(path))
+    std::fs::read(path).map_err(|e| Error::io(Op::Tls, e).path(path))
 }
 
 /// What is wrong with a PEM file, in words that quote none of it: the parser's own messages

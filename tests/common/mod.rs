@@ -414,7 +414,7 @@ impl Drop for Served {
 pub struct InProcess {
     pub server: std::sync::Arc<lightfoot::server::Server>,
     pub sock: PathBuf,
-    handle: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+    handle: Option<std::thread::JoinHandle<lightfoot::Result<()>>>,
     _dir: tempfile::TempDir,
 }
 
@@ -445,7 +445,7 @@ impl InProcess {
     }
 
     /// Shuts the server down (its final flush included) and returns how that went.
-    pub fn stop(mut self) -> std::io::Result<()> {
+    pub fn stop(mut self) -> lightfoot::Result<()> {
         self.server.shutdown();
         self.handle.take().unwrap().join().unwrap()
     }

@@ -11,7 +11,7 @@
 use std::sync::Mutex;
 
 use super::NbdBackend;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 
 /// Lock stripes for read-modify-write, by block number.
 pub(super) struct BlockLocks(Vec<Mutex<()>>);
@@ -91,7 +91,7 @@ impl NbdBackend {
         let (mid_start, mid_len) = self.shrink(offset, len);
         let mid_end = mid_start + mid_len;
         if (mid_start > offset || mid_end < end) && fast {
-            return Err(Error::new(ErrorKind::NotSupported, "zero")
+            return Err(Error::new(ErrorKind::NotSupported, Op::Zero)
                 .path(&self.name)
                 .at(offset, len)
                 .detail("no fast zero of partial blocks"));

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 
 /// How long a server gets to exit after SIGTERM before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(10);
@@ -37,14 +37,14 @@ impl Captive {
     /// Starts `argv` with a listening socket passed to it.
     pub fn start(argv: &[String]) -> Result<Captive> {
         let display = format!("[ {} ]", argv.join(" "));
-        let fail = |kind, detail: String| Error::new(kind, "start server").path(&display).detail(detail);
+        let fail = |kind, detail: String| Error::new(kind, Op::StartServer).path(&display).detail(detail);
         let Some(program) = argv.first() else {
             return Err(fail(ErrorKind::InvalidInput, "no command between [ and ]".into()));
         };
         if !on_path(program) {
             return Err(fail(ErrorKind::NotFound, format!("command '{program}' not found")));
         }
-        let dir = private_dir().map_err(|e| Error::io("start server", e).path(&display))?;
+        let dir = private_dir().map_err(|e| Error::io(Op::StartServer, e).path(&display))?;
         let socket = dir.join("nbd.sock");
         let spawned = (|| {
             let listener = UnixListener::bind(&socket)?;
@@ -72,7 +72,7 @@ impl Captive {
             }
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
-                Err(Error::io("start server", e).path(&display))
+                Err(Error::io(Op::StartServer, e).path(&display))
             }
         }
     }

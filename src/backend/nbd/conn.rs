@@ -32,7 +32,7 @@ use std::sync::{Condvar, Mutex};
 use super::handshake::ExportInfo;
 use super::interrupt::Registered;
 use crate::backend::Extent;
-use crate::error::{io_message, Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result, Sticky};
 use crate::proto::*;
 use crate::stream::{write_all_vectored, Stream};
 
@@ -60,8 +60,6 @@ struct State {
     handoff: Option<Header>,
     /// Cookies sent and not yet fully answered.
     outstanding: HashSet<u64>,
-    /// Why the connection is unusable.
-    dead: Option<String>,
     /// Cookies whose threads are blocked waiting (candidates for a released turn).
     waiting: HashSet<u64>,
 }
@@ -97,8 +95,8 @@ impl Answer {
     /// Checks a content chunk `[at, at+n)` of a read of `[offset, offset+len)`: non-empty,
     /// inside the request, overlapping no earlier chunk. Returns where it starts in the
     /// caller's buffer.
-    fn place(&mut self, offset: u64, len: u64, at: u64, n: u64, what: &str) -> Result<usize, String> {
-        let bad = |why: &str| Err(format!("protocol error: {what} chunk {why}"));
+    fn place(&mut self, offset: u64, len: u64, at: u64, n: u64, what: &str) -> Result<usize> {
+        let bad = |why: &str| Err(protocol(format!("{what} chunk {why}")));
         let start = match at.checked_sub(offset) {
             Some(s) if s < len && n <= len - s => s,
             _ => return bad("outside the request"),
@@ -144,6 +142,8 @@ pub struct Connection {
     /// Locked only by the thread holding the read turn.
     reader: Mutex<Box<dyn Read + Send>>,
     state: Mutex<State>,
+    /// Why the connection is unusable: set once, before waiters are woken.
+    dead: Sticky,
     /// Waiting threads sleep on the slot of their cookie (`cookie % SLOTS`).
     slots: Vec<Condvar>,
     cookies: AtomicU64,
@@ -161,13 +161,14 @@ impl Connection {
         who: &str,
         registered: Registered,
     ) -> Result<Connection> {
-        let (r, w) = stream.split().map_err(|e| Error::io("connect", e).path(who))?;
+        let (r, w) = stream.split().map_err(|e| Error::io(Op::Connect, e).path(who))?;
         Ok(Connection {
             who: who.to_string(),
             info,
             writer: Mutex::new(w),
             reader: Mutex::new(r),
             state: Mutex::new(State::default()),
+            dead: Sticky::default(),
             slots: (0..SLOTS).map(|_| Condvar::new()).collect(),
             cookies: AtomicU64::new(1),
             registered,
@@ -176,15 +177,15 @@ impl Connection {
 
     pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let len = buf.len() as u64;
-        self.request("read", CMD_READ, 0, offset, len, &[], Target::Read(buf))
+        self.request(Op::Read, CMD_READ, 0, offset, len, &[], Target::Read(buf))
     }
 
     pub fn write(&self, buf: &[u8], offset: u64, flags: u16) -> Result<()> {
-        self.request("write", CMD_WRITE, flags, offset, buf.len() as u64, buf, Target::None)
+        self.request(Op::Write, CMD_WRITE, flags, offset, buf.len() as u64, buf, Target::None)
     }
 
     /// A command without payload either way: FLUSH, TRIM, WRITE_ZEROES, CACHE.
-    pub fn command(&self, op: &'static str, cmd: u16, flags: u16, offset: u64, len: u64) -> Result<()> {
+    pub fn command(&self, op: Op, cmd: u16, flags: u16, offset: u64, len: u64) -> Result<()> {
         self.request(op, cmd, flags, offset, len, &[], Target::None)
     }
 
@@ -192,28 +193,28 @@ impl Connection {
     /// bytes than `len`, or more in the last extent).
     pub fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         let mut extents = Vec::new();
-        self.request("block status", CMD_BLOCK_STATUS, 0, offset, len, &[], Target::Status(&mut extents))?;
+        self.request(Op::BlockStatus, CMD_BLOCK_STATUS, 0, offset, len, &[], Target::Status(&mut extents))?;
         Ok(extents)
     }
 
     /// The connection broke (or was closed) and takes no more requests.
     pub fn is_dead(&self) -> bool {
-        self.state.lock().unwrap().dead.is_some()
+        self.dead.is_set()
     }
 
     /// Sends `NBD_CMD_DISC` (no reply comes) and closes the connection.
     pub fn disconnect(&self) {
-        if self.state.lock().unwrap().dead.is_none() {
+        if !self.dead.is_set() {
             let r = Request { flags: 0, cmd: CMD_DISC, cookie: 0, offset: 0, len: 0 };
             let _ = write_all_vectored(&mut **self.writer.lock().unwrap(), &[&encode_request(&r)]);
         }
-        self.kill("disconnected".into());
+        self.kill(Error::new(ErrorKind::Io, Op::Disconnect));
     }
 
     /// Marks the connection unusable and wakes everyone.
-    fn kill(&self, why: String) {
+    fn kill(&self, why: Error) {
+        self.dead.set(&why);
         let mut st = self.state.lock().unwrap();
-        st.dead.get_or_insert(why);
         st.reading = false;
         st.handoff = None;
         drop(st);
@@ -228,7 +229,7 @@ impl Connection {
     #[allow(clippy::too_many_arguments)]
     fn request(
         &self,
-        op: &'static str,
+        op: Op,
         cmd: u16,
         flags: u16,
         offset: u64,
@@ -236,19 +237,19 @@ impl Connection {
         payload: &[u8],
         mut target: Target,
     ) -> Result<()> {
-        let lost = |why: &str| {
+        let lost = |why: &Error| {
             // Ctrl-C ended the connection ([`super::interrupt_all`]): the server had not answered.
-            let (kind, detail) = if super::interrupted() {
-                (ErrorKind::Interrupted, "interrupted while waiting for the server".to_string())
+            let e = if super::interrupted() {
+                Error::new(ErrorKind::Interrupted, op).detail("interrupted while waiting for the server")
             } else {
-                (ErrorKind::Io, format!("connection lost: {why}"))
+                Error::after(op, why).kind_as(ErrorKind::Io).detail("connection lost")
             };
-            Error::new(kind, op).path(&self.who).at(offset, len).detail(detail)
+            e.path(&self.who).at(offset, len)
         };
         let cookie = self.cookies.fetch_add(1, Ordering::Relaxed);
         {
             let mut st = self.state.lock().unwrap();
-            if let Some(why) = &st.dead {
+            if let Some(why) = self.dead.get() {
                 return Err(lost(why));
             }
             st.outstanding.insert(cookie);
@@ -256,9 +257,10 @@ impl Connection {
         let header = encode_request(&Request { flags, cmd, cookie, offset, len });
         let sent = write_all_vectored(&mut **self.writer.lock().unwrap(), &[&header, payload]);
         if let Err(e) = sent {
-            self.kill(format!("sending: {}", io_message(&e)));
+            let why = Error::io(Op::Send, e);
+            self.kill(why.clone());
             self.state.lock().unwrap().outstanding.remove(&cookie);
-            return Err(lost(&format!("sending: {}", io_message(&e))));
+            return Err(lost(&why));
         }
 
         let mut answer = Answer::default();
@@ -277,8 +279,9 @@ impl Connection {
             return Err(Error::new(kind, op).path(&self.who).at(offset, len).detail(detail));
         }
         if cmd == CMD_READ && self.info.structured && answer.covered() != len {
-            self.kill("short structured read".into());
-            return Err(lost("the server's read reply did not cover the request"));
+            let why = protocol("the server's read reply did not cover the request".into());
+            self.kill(why.clone());
+            return Err(lost(&why));
         }
         Ok(())
     }
@@ -292,10 +295,10 @@ impl Connection {
         len: u64,
         target: &mut Target,
         answer: &mut Answer,
-    ) -> Result<(), String> {
+    ) -> Result<()> {
         let mut st = self.state.lock().unwrap();
         loop {
-            if let Some(why) = &st.dead {
+            if let Some(why) = self.dead.get() {
                 return Err(why.clone());
             }
             let mine = st.handoff.is_some_and(|h| h.cookie() == cookie);
@@ -345,7 +348,7 @@ impl Connection {
         len: u64,
         target: &mut Target,
         answer: &mut Answer,
-    ) -> Result<bool, String> {
+    ) -> Result<bool> {
         let mut reader = self.reader.lock().unwrap();
         let mut next = first;
         loop {
@@ -356,7 +359,7 @@ impl Connection {
             if h.cookie() != cookie {
                 let mut st = self.state.lock().unwrap();
                 if !st.outstanding.contains(&h.cookie()) {
-                    return Err(format!("protocol error: reply for unknown cookie {}", h.cookie()));
+                    return Err(protocol(format!("reply for unknown cookie {}", h.cookie())));
                 }
                 st.handoff = Some(h);
                 drop(st);
@@ -378,8 +381,8 @@ impl Connection {
         len: u64,
         target: &mut Target,
         answer: &mut Answer,
-    ) -> Result<bool, String> {
-        let io = |e: std::io::Error| format!("receiving: {}", io_message(&e));
+    ) -> Result<bool> {
+        let io = |e: std::io::Error| Error::io(Op::Receive, e);
         let c = match h {
             Header::Simple { error, .. } => {
                 if error != 0 {
@@ -392,7 +395,7 @@ impl Connection {
             }
             Header::Chunk(c) => c,
         };
-        let bad = |what: &str| Err(format!("protocol error: {what}"));
+        let bad = |what: &str| Err(protocol(what.to_string()));
         let payload = c.payload().map_err(malformed)?;
         match payload {
             Payload::None => {}
@@ -451,28 +454,35 @@ impl Connection {
             Payload::Unknown(ty) => {
                 // The spec: a client that meets an unknown or unexpected type that is not an
                 // error chunk must disconnect.
-                return Err(format!("protocol error: reply chunk of unknown type {ty}"));
+                return Err(protocol(format!("reply chunk of unknown type {ty}")));
             }
         }
         Ok(c.done())
     }
 }
 
-fn malformed(Malformed(what): Malformed) -> String {
-    format!("protocol error: {what}")
+/// What breaks the connection when a reply breaks the protocol.
+fn protocol(what: String) -> Error {
+    Error::new(ErrorKind::Io, Op::Receive).detail(format!("protocol error: {what}"))
 }
 
-fn read_header(r: &mut dyn Read) -> Result<Header, String> {
+fn malformed(Malformed(what): Malformed) -> Error {
+    protocol(what.to_string())
+}
+
+fn read_header(r: &mut dyn Read) -> Result<Header> {
     let mut b = [0u8; 20];
     r.read_exact(&mut b[..16]).map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => "the server closed the connection".to_string(),
-        _ => format!("receiving: {}", io_message(&e)),
+        std::io::ErrorKind::UnexpectedEof => {
+            Error::new(ErrorKind::Io, Op::Receive).detail("the server closed the connection")
+        }
+        _ => Error::io(Op::Receive, e),
     })?;
     if let Some((cookie, error)) = parse_simple_reply(b[..16].try_into().unwrap()) {
         return Ok(Header::Simple { cookie, error });
     }
-    r.read_exact(&mut b[16..]).map_err(|e| format!("receiving: {}", io_message(&e)))?;
-    parse_chunk_header(&b).map(Header::Chunk).ok_or_else(|| "protocol error: bad reply magic".to_string())
+    r.read_exact(&mut b[16..]).map_err(|e| Error::io(Op::Receive, e))?;
+    parse_chunk_header(&b).map(Header::Chunk).ok_or_else(|| protocol("bad reply magic".into()))
 }
 
 /// The error kind and name of an NBD errno.

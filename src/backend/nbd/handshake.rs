@@ -9,7 +9,7 @@
 use std::io::{Read, Write};
 
 use crate::backend::BlockSizes;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 use crate::proto::handshake::*;
 use crate::proto::*;
 
@@ -45,7 +45,7 @@ pub fn negotiate<S: Read + Write + ?Sized>(s: &mut S, export: &str, who: &str) -
 }
 
 fn failure(who: &str, kind: ErrorKind, detail: String) -> Error {
-    Error::new(kind, "connect").path(who).detail(detail)
+    Error::new(kind, Op::Connect).path(who).detail(detail)
 }
 
 fn io_error(who: &str) -> impl Fn(std::io::Error) -> Error + '_ {
@@ -53,7 +53,7 @@ fn io_error(who: &str) -> impl Fn(std::io::Error) -> Error + '_ {
         std::io::ErrorKind::UnexpectedEof => {
             failure(who, ErrorKind::Io, "the server closed the connection during the handshake".into())
         }
-        _ => Error::io("connect", e).path(who),
+        _ => Error::io(Op::Connect, e).path(who),
     }
 }
 
@@ -186,7 +186,7 @@ fn refused(who: &str, export: &str, ty: u32, data: &[u8]) -> Error {
     };
     // A server's own words, unless they only repeat ours (lightfoot's: "no export named 'x'").
     let detail = if msg.is_empty() || what.contains(msg.as_ref()) { what } else { format!("{what}: {msg}") };
-    Error::new(kind, "connect").path(who).detail(detail)
+    Error::new(kind, Op::Connect).path(who).detail(detail)
 }
 
 struct Haggle<'a, S: Read + Write + ?Sized, F: Fn(std::io::Error) -> Error> {
@@ -229,7 +229,7 @@ impl<S: Read + Write + ?Sized, F: Fn(std::io::Error) -> Error> Haggle<'_, S, F> 
         let mut b = [0u8; EXPORT_NAME_REPLY_LEN + EXPORT_NAME_ZEROES];
         let n = if no_zeroes { EXPORT_NAME_REPLY_LEN } else { b.len() };
         self.s.read_exact(&mut b[..n]).map_err(|e| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => Error::new(ErrorKind::NotFound, "connect")
+            std::io::ErrorKind::UnexpectedEof => Error::new(ErrorKind::NotFound, Op::Connect)
                 .path(self.who)
                 .detail(format!("the server closed the connection (no export named '{export}'?)")),
             _ => (self.io)(e),
@@ -242,6 +242,6 @@ impl<S: Read + Write + ?Sized, F: Fn(std::io::Error) -> Error> Haggle<'_, S, F> 
     }
 
     fn protocol(&self, what: &str) -> Error {
-        Error::new(ErrorKind::Io, "connect").path(self.who).detail(format!("protocol error: {what}"))
+        Error::new(ErrorKind::Io, Op::Connect).path(self.who).detail(format!("protocol error: {what}"))
     }
 }

@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use super::{write_zeroes, Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 use crate::io::sys;
 use crate::proto::*;
 use crate::stream::Stream;
@@ -142,7 +142,7 @@ impl NbdBackend {
                 // Requests go to any connection, aligned and shaped by the first one's terms.
                 let same = |i: &ExportInfo| (i.size, i.flags, i.block, i.structured, i.allocation.is_some());
                 if same(&c.info) != same(&info) {
-                    return Err(Error::new(ErrorKind::Io, "connect")
+                    return Err(Error::new(ErrorKind::Io, Op::Connect)
                         .path(&name)
                         .detail("the server describes the export differently on a second connection"));
                 }
@@ -218,7 +218,7 @@ impl NbdBackend {
             }
         }
         if extents.is_empty() {
-            return Err(Error::new(ErrorKind::Io, "block status")
+            return Err(Error::new(ErrorKind::Io, Op::BlockStatus)
                 .path(&self.name)
                 .at(offset, len)
                 .detail("protocol error: the server described no extent"));
@@ -256,7 +256,7 @@ impl NbdBackend {
     }
 
     /// `cmd` over `[offset, offset+len)` in pieces a 32-bit length can carry.
-    fn ranged(&self, op: &'static str, cmd: u16, flags: u16, offset: u64, len: u64) -> Result<()> {
+    fn ranged(&self, op: Op, cmd: u16, flags: u16, offset: u64, len: u64) -> Result<()> {
         let mut at = offset;
         while at < offset + len {
             let n = RANGE_PIECE.min(offset + len - at);
@@ -289,7 +289,7 @@ fn client_tls(uri: &Uri, params: &TlsParams) -> Result<ClientTls> {
         Some(d) => d,
         None if verify == Verify::Nothing => std::path::PathBuf::new(),
         None => {
-            return Err(Error::new(ErrorKind::InvalidInput, "connect").path(&uri.text).detail(
+            return Err(Error::new(ErrorKind::InvalidInput, Op::Connect).path(&uri.text).detail(
                 "no certificate directory: add ?tls-certificates=DIR (holding ca-cert.pem) to the URI",
             ))
         }
@@ -303,18 +303,18 @@ fn connect(how: &How, who: &str) -> Result<Connection> {
     // listen queue for ever.
     let failed = |e: std::io::Error| {
         if e.kind() == std::io::ErrorKind::Interrupted && interrupted() {
-            Error::new(ErrorKind::Interrupted, "connect").path(who).detail("interrupted while connecting")
+            Error::new(ErrorKind::Interrupted, Op::Connect).path(who).detail("interrupted while connecting")
         } else {
-            Error::io("connect", e).path(who)
+            Error::io(Op::Connect, e).path(who)
         }
     };
     let stream: Box<dyn Stream> = match how.address {
         Address::Tcp { host, port } => {
             let s = connect_tcp(host, *port).map_err(failed)?;
-            s.set_nodelay(true).map_err(|e| Error::io("connect", e).path(who))?;
+            s.set_nodelay(true).map_err(|e| Error::io(Op::Connect, e).path(who))?;
             // A server that vanishes while we wait for its replies is found out.
             sys::tcp_keepalive(std::os::fd::AsFd::as_fd(&s))
-                .map_err(|e| Error::io("connect", e).path(who))?;
+                .map_err(|e| Error::io(Op::Connect, e).path(who))?;
             Box::new(s)
         }
         Address::Unix(path) => Box::new(sys::unix_connect(path, &interrupted).map_err(failed)?),
@@ -332,7 +332,7 @@ fn negotiate(mut stream: Box<dyn Stream>, how: &How, who: &str) -> Result<(Box<d
     if let Some(tls) = how.tls {
         handshake::starttls(&mut *stream, who)?;
         stream = Box::new(tls.connect(stream).map_err(|e| {
-            Error::new(ErrorKind::Io, "connect").path(who).detail(format!("TLS handshake failed: {e}"))
+            Error::io(Op::Connect, e).kind_as(ErrorKind::Io).path(who).detail("TLS handshake failed")
         })?);
     }
     let info = handshake::options(&mut *stream, how.export, who, no_zeroes)?;
@@ -340,14 +340,14 @@ fn negotiate(mut stream: Box<dyn Stream>, how: &How, who: &str) -> Result<(Box<d
 }
 
 fn register(stream: &dyn Stream, who: &str) -> Result<interrupt::Registered> {
-    let closer = stream.closer().map_err(|e| Error::io("connect", e).path(who))?;
+    let closer = stream.closer().map_err(|e| Error::io(Op::Connect, e).path(who))?;
     Ok(interrupt::register(closer))
 }
 
 /// A handshake that failed because [`interrupt_all`] shut its socket down says so.
 fn if_interrupted(e: Error, who: &str) -> Error {
     if interrupted() {
-        Error::new(ErrorKind::Interrupted, "connect").path(who).detail("interrupted during the handshake")
+        Error::new(ErrorKind::Interrupted, Op::Connect).path(who).detail("interrupted during the handshake")
     } else {
         e
     }
@@ -386,7 +386,7 @@ impl NbdBackend {
 fn explain_captive(e: Error, captive: Option<&Captive>) -> Error {
     let Some(c) = captive else { return e };
     match c.exited(Duration::from_secs(2)) {
-        Some(status) => Error::new(e.kind(), "start server")
+        Some(status) => Error::new(e.kind(), Op::StartServer)
             .path(&c.display)
             .detail(format!("the server exited ({status}) before serving; see its messages above")),
         None => e,
@@ -452,7 +452,9 @@ impl Backend for NbdBackend {
 
     fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
         if flags.fast && !self.caps().can_fast_zero {
-            return Err(Error::new(ErrorKind::NotSupported, "zero").path(&self.name).detail("no fast zero"));
+            return Err(Error::new(ErrorKind::NotSupported, Op::Zero)
+                .path(&self.name)
+                .detail("no fast zero"));
         }
         if !self.info.has(TF_SEND_WRITE_ZEROES) {
             return write_zeroes(self, offset, len, flags.fua);
@@ -471,7 +473,7 @@ impl Backend for NbdBackend {
         if flags.fua && self.info.has(TF_SEND_FUA) {
             f |= CMD_FLAG_FUA;
         }
-        let zeroed = self.ranged("zero", CMD_WRITE_ZEROES, f, offset, len);
+        let zeroed = self.ranged(Op::Zero, CMD_WRITE_ZEROES, f, offset, len);
         self.forget_extents();
         zeroed?;
         if flags.fua && !self.info.has(TF_SEND_FUA) {
@@ -490,7 +492,7 @@ impl Backend for NbdBackend {
             return Ok(());
         }
         let f = if fua && self.info.has(TF_SEND_FUA) { CMD_FLAG_FUA } else { 0 };
-        let trimmed = self.ranged("trim", CMD_TRIM, f, offset, len);
+        let trimmed = self.ranged(Op::Trim, CMD_TRIM, f, offset, len);
         self.forget_extents();
         trimmed
     }
@@ -503,7 +505,7 @@ impl Backend for NbdBackend {
         // One flush covers every connection under multi-conn; flushing each as well costs
         // little (nothing is left to write) and does not rely on the server getting that right.
         for c in &self.conns {
-            c.command("flush", CMD_FLUSH, 0, 0, 0)?;
+            c.command(Op::Flush, CMD_FLUSH, 0, 0, 0)?;
         }
         Ok(())
     }
@@ -513,7 +515,7 @@ impl Backend for NbdBackend {
             return Ok(());
         }
         let (offset, len) = self.widen(offset, len);
-        self.ranged("cache", CMD_CACHE, 0, offset, len)
+        self.ranged(Op::Cache, CMD_CACHE, 0, offset, len)
     }
 
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {

@@ -8,6 +8,8 @@
 
 use std::path::PathBuf;
 
+use crate::error::{Error, Op, Result};
+
 /// The IANA port for NBD, the default when a URI names none.
 pub const DEFAULT_PORT: u16 = 10809;
 
@@ -60,12 +62,12 @@ impl std::fmt::Display for Uri {
 }
 
 impl std::str::FromStr for Uri {
-    type Err = String;
+    type Err = Error;
 
-    fn from_str(input: &str) -> Result<Uri, String> {
+    fn from_str(input: &str) -> Result<Uri> {
         // Messages (and `text`) show the URI without a password in it.
         let s = &redacted(input);
-        let (scheme, rest) = input.split_once("://").ok_or_else(|| format!("'{s}' is not a URI"))?;
+        let (scheme, rest) = input.split_once("://").ok_or_else(|| bad(format!("'{s}' is not a URI")))?;
         // Schemes are case-insensitive (RFC 3986).
         let (unix, tls) = match scheme.to_ascii_lowercase().as_str() {
             "nbd" => (false, false),
@@ -73,9 +75,9 @@ impl std::str::FromStr for Uri {
             "nbds" => (false, true),
             "nbds+unix" => (true, true),
             _ => {
-                return Err(format!(
+                return Err(bad(format!(
                     "'{s}': unknown scheme '{scheme}' (use nbd://, nbd+unix://, nbds:// or nbds+unix://)"
-                ))
+                )))
             }
         };
         let mut params = TlsParams { verify_peer: true, ..TlsParams::default() };
@@ -85,61 +87,63 @@ impl std::str::FromStr for Uri {
             Some(i) => before_query.split_at(i),
             None => (before_query, ""),
         };
-        let export = decode(path.strip_prefix('/').unwrap_or(path)).map_err(|e| format!("'{s}': {e}"))?;
+        let export = decode(path.strip_prefix('/').unwrap_or(path)).map_err(within(s))?;
         if export.contains('\0') {
-            return Err(format!("'{s}': an export name may not hold a NUL (%00)"));
+            return Err(bad(format!("'{s}': an export name may not hold a NUL (%00)")));
         }
 
         let mut socket = None;
         for param in query.split('&').filter(|p| !p.is_empty()) {
             let (key, value) = param.split_once('=').unwrap_or((param, ""));
             match key {
-                "socket" => socket = Some(decode(value).map_err(|e| format!("'{s}': {e}"))?),
+                "socket" => socket = Some(decode(value).map_err(within(s))?),
                 "tls-certificates" => {
-                    params.certificates = Some(PathBuf::from(decode(value).map_err(|e| format!("'{s}': {e}"))?))
+                    params.certificates = Some(PathBuf::from(decode(value).map_err(within(s))?))
                 }
-                "tls-hostname" => params.hostname = Some(decode(value).map_err(|e| format!("'{s}': {e}"))?),
+                "tls-hostname" => params.hostname = Some(decode(value).map_err(within(s))?),
                 "tls-verify-peer" => {
                     params.verify_peer = match value {
                         "1" | "true" | "on" | "yes" => true,
                         "0" | "false" | "off" | "no" => false,
-                        _ => return Err(format!("'{s}': tls-verify-peer takes 0 or 1, not '{value}'")),
+                        _ => return Err(bad(format!("'{s}': tls-verify-peer takes 0 or 1, not '{value}'"))),
                     }
                 }
                 "tls-type" => match value {
                     "x509" => {}
                     "psk" if tls => {
-                        return Err(format!(
+                        return Err(bad(format!(
                             "'{s}': TLS-PSK is not supported (rustls has no external pre-shared keys; see docs/tls.md)"
-                        ))
+                        )))
                     }
-                    "anon" if tls => return Err(format!("'{s}': anonymous TLS is not supported; use x509")),
+                    "anon" if tls => return Err(bad(format!("'{s}': anonymous TLS is not supported; use x509"))),
                     "psk" | "anon" => {}
-                    _ => return Err(format!("'{s}': unknown tls-type '{value}' (x509, psk or anon)")),
+                    _ => return Err(bad(format!("'{s}': unknown tls-type '{value}' (x509, psk or anon)"))),
                 },
                 "tls-psk-file" | "tls-username" if tls => {
-                    return Err(format!(
+                    return Err(bad(format!(
                         "'{s}': TLS-PSK is not supported (rustls has no external pre-shared keys; see docs/tls.md)"
-                    ))
+                    )))
                 }
                 "tls-psk-file" | "tls-username" => {}
-                _ => return Err(format!("'{s}': unknown query parameter '{key}'")),
+                _ => return Err(bad(format!("'{s}': unknown query parameter '{key}'"))),
             }
         }
 
         let address = if unix {
             if !authority.is_empty() {
-                return Err(format!("'{s}': nbd+unix URIs take no host (nbd+unix:///EXPORT?socket=PATH)"));
+                return Err(bad(format!(
+                    "'{s}': nbd+unix URIs take no host (nbd+unix:///EXPORT?socket=PATH)"
+                )));
             }
             let socket = socket.filter(|p| !p.is_empty()).ok_or_else(|| {
-                format!("'{s}': nbd+unix URIs need ?socket=PATH (nbd+unix:///EXPORT?socket=PATH)")
+                bad(format!("'{s}': nbd+unix URIs need ?socket=PATH (nbd+unix:///EXPORT?socket=PATH)"))
             })?;
             Address::Unix(PathBuf::from(socket))
         } else {
             if socket.is_some() {
-                return Err(format!("'{s}': socket= is only for nbd+unix:// URIs"));
+                return Err(bad(format!("'{s}': socket= is only for nbd+unix:// URIs")));
             }
-            let (host, port) = host_port(authority).map_err(|e| format!("'{s}': {e}"))?;
+            let (host, port) = host_port(authority).map_err(within(s))?;
             Address::Tcp { host, port }
         };
         Ok(Uri { text: s.to_string(), address, export, tls: tls.then_some(params) })
@@ -161,14 +165,24 @@ fn redacted(s: &str) -> String {
     }
 }
 
+/// A URI that does not parse: `msg` names it (without a password) and says why.
+fn bad(msg: impl Into<String>) -> Error {
+    Error::invalid(Op::Parse, msg)
+}
+
+/// An error in a part of URI `s`, said of the whole.
+fn within(s: &str) -> impl Fn(Error) -> Error + '_ {
+    move |e| Error::after(Op::Parse, &e).detail(format!("'{s}'"))
+}
+
 /// Splits `[user@]host[:port]`; IPv6 literals come in brackets.
-fn host_port(authority: &str) -> Result<(String, u16), String> {
+fn host_port(authority: &str) -> Result<(String, u16)> {
     let hostport = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
     let (host, port) = if let Some(v6) = hostport.strip_prefix('[') {
-        let (host, after) = v6.split_once(']').ok_or("unclosed '[' in the host")?;
+        let (host, after) = v6.split_once(']').ok_or_else(|| bad("unclosed '[' in the host"))?;
         match after {
             "" => (host, None),
-            p => (host, Some(p.strip_prefix(':').ok_or("junk after the IPv6 address")?)),
+            p => (host, Some(p.strip_prefix(':').ok_or_else(|| bad("junk after the IPv6 address"))?)),
         }
     } else {
         match hostport.split_once(':') {
@@ -177,40 +191,40 @@ fn host_port(authority: &str) -> Result<(String, u16), String> {
         }
     };
     if host.is_empty() {
-        return Err("nbd:// URIs need a host (nbd://HOST[:PORT]/EXPORT)".into());
+        return Err(bad("nbd:// URIs need a host (nbd://HOST[:PORT]/EXPORT)"));
     }
     let port = match port {
         None | Some("") => DEFAULT_PORT,
         // Digits only: `parse` would also take a sign.
         Some(p) if p.bytes().all(|c| c.is_ascii_digit()) => {
-            p.parse().map_err(|_| format!("invalid port '{p}'"))?
+            p.parse().map_err(|_| bad(format!("invalid port '{p}'")))?
         }
-        Some(p) => return Err(format!("invalid port '{p}'")),
+        Some(p) => return Err(bad(format!("invalid port '{p}'"))),
     };
     Ok((decode(host)?, port))
 }
 
 /// Percent-decoding (RFC 3986); the result must be UTF-8 except for a NUL, which export names
 /// may not hold but abstract socket names start with.
-fn decode(s: &str) -> Result<String, String> {
+fn decode(s: &str) -> Result<String> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
         if b[i] == b'%' {
-            let hex = s.get(i + 1..i + 3).ok_or_else(|| format!("bad percent escape in '{s}'"))?;
+            let hex = s.get(i + 1..i + 3).ok_or_else(|| bad(format!("bad percent escape in '{s}'")))?;
             // Two hex digits: `from_str_radix` would also take a sign ("%+1").
             if !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
-                return Err(format!("bad percent escape '%{hex}'"));
+                return Err(bad(format!("bad percent escape '%{hex}'")));
             }
-            out.push(u8::from_str_radix(hex, 16).map_err(|_| format!("bad percent escape '%{hex}'"))?);
+            out.push(u8::from_str_radix(hex, 16).map_err(|_| bad(format!("bad percent escape '%{hex}'")))?);
             i += 3;
         } else {
             out.push(b[i]);
             i += 1;
         }
     }
-    String::from_utf8(out).map_err(|_| format!("'{s}' does not decode to UTF-8"))
+    String::from_utf8(out).map_err(|_| bad(format!("'{s}' does not decode to UTF-8")))
 }
 
 #[cfg(test)]
@@ -251,7 +265,7 @@ mod tests {
         assert_eq!(u.address, Address::Tcp { host: "h".into(), port: 99 });
         assert_eq!(u.to_string(), "nbd://alice:<redacted>@h:99/e");
         assert_eq!(parse("nbd://alice@h/e").to_string(), "nbd://alice@h/e");
-        let e = "nbd://alice:hunter2@h:port/e".parse::<Uri>().unwrap_err();
+        let e = "nbd://alice:hunter2@h:port/e".parse::<Uri>().unwrap_err().to_string();
         assert!(e.contains("invalid port") && !e.contains("hunter2"), "{e}");
     }
 
@@ -276,7 +290,7 @@ mod tests {
             ("nbd://h/a%00b", "NUL"),
             ("nbd://[::1/e", "unclosed"),
         ] {
-            let e = uri.parse::<Uri>().unwrap_err();
+            let e = uri.parse::<Uri>().unwrap_err().to_string();
             assert!(e.contains(says), "{uri}: {e}");
         }
         assert!(Uri::is_nbd("nbd+unix:///"));

@@ -14,6 +14,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use crate::error::{Error, Op, Result};
+
 /// A parsed `s3://BUCKET/KEY`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct S3Uri {
@@ -36,34 +38,40 @@ impl std::fmt::Display for S3Uri {
 }
 
 impl std::str::FromStr for S3Uri {
-    type Err = String;
+    type Err = Error;
 
     /// Refuses credentials in the URI (`s3://KEY:SECRET@bucket/…`) without repeating them:
     /// a secret typed on a command line ends up in shell histories and process lists.
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self> {
         let rest = match s.split_once("://") {
             Some((scheme, rest)) if scheme.eq_ignore_ascii_case("s3") => rest,
-            _ => return Err("not an s3:// URI".into()),
+            _ => return Err(bad("not an s3:// URI")),
         };
         let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
         if bucket.contains('@') {
-            return Err("credentials in an s3:// URI are refused (they would show in process lists and \
-                 shell histories): use AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or a profile"
-                .into());
-        }
-        if bucket.is_empty() {
-            return Err(format!("'{s}': no bucket (write s3://BUCKET/KEY)"));
-        }
-        if key.is_empty() || key.ends_with('/') || key.split('/').any(str::is_empty) {
-            return Err(format!(
-                "'{s}': the key must be an object name, not empty, without an empty segment or a trailing '/'"
+            return Err(bad(
+                "credentials in an s3:// URI are refused (they would show in process lists and \
+                 shell histories): use AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or a profile",
             ));
         }
+        if bucket.is_empty() {
+            return Err(bad(format!("'{s}': no bucket (write s3://BUCKET/KEY)")));
+        }
+        if key.is_empty() || key.ends_with('/') || key.split('/').any(str::is_empty) {
+            return Err(bad(format!(
+                "'{s}': the key must be an object name, not empty, without an empty segment or a trailing '/'"
+            )));
+        }
         if key.contains(['?', '#']) {
-            return Err(format!("'{s}': no query or fragment in s3:// URIs"));
+            return Err(bad(format!("'{s}': no query or fragment in s3:// URIs")));
         }
         Ok(S3Uri { bucket: bucket.to_string(), key: key.to_string() })
     }
+}
+
+/// A URI or a setting that cannot be used: `msg` names it (without a secret) and says why.
+fn bad(msg: impl Into<String>) -> Error {
+    Error::invalid(Op::Parse, msg)
 }
 
 /// A secret: kept, handed to the client library, never printed.
@@ -103,14 +111,14 @@ pub struct S3Config {
 
 impl S3Config {
     /// The configuration from this process's environment and the shared files it names.
-    pub fn from_env() -> Result<S3Config, String> {
+    pub fn from_env() -> Result<S3Config> {
         let env: HashMap<String, String> = std::env::vars().filter(|(k, _)| k.starts_with("AWS_")).collect();
         let home = std::env::var_os("HOME").map(PathBuf::from);
         S3Config::resolve(&env, home.as_deref())
     }
 
     /// [`Self::from_env`] with the environment and home folder given (for tests).
-    pub fn resolve(env: &HashMap<String, String>, home: Option<&Path>) -> Result<S3Config, String> {
+    pub fn resolve(env: &HashMap<String, String>, home: Option<&Path>) -> Result<S3Config> {
         let get = |k: &str| env.get(k).filter(|v| !v.is_empty()).cloned();
         let profile = get("AWS_PROFILE").unwrap_or_else(|| "default".into());
         let named = get("AWS_PROFILE").is_some();
@@ -118,12 +126,12 @@ impl S3Config {
             |var: &str, default: &str| get(var).map(PathBuf::from).or_else(|| home.map(|h| h.join(default)));
         let creds_path = file("AWS_SHARED_CREDENTIALS_FILE", ".aws/credentials");
         let config_path = file("AWS_CONFIG_FILE", ".aws/config");
-        let read = |p: &Option<PathBuf>, section: &str| -> Result<Option<HashMap<String, String>>, String> {
+        let read = |p: &Option<PathBuf>, section: &str| -> Result<Option<HashMap<String, String>>> {
             match p {
                 Some(p) => match std::fs::read_to_string(p) {
                     Ok(text) => Ok(ini_section(&text, section)),
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-                    Err(e) => Err(format!("read {}: {}", p.display(), crate::error::io_message(&e))),
+                    Err(e) => Err(Error::io(Op::Read, e).path(p)),
                 },
                 None => Ok(None),
             }
@@ -134,9 +142,9 @@ impl S3Config {
             if profile == "default" { "default".to_string() } else { format!("profile {profile}") };
         let conf = read(&config_path, &conf_section)?;
         if named && creds.is_none() && conf.is_none() {
-            return Err(format!(
+            return Err(bad(format!(
                 "AWS_PROFILE={profile}: no such profile in the shared credentials or config file"
-            ));
+            )));
         }
         let mut c = S3Config::default();
         let from_files = |k: &str| {
@@ -168,9 +176,8 @@ impl S3Config {
             take(&["AWS_SESSION_TOKEN"], "aws_session_token", "session token")
         };
         if id.is_some() != secret.is_some() {
-            return Err("an access key id needs its secret access key and the other way round \
-                 (AWS_ACCESS_KEY_ID with AWS_SECRET_ACCESS_KEY, or both in one profile)"
-                .into());
+            return Err(bad("an access key id needs its secret access key and the other way round \
+                 (AWS_ACCESS_KEY_ID with AWS_SECRET_ACCESS_KEY, or both in one profile)"));
         }
         c.region = take(&["AWS_REGION", "AWS_DEFAULT_REGION"], "region", "region");
         c.endpoint = take(&["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"], "endpoint_url", "endpoint");
@@ -183,13 +190,13 @@ impl S3Config {
             // (RUST_LOG) print the URL, and requests are signed with the keys anyway.
             if let Some(user) = userinfo(e) {
                 let e = e.replacen(&format!("{user}@"), "<redacted>@", 1);
-                return Err(format!(
+                return Err(bad(format!(
                     "endpoint '{e}': credentials in the endpoint URL are refused (they would show in \
                      logs): use AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or a profile"
-                ));
+                )));
             }
             if !(e.starts_with("http://") || e.starts_with("https://")) {
-                return Err(format!("endpoint '{e}': write it as https://HOST[:PORT] (or http://)"));
+                return Err(bad(format!("endpoint '{e}': write it as https://HOST[:PORT] (or http://)")));
             }
         }
         Ok(c)
@@ -253,10 +260,10 @@ mod tests {
             ("s3:///k", "no bucket"),
             ("s3://b/k?x=1", "no query"),
         ] {
-            let e = bad.parse::<S3Uri>().unwrap_err();
+            let e = bad.parse::<S3Uri>().unwrap_err().to_string();
             assert!(e.contains(says), "{bad}: {e}");
         }
-        let e = "s3://AKIAX:topsecret@b/k".parse::<S3Uri>().unwrap_err();
+        let e = "s3://AKIAX:topsecret@b/k".parse::<S3Uri>().unwrap_err().to_string();
         assert!(e.contains("refused") && !e.contains("topsecret") && !e.contains("AKIAX"), "{e}");
     }
 
@@ -304,16 +311,17 @@ mod tests {
         assert_eq!(c.region.as_deref(), Some("ap-south-1"));
         let printed = format!("{c:?}");
         assert!(!printed.contains("envsecret") && printed.contains("<redacted>"), "{printed}");
-        let e = S3Config::resolve(&env(&[("AWS_PROFILE", "nope")]), home).unwrap_err();
+        let e = S3Config::resolve(&env(&[("AWS_PROFILE", "nope")]), home).unwrap_err().to_string();
         assert!(e.contains("no such profile"), "{e}");
-        let e = S3Config::resolve(&env(&[("AWS_ACCESS_KEY_ID", "X")]), home).unwrap_err();
+        let e = S3Config::resolve(&env(&[("AWS_ACCESS_KEY_ID", "X")]), home).unwrap_err().to_string();
         assert!(e.contains("needs its secret"), "{e}");
-        let e = S3Config::resolve(&env(&[("AWS_ENDPOINT_URL", "127.0.0.1:9")]), home).unwrap_err();
+        let e =
+            S3Config::resolve(&env(&[("AWS_ENDPOINT_URL", "127.0.0.1:9")]), home).unwrap_err().to_string();
         assert!(e.contains("https://"), "{e}");
         for (endpoint, shown) in
             [("http://u:pw1234@h:9/x@y", "http://<redacted>@h:9/x@y"), ("pw1234@h", "<redacted>@h")]
         {
-            let e = S3Config::resolve(&env(&[("AWS_ENDPOINT_URL", endpoint)]), home).unwrap_err();
+            let e = S3Config::resolve(&env(&[("AWS_ENDPOINT_URL", endpoint)]), home).unwrap_err().to_string();
             assert!(e.contains(shown) && e.contains("refused") && !e.contains("pw1234"), "{e}");
         }
     }

@@ -22,7 +22,7 @@
 //! The name sorts after every block name, so nbdkit's TRIM does not delete it; nbdkit's S3
 //! plugin itself ignores the lease (it writes whatever is leased).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -30,7 +30,7 @@ use bytes::Bytes;
 use object_store::{PutMode, UpdateVersion};
 
 use super::store::Store;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result, Sticky};
 
 pub const LEASE: &str = "lightfoot.lease";
 /// How long a lease lasts after its last renewal.
@@ -86,7 +86,8 @@ struct State {
     etag: Mutex<Option<String>>,
     /// When (ms since the epoch) the last successful renewal was started.
     renewed_ms: AtomicU64,
-    lost: AtomicBool,
+    /// Why writing stopped: the lease was taken by another writer, or released.
+    lost: Sticky,
     stop: Mutex<bool>,
     wake: Condvar,
 }
@@ -112,7 +113,7 @@ impl Lease {
             }
             None => {
                 let (old, meta) = store.run(store.get(&name, None, None))?.ok_or_else(|| {
-                    Error::new(ErrorKind::Io, "open")
+                    Error::new(ErrorKind::Io, Op::Open)
                         .path(store.uri(&name))
                         .detail("the lease was released while it was being taken: try again")
                 })?;
@@ -120,7 +121,7 @@ impl Lease {
                 let live = rec.as_ref().is_some_and(|r| r.expires > now_secs());
                 if live && !force {
                     let r = rec.expect("live");
-                    return Err(Error::new(ErrorKind::Permission, "open").path(store.uri(&name)).detail(format!(
+                    return Err(Error::new(ErrorKind::Permission, Op::Open).path(store.uri(&name)).detail(format!(
                         "the image has a writer: {} holds its lease for {} s more (if that writer is dead, --break-lease)",
                         r.holder,
                         r.expires.saturating_sub(now_secs())
@@ -138,7 +139,7 @@ impl Lease {
                 match store.run(store.put(&name, body(), PutMode::Update(update)))? {
                     Some((etag, _)) => etag,
                     None => {
-                        return Err(Error::new(ErrorKind::Permission, "open")
+                        return Err(Error::new(ErrorKind::Permission, Op::Open)
                             .path(store.uri(&name))
                             .detail("another writer took the lease at the same moment"))
                     }
@@ -152,7 +153,7 @@ impl Lease {
             token,
             etag: Mutex::new(etag),
             renewed_ms: AtomicU64::new(started),
-            lost: AtomicBool::new(false),
+            lost: Sticky::default(),
             stop: Mutex::new(false),
             wake: Condvar::new(),
         });
@@ -160,7 +161,7 @@ impl Lease {
         let renewer = std::thread::Builder::new()
             .name("lightfoot-lease".into())
             .spawn(move || s.renew_until_stopped())
-            .map_err(|e| Error::io("open", e))?;
+            .map_err(|e| Error::io(Op::Open, e))?;
         Ok(Lease { state, renewer: Mutex::new(Some(renewer)) })
     }
 
@@ -168,10 +169,15 @@ impl Lease {
     pub fn check(&self) -> Result<()> {
         let s = &self.state;
         let age = now_ms().saturating_sub(s.renewed_ms.load(Relaxed));
-        if s.lost.load(Relaxed) || age >= (TTL - MARGIN).as_millis() as u64 {
-            return Err(Error::new(ErrorKind::Io, "write").path(s.store.uri(&s.name)).detail(
-                "the image's lease was lost or could not be renewed in time: writes stop before another writer may take over",
-            ));
+        let stop = "the image's lease was lost or could not be renewed in time: writes stop before another writer may take over";
+        if let Some(lost) = s.lost.get() {
+            return Err(Error::after(Op::Write, lost)
+                .kind_as(ErrorKind::Io)
+                .path(s.store.uri(&s.name))
+                .detail(stop));
+        }
+        if age >= (TTL - MARGIN).as_millis() as u64 {
+            return Err(Error::new(ErrorKind::Io, Op::Write).path(s.store.uri(&s.name)).detail(stop));
         }
         Ok(())
     }
@@ -187,11 +193,11 @@ impl State {
             }
             drop(stop);
             if !self.renew() {
-                tracing::error!(
-                    "{}: the lease was taken by another writer: writes stop",
-                    self.store.uri(&self.name)
-                );
-                self.lost.store(true, Relaxed);
+                let taken = Error::new(ErrorKind::Permission, Op::Lease)
+                    .path(self.store.uri(&self.name))
+                    .detail("the lease was taken by another writer");
+                tracing::error!("{taken}: writes stop");
+                self.lost.set(&taken);
                 return;
             }
             stop = self.stop.lock().unwrap();
@@ -265,7 +271,8 @@ impl Lease {
         let Some(h) = self.renewer.lock().unwrap().take() else { return };
         let _ = h.join();
         let s = &self.state;
-        if s.lost.swap(true, Relaxed) {
+        let released = Error::new(ErrorKind::Io, Op::Lease).path(s.store.uri(&s.name)).detail("released");
+        if !s.lost.set(&released) {
             return;
         }
         let ours = s.store.run(s.store.head(&s.name)).ok().flatten().and_then(|m| m.etag);

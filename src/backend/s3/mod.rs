@@ -33,7 +33,7 @@ pub use config::{S3Config, S3Uri};
 pub use store::{Limits, Requests, Store};
 
 use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 
 /// The manifest of a block image, `KEY/lightfoot.json`. Named so that nbdkit's S3 plugin never
 /// deletes it: its TRIM deletes what it lists under `KEY/` from the first block's name up to
@@ -133,7 +133,7 @@ impl S3Backend {
         let manifest = match store.run(store.get(&manifest_key, None, None))? {
             None => None,
             Some((bytes, _)) => Some(serde_json::from_slice::<Manifest>(&bytes).map_err(|e| {
-                Error::new(ErrorKind::InvalidInput, "open")
+                Error::new(ErrorKind::InvalidInput, Op::Open)
                     .path(store.uri(&manifest_key))
                     .detail(format!("not a manifest: {e}"))
             })?),
@@ -172,12 +172,12 @@ impl S3Backend {
         let Some((size, object_size)) = geometry else {
             // One object.
             let meta = store.run(store.head(&key))?.ok_or_else(|| {
-                Error::new(ErrorKind::NotFound, "open").path(&name).detail(format!(
+                Error::new(ErrorKind::NotFound, Op::Open).path(&name).detail(format!(
                     "no such object, and no block image under {name}/ (a new block image needs --size and --object-size)"
                 ))
             })?;
             if opts.writable {
-                return Err(Error::new(ErrorKind::Permission, "open").path(&name).detail(
+                return Err(Error::new(ErrorKind::Permission, Op::Open).path(&name).detail(
                     "an image in one object is served read-only (give --object-size and --size to write a block image)",
                 ));
             }
@@ -212,7 +212,7 @@ impl S3Backend {
             }
         } else if !lease::probe_conditional_writes(&store, &key)? {
             if !opts.without_lease {
-                return Err(Error::new(ErrorKind::NotSupported, "open").path(&name).detail(
+                return Err(Error::new(ErrorKind::NotSupported, Op::Open).path(&name).detail(
                     "the store does not enforce conditional writes (a second create of one name succeeded), \
                      so lightfoot cannot make sure it is the image's only writer; --without-lease writes anyway",
                 ));
@@ -236,9 +236,9 @@ impl S3Backend {
                 continue;
             }
             if len != object_size {
-                return Err(Error::new(ErrorKind::InvalidInput, "open").path(store.uri(&k)).detail(format!(
-                    "the object is {len} bytes, not the image's object size {object_size}"
-                )));
+                return Err(Error::new(ErrorKind::InvalidInput, Op::Open).path(store.uri(&k)).detail(
+                    format!("the object is {len} bytes, not the image's object size {object_size}"),
+                ));
             }
             present.insert(b, meta.etag);
         }
@@ -318,7 +318,7 @@ impl S3Backend {
         format!("{}/{b:016x}", self.key)
     }
 
-    fn read_only_error(&self, op: &'static str) -> Error {
+    fn read_only_error(&self, op: Op) -> Error {
         Error::new(ErrorKind::Permission, op).path(&self.name).detail("opened read-only")
     }
 
@@ -371,7 +371,7 @@ impl S3Backend {
             match got {
                 Some(bytes) if bytes.len() == n => buf[at..at + n].copy_from_slice(&bytes),
                 Some(bytes) => {
-                    return Err(Error::new(ErrorKind::Io, "read")
+                    return Err(Error::new(ErrorKind::Io, Op::Read)
                         .path(&self.name)
                         .at(offset + at as u64, n as u64)
                         .detail(format!("the store answered {} bytes for {n}", bytes.len())))
@@ -393,13 +393,13 @@ impl S3Backend {
                 match self.store.get(&self.key, Some(at..at + n), etag).await.map_err(|e| e.at(at, n))? {
                     Some((b, _)) if b.len() as u64 == n => Ok((i, b)),
                     Some((b, meta)) => {
-                        Err(Error::new(ErrorKind::Io, "read").path(&self.name).at(at, n).detail(format!(
+                        Err(Error::new(ErrorKind::Io, Op::Read).path(&self.name).at(at, n).detail(format!(
                             "got {} bytes of {n} (the object is now {} bytes)",
                             b.len(),
                             meta.size
                         )))
                     }
-                    None => Err(Error::new(ErrorKind::NotFound, "read")
+                    None => Err(Error::new(ErrorKind::NotFound, Op::Read)
                         .path(&self.name)
                         .at(at, n)
                         .detail("the object was deleted while being served")),
@@ -423,14 +423,14 @@ impl S3Backend {
             return up.write(&self.store, &self.key, data, offset, len);
         }
         let Layout::Blocks { object_size, present, locks, lease, .. } = &self.layout else {
-            return Err(self.read_only_error("write"));
+            return Err(self.read_only_error(Op::Write));
         };
         if let Some(l) = lease {
             l.check()?;
         }
         let os = *object_size;
         if offset.checked_add(len).is_none_or(|e| e > self.size) {
-            return Err(Error::new(ErrorKind::NoSpace, "write")
+            return Err(Error::new(ErrorKind::NoSpace, Op::Write)
                 .path(&self.name)
                 .at(offset, len)
                 .detail(format!("past the end of the image ({} bytes)", self.size)));
@@ -541,7 +541,7 @@ impl S3Backend {
                         None => p.remove(&b),
                     };
                 }
-                Err(here(Error::new(ErrorKind::Io, "write").path(store.uri(&key)).detail(
+                Err(here(Error::new(ErrorKind::Io, Op::Write).path(store.uri(&key)).detail(
                     "the object kept changing while it was being written (another writer without the lease?)",
                 )))
             }))
@@ -596,7 +596,7 @@ impl Backend for S3Backend {
         }
         let end = offset.checked_add(buf.len() as u64).filter(|&e| e <= self.size);
         if end.is_none() {
-            return Err(Error::new(ErrorKind::InvalidInput, "read")
+            return Err(Error::new(ErrorKind::InvalidInput, Op::Read)
                 .path(&self.name)
                 .at(offset, buf.len() as u64)
                 .detail(format!("past the end of the image ({} bytes)", self.size)));
@@ -607,7 +607,7 @@ impl Backend for S3Backend {
                 self.read_blocks(buf, offset, *object_size, present)?
             }
             Layout::Upload(_) => {
-                return Err(Error::new(ErrorKind::NotSupported, "read")
+                return Err(Error::new(ErrorKind::NotSupported, Op::Read)
                     .path(&self.name)
                     .detail("an object being uploaded cannot be read"))
             }
@@ -622,7 +622,7 @@ impl Backend for S3Backend {
 
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
         if !self.writable {
-            return Err(self.read_only_error("write"));
+            return Err(self.read_only_error(Op::Write));
         }
         self.change(offset, buf.len() as u64, Some(buf), true)
     }
@@ -632,7 +632,7 @@ impl Backend for S3Backend {
 
     fn zero(&self, offset: u64, len: u64, _flags: ZeroFlags) -> Result<()> {
         if !self.writable {
-            return Err(self.read_only_error("zero"));
+            return Err(self.read_only_error(Op::Zero));
         }
         // Whole objects are deleted whether or not the range may be deallocated: a missing
         // object reads as zeroes, and that is what NO_HOLE's "reads as zero" asks.
@@ -641,7 +641,7 @@ impl Backend for S3Backend {
 
     fn trim(&self, offset: u64, len: u64, _fua: bool) -> Result<()> {
         if !self.writable {
-            return Err(self.read_only_error("trim"));
+            return Err(self.read_only_error(Op::Trim));
         }
         self.change(offset, len, None, false)
     }
@@ -736,9 +736,7 @@ fn block_number(key: &str, name: &str) -> Option<u64> {
 fn config_of(opts: &S3Options, name: &str) -> Result<S3Config> {
     match &opts.config {
         Some(c) => Ok(c.clone()),
-        None => {
-            S3Config::from_env().map_err(|e| Error::new(ErrorKind::InvalidInput, "open").path(name).detail(e))
-        }
+        None => S3Config::from_env().map_err(|e| Error::after(Op::Open, &e).path(name)),
     }
 }
 
@@ -750,11 +748,11 @@ fn in_image(e: Error, b: u64, range: &Range<u64>, object_size: u64) -> Error {
 }
 
 fn bad(name: &str, detail: String) -> Error {
-    Error::new(ErrorKind::InvalidInput, "open").path(name).detail(detail)
+    Error::new(ErrorKind::InvalidInput, Op::Open).path(name).detail(detail)
 }
 
 fn wrong_size(uri: &str, got: u64, want: u64) -> Error {
-    Error::new(ErrorKind::Io, "read")
+    Error::new(ErrorKind::Io, Op::Read)
         .path(uri)
         .detail(format!("the object is {got} bytes, not the image's object size {want}"))
 }

@@ -18,7 +18,7 @@ use object_store::{
 };
 
 use super::config::{S3Config, S3Uri};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 
 /// How long a request may take and how long transient failures (5xx, throttling, timeouts,
 /// refused connections) are retried before the error is the caller's.
@@ -96,13 +96,15 @@ pub struct Store {
 
 impl Store {
     pub fn open(uri: &S3Uri, cfg: &S3Config, limits: Limits) -> Result<Store> {
-        let bad =
-            |detail: String| Error::new(ErrorKind::InvalidInput, "open").path(uri.to_string()).detail(detail);
+        let bad = |detail: String| {
+            Error::new(ErrorKind::InvalidInput, Op::Open).path(uri.to_string()).detail(detail)
+        };
         // rustls needs one crypto provider for the process: ring, as the NBD TLS code uses.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut opts = ClientOptions::new().with_timeout(limits.request).with_connect_timeout(limits.request);
         if let Some(ca) = &cfg.ca_bundle {
-            let pem = std::fs::read(ca).map_err(|e| Error::io("open", e).path(ca).detail("AWS_CA_BUNDLE"))?;
+            let pem =
+                std::fs::read(ca).map_err(|e| Error::io(Op::Open, e).path(ca).detail("AWS_CA_BUNDLE"))?;
             let certs = object_store::Certificate::from_pem_bundle(&pem)
                 .map_err(|e| bad(format!("CA bundle {}: {e}", ca.display())))?;
             if certs.is_empty() {
@@ -154,7 +156,7 @@ impl Store {
             .thread_name("lightfoot-s3")
             .enable_all()
             .build()
-            .map_err(|e| Error::io("open", e).path(uri.to_string()))?;
+            .map_err(|e| Error::io(Op::Open, e).path(uri.to_string()))?;
         Ok(Store {
             rt,
             s3: Arc::new(s3),
@@ -196,7 +198,7 @@ impl Store {
     }
 
     /// The lightfoot error for a failed request on `key`.
-    pub fn error(&self, op: &'static str, key: &str, e: &object_store::Error) -> Error {
+    pub fn error(&self, op: Op, key: &str, e: &object_store::Error) -> Error {
         use object_store::Error as E;
         let kind = match e {
             E::NotFound { .. } => ErrorKind::NotFound,
@@ -229,20 +231,20 @@ impl Store {
         let res = match self.s3.get_opts(&Path::from(key), opts).await {
             Ok(r) => r,
             Err(e @ object_store::Error::NotFound { .. }) if full_message(&e).contains("NoSuchBucket") => {
-                return Err(Error::new(ErrorKind::NotFound, "read")
+                return Err(Error::new(ErrorKind::NotFound, Op::Read)
                     .path(self.uri(""))
                     .detail("no such bucket"))
             }
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
             Err(object_store::Error::Precondition { .. }) => {
-                return Err(Error::new(ErrorKind::Io, "read")
+                return Err(Error::new(ErrorKind::Io, Op::Read)
                     .path(self.uri(key))
                     .detail("the object was replaced while it was being read (its ETag changed)"))
             }
-            Err(e) => return Err(self.error("read", key, &e)),
+            Err(e) => return Err(self.error(Op::Read, key, &e)),
         };
         let meta = Meta { size: res.meta.size, etag: res.meta.e_tag.clone() };
-        let bytes = res.bytes().await.map_err(|e| self.error("read", key, &e))?;
+        let bytes = res.bytes().await.map_err(|e| self.error(Op::Read, key, &e))?;
         self.counters.bytes_got.fetch_add(bytes.len() as u64, Relaxed);
         Ok(Some((bytes, meta)))
     }
@@ -253,7 +255,7 @@ impl Store {
         match self.s3.head(&Path::from(key)).await {
             Ok(m) => Ok(Some(Meta { size: m.size, etag: m.e_tag })),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(self.error("open", key, &e)),
+            Err(e) => Err(self.error(Op::Open, key, &e)),
         }
     }
 
@@ -277,7 +279,7 @@ impl Store {
             Err(object_store::Error::Precondition { .. } | object_store::Error::AlreadyExists { .. }) => {
                 Ok(None)
             }
-            Err(e) => Err(self.error("write", key, &e)),
+            Err(e) => Err(self.error(Op::Write, key, &e)),
         }
     }
 
@@ -294,7 +296,7 @@ impl Store {
             match r {
                 Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
                 // The message names the key that failed.
-                Err(e) => return Err(self.error("delete", "", &e)),
+                Err(e) => return Err(self.error(Op::Delete, "", &e)),
             }
         }
         Ok(())
@@ -309,7 +311,7 @@ impl Store {
             .map_ok(|m| (m.location.to_string(), Meta { size: m.size, etag: m.e_tag }))
             .try_collect()
             .await
-            .map_err(|e| self.error("list", prefix, &e))?;
+            .map_err(|e| self.error(Op::List, prefix, &e))?;
         // object_store pages through LIST for us; count the pages as requests.
         let pages = (items.len() as u64).div_ceil(1000).max(1);
         self.counters.list.fetch_add(pages - 1, Relaxed);

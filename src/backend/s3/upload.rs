@@ -24,7 +24,7 @@ use object_store::{MultipartUpload, ObjectStoreExt, PutPayload};
 use tokio::task::JoinHandle;
 
 use super::store::Store;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Op, Result};
 
 /// S3's limit on the parts of one upload.
 const MAX_PARTS: u64 = 10_000;
@@ -123,7 +123,7 @@ impl Upload {
         };
         let upload = store
             .run(store.s3().put_multipart(&Path::from(key)))
-            .map_err(|e| store.error("write", key, &e))?;
+            .map_err(|e| store.error(Op::Write, key, &e))?;
         Ok(Upload {
             part_size,
             size,
@@ -146,20 +146,24 @@ impl Upload {
         let end = offset + len;
         if let Some(size) = self.size {
             if end > size {
-                return Err(Error::new(ErrorKind::NoSpace, "write")
+                return Err(Error::new(ErrorKind::NoSpace, Op::Write)
                     .path(store.uri(key))
                     .at(offset, len)
                     .detail(format!("past the end of the image ({size} bytes)")));
             }
         }
         if end.div_ceil(self.part_size) > MAX_PARTS {
-            return Err(Error::new(ErrorKind::NoSpace, "write").path(store.uri(key)).at(offset, len).detail(
-                format!("one object takes at most {MAX_PARTS} parts of {} bytes here", self.part_size),
-            ));
+            return Err(Error::new(ErrorKind::NoSpace, Op::Write)
+                .path(store.uri(key))
+                .at(offset, len)
+                .detail(format!(
+                    "one object takes at most {MAX_PARTS} parts of {} bytes here",
+                    self.part_size
+                )));
         }
         let mut st = self.state.lock().unwrap();
         if st.done {
-            return Err(Error::new(ErrorKind::InvalidInput, "write")
+            return Err(Error::new(ErrorKind::InvalidInput, Op::Write)
                 .path(store.uri(key))
                 .detail("the upload has ended"));
         }
@@ -230,10 +234,11 @@ impl Upload {
                 store.counters.bytes_put.fetch_add(len, Relaxed);
                 Ok(())
             }
-            Ok(Err(e)) => Err(store.error("write", key, &e).at(at, len)),
-            Err(e) => {
-                Err(Error::new(ErrorKind::Io, "write").path(store.uri(key)).at(at, len).detail(e.to_string()))
-            }
+            Ok(Err(e)) => Err(store.error(Op::Write, key, &e).at(at, len)),
+            Err(e) => Err(Error::new(ErrorKind::Io, Op::Write)
+                .path(store.uri(key))
+                .at(at, len)
+                .detail(e.to_string())),
         }
     }
 
@@ -259,7 +264,7 @@ impl Upload {
         let res = self.send_ready(store, key, &mut st).and_then(|()| {
             if st.next < parts || !st.filling.is_empty() {
                 let missing = st.filling.keys().next().copied().unwrap_or(st.next);
-                return Err(Error::new(ErrorKind::UnexpectedEof, "write")
+                return Err(Error::new(ErrorKind::UnexpectedEof, Op::Write)
                     .path(store.uri(key))
                     .at(missing * self.part_size, self.part_size)
                     .detail("not every byte of the object was written: the upload is abandoned"));
@@ -274,7 +279,7 @@ impl Upload {
                 self.wait_part(store, key, 0, 0, h)?;
             }
             store.counters.put.fetch_add(1, Relaxed);
-            store.run(upload.complete()).map_err(|e| store.error("write", key, &e))?;
+            store.run(upload.complete()).map_err(|e| store.error(Op::Write, key, &e))?;
             Ok(())
         });
         st.done = true;

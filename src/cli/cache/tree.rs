@@ -8,6 +8,7 @@
 //! stream), the walk goes on, and the exit status is 1 at the end. A file whose residency
 //! this user may not see is a row of unknowns, counted apart in the total: not a failure.
 
+use lightfoot::Op;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -87,7 +88,7 @@ impl Out {
             if e.kind() == std::io::ErrorKind::BrokenPipe {
                 EXIT_BROKEN_PIPE
             } else {
-                report(&Error::io("write", e).path("stdout"));
+                report(&Error::io(Op::Write, e).path("stdout"));
                 1
             }
         })

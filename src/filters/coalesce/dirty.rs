@@ -173,12 +173,9 @@ pub struct Run {
 /// land. Over data, the exact ranges' writes would read their partial units anyway (the page
 /// cache fills a page before a partial write), so the gap read costs nothing more; a unit
 /// nobody wrote would be read only to be written back unchanged. That read is a synchronous
-/// device round trip in the FLUSH's path, and filling such gaps over data (as up to
-/// 2026-11-25) made FLUSHes slower than writing the ranges separately: 1 KiB random writes
-/// within 64 MiB per job on a fully written file went from 36k to 42k IOPS with this rule,
-/// 4 KiB written every 8 KiB from 39k to 53k, 1 KiB every 4 KiB unchanged (probe runs,
-/// docs/benchmarks/runs/coalesce.md). Whether a gap is a hole or data no longer matters to the plan, so
-/// no extent lookup is made for it. A filled run is also widened to whole units (the edge
+/// device round trip in the FLUSH's path, which made FLUSHes slower than writing the ranges
+/// separately (docs/benchmarks/runs/code-notes.md#plan). Whether a gap is a hole or data
+/// does not matter to the plan, so no extent lookup is made for it. A filled run is also widened to whole units (the edge
 /// units hold dirty bytes, so the same argument holds): an aligned write spares the kernel a
 /// read of a partial page.
 pub fn plan(ranges: &[Range<u32>], unit: u32, limit: u32) -> Vec<Run> {

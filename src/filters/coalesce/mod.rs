@@ -59,7 +59,7 @@ use std::time::{Duration, Instant};
 
 use super::Filter;
 use crate::backend::{Backend, Caps, Extent, ZeroFlags};
-use crate::error::{Result, WriteLatch};
+use crate::error::{Op, Result, Sticky};
 use dirty::Block;
 use stripes::STRIPES;
 
@@ -70,15 +70,10 @@ pub struct CoalesceConfig {
     pub size: u64,
     /// Oldest dirty data kept before it is written back (`--coalesce-age`).
     pub age: Duration,
-    /// Block size: the most one write-back request spans (`--coalesce-block`). 64 KiB, by
-    /// measurement (bench/coalesce.sh, 32 KiB to 256 KiB alternating, 2026-11-25,
-    /// docs/benchmarks/runs/coalesce.md): with gaps filled only inside written units and every exact range
-    /// hinted, no size in that span differed beyond the noise on any of the four workloads
-    /// (strided 1.72-1.84x the plain server, random within 64 MiB 2.43-2.56x, random 1 and
-    /// 4 KiB 1.16-1.48x). 64 KiB merges a strided 1-in-4 KiB writer's 16 writes into one
-    /// request (11.9x fewer backend writes; 7x at 32 KiB), and holds less per block than
-    /// larger sizes for no measured gain. Before those two changes larger blocks cost random
-    /// writes within 64 MiB up to 25 % (256 KiB), in gap reads and unhinted partial pages.
+    /// Block size: the most one write-back request spans (`--coalesce-block`). 64 KiB: no
+    /// size from 32 KiB to 256 KiB measured differently, and 64 KiB merges a strided
+    /// 1-in-4 KiB writer's 16 writes into one request while holding less per block than
+    /// larger sizes (docs/benchmarks/runs/code-notes.md#coalesce-block).
     pub block: u64,
     /// The allocation unit below: a gap is filled only inside units that hold dirty bytes
     /// (see [`dirty::plan`]). 4 KiB by default, the block of ext4 and XFS as made by default;
@@ -180,7 +175,7 @@ struct HeldWrites {
     /// The most `held` has been.
     peak: AtomicU64,
     /// The first write-back error. Never cleared.
-    latch: WriteLatch,
+    latch: Sticky,
     counters: Counters,
     /// Set by `finish`: the background thread ends, writers over the bound write back
     /// themselves.
@@ -226,7 +221,7 @@ impl Coalesce {
             stripes: (0..STRIPES).map(|_| RwLock::new(HashMap::new())).collect(),
             held: AtomicU64::new(0),
             peak: AtomicU64::new(0),
-            latch: WriteLatch::default(),
+            latch: Sticky::default(),
             counters: Counters::default(),
             stopping: AtomicBool::new(false),
             signal: Mutex::new(()),
@@ -418,7 +413,7 @@ impl Coalesce {
                 map.remove(&b);
             }
             drop(locks);
-            sh.check_latch("write")?;
+            sh.check_latch(Op::Write)?;
         }
         Ok(())
     }
@@ -458,7 +453,7 @@ impl Coalesce {
         let sh = &self.shared;
         self.pass(offset, buf.len() as u64, || sh.write_below(buf, offset, fua, false))?;
         if fua {
-            sh.check_latch("write")?;
+            sh.check_latch(Op::Write)?;
         }
         Ok(())
     }
@@ -483,14 +478,14 @@ impl Coalesce {
     fn finish_all(&self) -> Result<()> {
         let sh = &self.shared;
         if self.finished.swap(true, SeqCst) {
-            return sh.check_latch("flush");
+            return sh.check_latch(Op::Flush);
         }
         self.stop();
         sh.write_back_all()?;
         if sh.inner.caps().can_flush {
             sh.inner.flush()?;
         }
-        sh.check_latch("flush")
+        sh.check_latch(Op::Flush)
     }
 }
 
@@ -519,7 +514,7 @@ impl Filter for Coalesce {
         if buf.is_empty() {
             // Nothing to write, but a FUA write still reports a latched error, as every FUA
             // does (a zero-length ZERO or TRIM with FUA does too, through `pass`).
-            return if fua { sh.check_latch("write") } else { Ok(()) };
+            return if fua { sh.check_latch(Op::Write) } else { Ok(()) };
         }
         // After `finish` nothing would write held bytes back: write through.
         if self.holds(offset, buf.len() as u64) {
@@ -571,7 +566,7 @@ impl Filter for Coalesce {
         let sh = &self.shared;
         self.pass(offset, len, || sh.inner.zero(offset, len, flags))?;
         if flags.fua {
-            sh.check_latch("zero")?;
+            sh.check_latch(Op::Zero)?;
         }
         Ok(())
     }
@@ -580,7 +575,7 @@ impl Filter for Coalesce {
         let sh = &self.shared;
         self.pass(offset, len, || sh.inner.trim(offset, len, fua))?;
         if fua {
-            sh.check_latch("trim")?;
+            sh.check_latch(Op::Trim)?;
         }
         Ok(())
     }

@@ -45,12 +45,12 @@ impl Job {
         }
     }
 }
-use crate::error::{Error, Result};
+use crate::error::{Error, Op, Result};
 
 impl HeldWrites {
     /// Fails with the latched write-back error, if any: for FLUSH and FUA.
-    pub(super) fn check_latch(&self, op: &'static str) -> Result<()> {
-        self.latch.check(op, self.inner.name())
+    pub(super) fn check_latch(&self, op: Op) -> Result<()> {
+        self.latch.check_writes(op, self.inner.name())
     }
 
     pub(super) fn set_latch(&self, e: &Error) {
@@ -410,18 +410,13 @@ impl HeldWrites {
     }
 
     /// Makes every write below that completed before the call durable. Concurrent callers
-    /// each flush below, at once, and the kernel shares the work between them: a journalled
-    /// ext4's fdatasync joins a running commit; without a journal (these VMs' ext4) the later
-    /// callers find the metadata buffers already under writeback and wait on them, and the
-    /// block layer sends their device flushes as one. A group commit here (a caller arriving
-    /// while a flush ran waited for it and then for one more) was slower: 4 clients of 4 KiB
-    /// random writes flushing every 64 writes waited 10 ms a FLUSH for it against 5 ms for
-    /// the plain server's parallel fdatasyncs, and dropping it took the filter from 0.98x to
-    /// 1.17x the plain server there (bench/coalesce.sh, 2026-11-23).
+    /// each flush below, at once, and the kernel shares the work between them (a journalled
+    /// ext4's fdatasync joins a running commit; the block layer merges device flushes). A
+    /// group commit here was slower: docs/benchmarks/runs/code-notes.md#flush_below.
     pub(super) fn flush_below(&self) -> Result<()> {
         if !self.inner.caps().can_flush {
             // Nothing below to flush (as `finish` does): only errors latched so far.
-            return self.check_latch("flush");
+            return self.check_latch(Op::Flush);
         }
         self.counters.backend_flushes.fetch_add(1, SeqCst);
         if let Err(e) = self.inner.flush() {
@@ -429,7 +424,7 @@ impl HeldWrites {
             return Err(e);
         }
         // An error another thread's write-back latched fails this flush too.
-        self.check_latch("flush")
+        self.check_latch(Op::Flush)
     }
 
     /// Counts `len` more bytes as held if that stays within the bound. A writer takes its room
