@@ -159,6 +159,7 @@ impl Backend for FileBackend {
             rotational: self.rotational,
             block: BlockSizes { minimum, preferred: 4096.max(minimum), maximum: 32 << 20 },
             alloc_unit: self.alloc_unit,
+            at_hand: false,
         }
     }
 

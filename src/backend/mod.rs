@@ -92,6 +92,10 @@ pub struct Caps {
     /// `file::alloc_unit_of`), an object of a block image in object storage. `--coalesce`
     /// fills gaps only inside units that hold written bytes, and writes such a unit whole.
     pub alloc_unit: Option<u32>,
+    /// Some reads or writes may be answered without waiting ([`Backend::read_at_hand`],
+    /// [`Backend::write_at_hand`]): memory, and the filters that hold bytes. When false every
+    /// answer is `None`, and the server's reader does not ask.
+    pub at_hand: bool,
 }
 
 impl Caps {
@@ -111,6 +115,7 @@ impl Caps {
             rotational: false,
             block: BlockSizes { minimum: 1, preferred: 4096, maximum: 32 << 20 },
             alloc_unit: None,
+            at_hand: true,
         }
     }
 }

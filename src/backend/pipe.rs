@@ -79,6 +79,7 @@ impl Backend for PipeBackend {
             rotational: false,
             block: BlockSizes { minimum: 1, preferred: 1 << 20, maximum: 32 << 20 },
             alloc_unit: None,
+            at_hand: false,
         }
     }
 

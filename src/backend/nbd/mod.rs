@@ -419,6 +419,7 @@ impl Backend for NbdBackend {
             rotational: i.has(TF_ROTATIONAL),
             block: BlockSizes { minimum: i.block.minimum, preferred: i.block.preferred, maximum: max },
             alloc_unit: None,
+            at_hand: false,
         }
     }
 

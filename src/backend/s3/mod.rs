@@ -587,6 +587,7 @@ impl Backend for S3Backend {
             },
             // `--coalesce` fills the gaps of the objects it writes, so that each is one PUT.
             alloc_unit: object.and_then(|o| u32::try_from(o).ok()),
+            at_hand: false,
         }
     }
 

@@ -494,7 +494,7 @@ impl Coalesce {
 /// own backend, which every writer of the export shares.
 impl Filter for Coalesce {
     fn caps(&self, _below: &dyn Backend) -> Caps {
-        self.shared.inner.caps()
+        Caps { at_hand: true, ..self.shared.inner.caps() }
     }
 
     fn read(&self, below: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {

@@ -348,7 +348,7 @@ impl Prefetch {
 /// what it overlaps from the buffer.
 impl Filter for Prefetch {
     fn caps(&self, below: &dyn Backend) -> Caps {
-        below.caps()
+        Caps { at_hand: true, ..below.caps() }
     }
 
     fn read(&self, below: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {
