@@ -1,13 +1,18 @@
 //! The cache policy: what the user asks for (`--cache=MODE`) and the mechanism that delivers
 //! it on this kernel, filesystem and file.
 //!
-//! The choice is made per file at open time from a probe (does RWF_DONTCACHE work here? does
-//! cachestat answer? is it a block device?) and can still fall back at run time (a DONTCACHE
-//! call that starts failing, DONTCACHE writes that leave pages behind). Every decision is
-//! recorded as a note so `--verbose` and JSON output can say what was used and why.
+//! The choice is made per file at open time, here and only here ([`choose`]), from a probe
+//! (does RWF_DONTCACHE work here? does cachestat answer? does O_DIRECT open? is it a block
+//! device?), and can fall back once at run time ([`read_fallback`], [`write_fallback`]: a
+//! DONTCACHE call or a residency check that starts failing, DONTCACHE writes that leave pages
+//! behind). Every decision is recorded as a note so `--verbose` and JSON output can say what
+//! was used and why.
 
 use std::fmt;
+use std::io;
 use std::str::FromStr;
+
+use crate::error::{io_message, Error, Op, Result};
 
 /// `--cache=MODE`: the contract with the user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
@@ -106,6 +111,9 @@ pub struct Probe {
     pub dontcache: bool,
     /// cachestat answers for this file (false: EPERM or a kernel without it).
     pub cachestat: bool,
+    /// The file opens with O_DIRECT (`Err`: the errno it was refused with; squashfs and
+    /// iso9660 refuse it).
+    pub direct: std::result::Result<(), i32>,
 }
 
 /// The mechanisms chosen for a file, with the reasons.
@@ -114,6 +122,8 @@ pub struct Choice {
     pub read: ReadMech,
     pub write: WriteMech,
     pub fadvise: Fadvise,
+    /// Keep an O_DIRECT descriptor: a mechanism uses it, or DONTCACHE reads fall back to it.
+    pub direct: bool,
     pub notes: Vec<String>,
 }
 
@@ -125,8 +135,13 @@ pub struct Choice {
 /// and need no residency information, and write-behind windows, which work on every kernel
 /// and filesystem. Evict-behind only when forced: it needs cachestat and measured slower than
 /// O_DIRECT (docs/cache-policy.md). DONTCACHE writes that leave pages cached after writeback
-/// are caught at run time and switched to write-behind (`PolicyFile::write_at`).
-pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Choice {
+/// are caught at run time and switched to write-behind ([`write_fallback`]).
+///
+/// Where O_DIRECT was chosen for speed (neutral reads) and the file refuses it: DONTCACHE
+/// reads where they work, else evict-behind where residency is known, else an error (no
+/// read could leave the cache as it found it). Where O_DIRECT was asked for, its refusal is
+/// an error. The error has no path: the caller adds it.
+pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Result<Choice> {
     let mut notes = Vec::new();
     let dontcache = probe.dontcache && !tuning.no_dontcache;
     if probe.dontcache && tuning.no_dontcache {
@@ -166,6 +181,35 @@ pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Choice {
         notes.push("residency unknown (cachestat unavailable or EPERM): reading with O_DIRECT instead of evict-behind".to_string());
         read = if dontcache { ReadMech::DontCache } else { ReadMech::Direct };
     }
+    let wants_direct = matches!(read, ReadMech::Direct | ReadMech::DontCache) || write == WriteMech::Direct;
+    if let (true, Err(errno)) = (wants_direct, probe.direct) {
+        let refused = || io::Error::from_raw_os_error(errno);
+        let why = io_message(&refused());
+        if read == ReadMech::DontCache && write != WriteMech::Direct {
+            notes.push(format!("O_DIRECT unavailable ({why}): no fallback if DONTCACHE fails"));
+        } else if read == ReadMech::Direct
+            && mode == CacheMode::Neutral
+            && tuning.read.is_none()
+            && write != WriteMech::Direct
+        {
+            if dontcache {
+                read = ReadMech::DontCache;
+                notes.push(format!("O_DIRECT unavailable ({why}): reading with DONTCACHE"));
+            } else if cachestat {
+                read = ReadMech::EvictBehind;
+                notes.push(format!(
+                    "O_DIRECT and RWF_DONTCACHE unavailable ({why}): reading with evict-behind"
+                ));
+            } else {
+                return Err(Error::io(Op::Open, refused()).detail(
+                    "O_DIRECT; with neither RWF_DONTCACHE nor cachestat here, a read cannot \
+                     leave the page cache as it found it: use --cache drop or --cache keep",
+                ));
+            }
+        } else {
+            return Err(Error::io(Op::Open, refused()).detail("O_DIRECT"));
+        }
+    }
     let fadvise = tuning.fadvise.unwrap_or(match read {
         // Kernel readahead keeps a single reader's device busy while it copies (measured:
         // one worker with readahead off took 6.4-7.0 s for 4 GiB, with it 3.4-3.8 s, as fast
@@ -177,7 +221,27 @@ pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Choice {
         ReadMech::DontCache | ReadMech::EvictBehind => Fadvise::Random,
         ReadMech::Buffered | ReadMech::Direct => Fadvise::Normal,
     });
-    Choice { read, write, fadvise, notes }
+    Ok(Choice { read, write, fadvise, direct: wants_direct && probe.direct.is_ok(), notes })
+}
+
+/// What reads fall back to at run time when `mech` fails for good (DONTCACHE refused, a
+/// residency check that fails): O_DIRECT, which needs neither, where the file has an O_DIRECT
+/// descriptor. `None`: nothing to fall back to.
+pub fn read_fallback(mech: ReadMech, has_direct: bool) -> Option<ReadMech> {
+    match mech {
+        ReadMech::DontCache | ReadMech::EvictBehind if has_direct => Some(ReadMech::Direct),
+        _ => None,
+    }
+}
+
+/// What writes fall back to at run time when `mech` fails for good (DONTCACHE refused, or
+/// leaving pages cached after writeback): write-behind, which works on every kernel and
+/// filesystem. `None`: nothing to fall back to.
+pub fn write_fallback(mech: WriteMech) -> Option<WriteMech> {
+    match mech {
+        WriteMech::DontCache => Some(WriteMech::WriteBehind),
+        _ => None,
+    }
 }
 
 macro_rules! names {
@@ -217,25 +281,25 @@ names!(Fadvise { Normal = "normal", Sequential = "sequential", Random = "random"
 mod tests {
     use super::*;
 
-    const ALL: Probe = Probe { is_block: false, dontcache: true, cachestat: true };
+    const ALL: Probe = Probe { is_block: false, dontcache: true, cachestat: true, direct: Ok(()) };
 
     #[test]
     fn neutral_prefers_dontcache() {
-        let c = choose(CacheMode::Neutral, ALL, &Tuning::default());
+        let c = choose(CacheMode::Neutral, ALL, &Tuning::default()).unwrap();
         let want = (ReadMech::DontCache, WriteMech::DontCache, Fadvise::Normal);
         assert_eq!((c.read, c.write, c.fadvise), want);
         // Without cachestat the readahead spill cannot be cleaned up: readahead goes off.
-        let c = choose(CacheMode::Neutral, Probe { cachestat: false, ..ALL }, &Tuning::default());
+        let c = choose(CacheMode::Neutral, Probe { cachestat: false, ..ALL }, &Tuning::default()).unwrap();
         assert_eq!((c.read, c.fadvise), (ReadMech::DontCache, Fadvise::Random));
     }
 
     #[test]
     fn neutral_without_dontcache_reads_direct_and_writes_behind() {
         let probe = Probe { dontcache: false, ..ALL };
-        let c = choose(CacheMode::Neutral, probe, &Tuning::default());
+        let c = choose(CacheMode::Neutral, probe, &Tuning::default()).unwrap();
         assert_eq!((c.read, c.write), (ReadMech::Direct, WriteMech::WriteBehind));
         let forced = Tuning { no_dontcache: true, ..Tuning::default() };
-        assert_eq!(choose(CacheMode::Neutral, ALL, &forced).read, ReadMech::Direct);
+        assert_eq!(choose(CacheMode::Neutral, ALL, &forced).unwrap().read, ReadMech::Direct);
     }
 
     #[test]
@@ -246,7 +310,7 @@ mod tests {
             write: Some(WriteMech::DontCache),
             ..Tuning::default()
         };
-        let c = choose(CacheMode::Neutral, probe, &t);
+        let c = choose(CacheMode::Neutral, probe, &t).unwrap();
         assert_eq!((c.read, c.write), (ReadMech::Direct, WriteMech::WriteBehind));
         assert!(c.notes.iter().any(|n| n.contains("unavailable")));
     }
@@ -254,27 +318,62 @@ mod tests {
     #[test]
     fn evict_behind_needs_cachestat_in_neutral_mode() {
         let t = Tuning { read: Some(ReadMech::EvictBehind), no_cachestat: true, ..Tuning::default() };
-        let c = choose(CacheMode::Neutral, Probe { dontcache: false, ..ALL }, &t);
+        let c = choose(CacheMode::Neutral, Probe { dontcache: false, ..ALL }, &t).unwrap();
         assert_eq!(c.read, ReadMech::Direct);
         let t = Tuning { read: Some(ReadMech::EvictBehind), ..Tuning::default() };
-        assert_eq!(choose(CacheMode::Neutral, ALL, &t).read, ReadMech::EvictBehind);
+        assert_eq!(choose(CacheMode::Neutral, ALL, &t).unwrap().read, ReadMech::EvictBehind);
         // Drop mode evicts everything, so it needs no residency.
         let t = Tuning { no_cachestat: true, ..Tuning::default() };
-        assert_eq!(choose(CacheMode::Drop, ALL, &t).read, ReadMech::EvictBehind);
+        assert_eq!(choose(CacheMode::Drop, ALL, &t).unwrap().read, ReadMech::EvictBehind);
     }
 
     #[test]
     fn many_requests_in_flight_read_direct() {
         let t = Tuning { many_in_flight: true, ..Tuning::default() };
-        let c = choose(CacheMode::Neutral, ALL, &t);
+        let c = choose(CacheMode::Neutral, ALL, &t).unwrap();
         assert_eq!((c.read, c.write), (ReadMech::Direct, WriteMech::DontCache));
+    }
+
+    /// O_DIRECT refused (squashfs, iso9660): neutral reads go DONTCACHE, else evict-behind,
+    /// else the open fails; where O_DIRECT was asked for, it fails; keep mode never needs it.
+    #[test]
+    fn without_o_direct_neutral_reads_fall_back_in_one_place() {
+        let no_direct = Probe { direct: Err(libc::EINVAL), ..ALL };
+        let many = Tuning { many_in_flight: true, ..Tuning::default() };
+        let c = choose(CacheMode::Neutral, no_direct, &many).unwrap();
+        assert_eq!((c.read, c.direct), (ReadMech::DontCache, false));
+        let c = choose(CacheMode::Neutral, Probe { dontcache: false, ..no_direct }, &many).unwrap();
+        assert_eq!(
+            (c.read, c.write, c.fadvise),
+            (ReadMech::EvictBehind, WriteMech::WriteBehind, Fadvise::Random)
+        );
+        let bare = Probe { dontcache: false, cachestat: false, ..no_direct };
+        let e = choose(CacheMode::Neutral, bare, &many).unwrap_err();
+        assert!(e.to_string().contains("--cache drop or --cache keep"), "{e}");
+        assert!(choose(CacheMode::Direct, no_direct, &Tuning::default()).is_err());
+        let forced = Tuning { read: Some(ReadMech::Direct), ..Tuning::default() };
+        assert!(choose(CacheMode::Neutral, no_direct, &forced).is_err());
+        let c = choose(CacheMode::Keep, no_direct, &Tuning::default()).unwrap();
+        assert_eq!((c.read, c.direct), (ReadMech::Buffered, false));
+        // DONTCACHE reads keep O_DIRECT as their fallback where it opens.
+        assert!(choose(CacheMode::Neutral, ALL, &Tuning::default()).unwrap().direct);
+    }
+
+    #[test]
+    fn run_time_fallbacks() {
+        assert_eq!(read_fallback(ReadMech::DontCache, true), Some(ReadMech::Direct));
+        assert_eq!(read_fallback(ReadMech::EvictBehind, true), Some(ReadMech::Direct));
+        assert_eq!(read_fallback(ReadMech::DontCache, false), None);
+        assert_eq!(read_fallback(ReadMech::Direct, true), None);
+        assert_eq!(write_fallback(WriteMech::DontCache), Some(WriteMech::WriteBehind));
+        assert_eq!(write_fallback(WriteMech::WriteBehind), None);
     }
 
     #[test]
     fn keep_and_direct_are_what_they_say() {
-        let c = choose(CacheMode::Keep, ALL, &Tuning::default());
+        let c = choose(CacheMode::Keep, ALL, &Tuning::default()).unwrap();
         assert_eq!((c.read, c.write), (ReadMech::Buffered, WriteMech::Buffered));
-        let c = choose(CacheMode::Direct, ALL, &Tuning::default());
+        let c = choose(CacheMode::Direct, ALL, &Tuning::default()).unwrap();
         assert_eq!((c.read, c.write), (ReadMech::Direct, WriteMech::Direct));
     }
 
