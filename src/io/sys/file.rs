@@ -12,39 +12,41 @@ pub const RWF_DONTCACHE: i32 = 0x80;
 /// `RWF_DSYNC`: this write is durable when the call returns (our FUA).
 pub const RWF_DSYNC: i32 = 0x2;
 
-/// `preadv2` of one buffer with `flags`; returns the bytes read (0 at end of file). Without
-/// flags it is a plain `pread`, which skips the kernel's import of an iovec (about 1 % of a
-/// small request's CPU on tmpfs).
-pub fn pread(fd: BorrowedFd, buf: &mut [u8], offset: u64, flags: i32) -> io::Result<usize> {
-    let iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    retry(|| {
-        // SAFETY: `iov` points into `buf`, which is exclusively borrowed for the whole call.
-        let ret = unsafe {
-            if flags == 0 {
-                libc::pread(fd.as_raw_fd(), iov.iov_base, iov.iov_len, offset as libc::off_t)
-            } else {
-                libc::preadv2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags)
-            }
-        };
-        check(ret as libc::c_long)
-    })
+/// One positional transfer of one buffer: without flags the plain call (`pread`, `pwrite`),
+/// which skips the kernel's import of an iovec (about 1 % of a small request's CPU on tmpfs),
+/// with flags the `v2` call.
+fn one_buffer(
+    flags: i32,
+    plain: impl Fn() -> libc::ssize_t,
+    vectored: impl Fn() -> libc::ssize_t,
+) -> io::Result<usize> {
+    retry(|| check((if flags == 0 { plain() } else { vectored() }) as libc::c_long))
 }
 
-/// `pwritev2` of one buffer with `flags`; returns the bytes written. A plain `pwrite` without
-/// flags, as [`pread`].
+/// `preadv2` of one buffer with `flags`; returns the bytes read (0 at end of file).
+pub fn pread(fd: BorrowedFd, buf: &mut [u8], offset: u64, flags: i32) -> io::Result<usize> {
+    let (fd, off) = (fd.as_raw_fd(), offset as libc::off_t);
+    let iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    one_buffer(
+        flags,
+        // SAFETY: `iov` points into `buf`, which is exclusively borrowed for the whole call.
+        || unsafe { libc::pread(fd, iov.iov_base, iov.iov_len, off) },
+        // SAFETY: as for `pread` just above.
+        || unsafe { libc::preadv2(fd, &iov, 1, off, flags) },
+    )
+}
+
+/// `pwritev2` of one buffer with `flags`; returns the bytes written.
 pub fn pwrite(fd: BorrowedFd, buf: &[u8], offset: u64, flags: i32) -> io::Result<usize> {
+    let (fd, off) = (fd.as_raw_fd(), offset as libc::off_t);
     let iov = libc::iovec { iov_base: buf.as_ptr() as *mut _, iov_len: buf.len() };
-    retry(|| {
+    one_buffer(
+        flags,
         // SAFETY: `iov` points into `buf`, borrowed for the whole call; the kernel only reads it.
-        let ret = unsafe {
-            if flags == 0 {
-                libc::pwrite(fd.as_raw_fd(), iov.iov_base, iov.iov_len, offset as libc::off_t)
-            } else {
-                libc::pwritev2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags)
-            }
-        };
-        check(ret as libc::c_long)
-    })
+        || unsafe { libc::pwrite(fd, iov.iov_base, iov.iov_len, off) },
+        // SAFETY: as for `pwrite` just above.
+        || unsafe { libc::pwritev2(fd, &iov, 1, off, flags) },
+    )
 }
 
 /// `fdatasync`.
