@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Draw the plots of docs/benchmarks.md from the figures checked in beside them.
 
-    python3 bench/plot.py            # docs/benchmarks/data/NAME.csv -> docs/benchmarks/plots/NAME.svg
+    python3 bench/plot.py            # docs/benchmarks/runs/data/NAME.csv -> docs/benchmarks/runs/plots/NAME.svg
     python3 bench/plot.py --check    # exit 1 if a checked-in SVG differs from what the data gives
 
 Each CSV holds one run of a benchmark, copied by hand from its log in docs/benchmarks/runs/.
@@ -29,8 +29,8 @@ from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "docs" / "benchmarks" / "data"
-PLOTS = ROOT / "docs" / "benchmarks" / "plots"
+DATA = ROOT / "docs" / "benchmarks" / "runs" / "data"
+PLOTS = ROOT / "docs" / "benchmarks" / "runs" / "plots"
 
 COLOURS = {"lightfoot": "#1f6fb2", "peer": "#9aa5b1", "reference": "#e0a43a"}
 LEGEND = {"lightfoot": "lightfoot", "peer": "peer", "reference": "reference (not a peer)"}
