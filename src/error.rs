@@ -148,7 +148,7 @@ impl Op {
             Op::Receive => "receiving",
             Op::Disconnect => "disconnected",
             Op::Tls => "tls",
-            Op::Listen => "listen",
+            Op::Listen => "listen on",
             Op::Accept => "accept",
             Op::Handshake => "handshake",
             Op::Serve => "serve",

@@ -324,7 +324,7 @@ pub fn run(a: ServeArgs) -> i32 {
     // systemd socket activation takes precedence over --unix and --listen.
     let listener = match (Listener::from_activation(), &a.unix) {
         (Some(Err(e)), _) => {
-            super::report(&format!("socket activation: {e}"));
+            super::report(&e);
             return 1;
         }
         (Some(Ok(l)), _) => Ok(l),
@@ -334,18 +334,18 @@ pub fn run(a: ServeArgs) -> i32 {
     let listener = match listener {
         Ok(l) => l,
         Err(e) => {
-            let wher = a.unix.as_ref().map(|p| p.display().to_string()).unwrap_or(a.listen.clone());
             // A port below 1024 is refused to all but root (CAP_NET_BIND_SERVICE).
             let low = a.unix.is_none()
                 && a.listen
                     .rsplit_once(':')
                     .and_then(|(_, p)| p.parse::<u16>().ok())
                     .is_some_and(|p| p < 1024);
-            let hint = match e.kind() {
-                std::io::ErrorKind::PermissionDenied if low => " (ports below 1024 need root)",
-                _ => "",
+            let hint = if low && e.kind() == lightfoot::ErrorKind::Permission {
+                " (ports below 1024 need root)"
+            } else {
+                ""
             };
-            super::report(&format!("listen on {wher}: {}{hint}", io_message(&e)));
+            super::report(&format!("{e}{hint}"));
             return 1;
         }
     };

@@ -126,7 +126,11 @@ impl Listener {
     /// replacing anything there: a live server's socket still gives "address in use"). Bound
     /// at its own name, it would exist between `bind` and `listen`, and a client that waits
     /// for the file (scripts, the tests) could connect in between and be refused.
-    pub fn unix(path: &std::path::Path) -> io::Result<Listener> {
+    pub fn unix(path: &std::path::Path) -> Result<Listener> {
+        Self::bind_unix(path).map_err(|e| Error::io(Op::Listen, e).path(path))
+    }
+
+    fn bind_unix(path: &std::path::Path) -> io::Result<Listener> {
         // The temporary name is never removed first: if it is taken (a file of that name, the
         // same PID in another PID namespace), the socket is bound at its own name, as it
         // also is when the temporary name is too long for a socket address or the
@@ -166,10 +170,10 @@ impl Listener {
 
     /// The socket systemd passed (socket activation), if any; an error if it is not a
     /// listening socket (`Accept=yes`).
-    pub fn from_activation() -> Option<io::Result<Listener>> {
+    pub fn from_activation() -> Option<Result<Listener>> {
         let (fd, domain) = match crate::io::sys::socket_activation()? {
             Ok(passed) => passed,
-            Err(e) => return Some(Err(e)),
+            Err(e) => return Some(Err(Error::io(Op::Listen, e).path("the socket systemd passed"))),
         };
         Some(Ok(if domain == libc::AF_UNIX {
             let l = UnixListener::from(fd);
@@ -184,8 +188,9 @@ impl Listener {
         }))
     }
 
-    pub fn tcp(addr: &str) -> io::Result<Listener> {
-        Ok(Listener::Tcp(TcpListener::bind(addr)?))
+    pub fn tcp(addr: &str) -> Result<Listener> {
+        let l = TcpListener::bind(addr).map_err(|e| Error::io(Op::Listen, e).path(addr))?;
+        Ok(Listener::Tcp(l))
     }
 
     /// The NBD URI clients use to reach the export (`nbds` schemes when TLS is required).
@@ -586,7 +591,11 @@ mod tests {
             for t in tries {
                 match t.join().unwrap() {
                     Ok(l) => won.push(l),
-                    Err(e) => assert_eq!(e.kind(), io::ErrorKind::AddrInUse, "round {round}: {e}"),
+                    Err(e) => assert_eq!(
+                        e.os_error().map(io::Error::kind),
+                        Some(io::ErrorKind::AddrInUse),
+                        "round {round}: {e}"
+                    ),
                 }
             }
             assert_eq!(won.len(), 1, "round {round}: {} servers think they listen", won.len());
