@@ -143,7 +143,8 @@ struct Fixture {
 }
 
 impl Fixture {
-    /// `None`, said on stderr, where the cell cannot run here (a loop device without root).
+    /// `None`, skipped (`common::root_or_skip`), where the cell cannot run here (a loop device
+    /// without root).
     fn new(kind: Kind) -> Option<Fixture> {
         let device = match kind {
             Kind::Loop(_) if !common::root_or_skip(&format!("{kind:?}: needs root for losetup")) => {

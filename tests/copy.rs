@@ -222,7 +222,7 @@ fn bad_input_gets_a_clear_error() {
 
 #[test]
 fn full_disk_fails_cleanly_and_says_the_destination_is_incomplete() {
-    if !root_or_skip("full_disk: needs root to mount a small tmpfs") {
+    if !root_or_skip("needs root to mount a small tmpfs") {
         return;
     }
     let dir = scratch();
@@ -241,7 +241,7 @@ fn full_disk_fails_cleanly_and_says_the_destination_is_incomplete() {
 /// is no room for DST (ENOSPC), it still fails, before any data is written.
 #[test]
 fn preallocate_without_fallocate_or_without_room() {
-    if !root_or_skip("preallocate_without_fallocate_or_without_room: needs root to mount") {
+    if !root_or_skip("needs root to mount") {
         return;
     }
     let dir = scratch();
@@ -265,7 +265,7 @@ fn preallocate_without_fallocate_or_without_room() {
 /// before ("O_DIRECT: invalid argument"), as it would on iso9660.
 #[test]
 fn copies_from_a_filesystem_without_direct_io() {
-    if !root_or_skip("copies_from_a_filesystem_without_direct_io: needs root to mount") {
+    if !root_or_skip("needs root to mount") {
         return;
     }
     let found = Command::new("sh").args(["-c", "command -v mksquashfs"]).output().unwrap();
@@ -301,7 +301,7 @@ fn copies_from_a_filesystem_without_direct_io() {
 
 #[test]
 fn block_device_destination() {
-    if !root_or_skip("block_device_destination: needs root for losetup") {
+    if !root_or_skip("needs root for losetup") {
         return;
     }
     let dir = scratch();
@@ -326,7 +326,7 @@ fn block_device_destination() {
 /// case it is for), and a second device node for the same device counts as the same file.
 #[test]
 fn block_devices_in_use_or_named_twice() {
-    if !root_or_skip("block_devices_in_use_or_named_twice: needs root for losetup") {
+    if !root_or_skip("needs root for losetup") {
         return;
     }
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -439,7 +439,7 @@ fn a_source_that_shrinks_during_the_copy_fails_it() {
 /// must say so and still be neutral (DONTCACHE or O_DIRECT need no residency).
 #[test]
 fn unprivileged_user_on_a_root_owned_source() {
-    if !root_or_skip("unprivileged_user: needs root to switch to nobody") {
+    if !root_or_skip("needs root to switch to nobody") {
         return;
     }
     let dir = scratch();

@@ -481,7 +481,7 @@ impl Drop for Kill {
 /// (TCP's retransmissions do, after minutes).
 #[test]
 fn a_peer_gone_silent_over_tcp_is_found_out() {
-    if !root_or_skip("a_peer_gone_silent_over_tcp_is_found_out: needs root for network namespaces") {
+    if !root_or_skip("needs root for network namespaces") {
         return;
     }
     const KEEPALIVE: (&str, &str) = ("LIGHTFOOT_TCP_KEEPALIVE", "1,1,2");

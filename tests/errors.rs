@@ -480,7 +480,7 @@ fn run_errors() {
 /// Permission denied as `nobody`, and a read-only filesystem.
 #[test]
 fn errors_that_need_root_to_stage() {
-    if !root_or_skip("errors_that_need_root_to_stage: needs root to switch to nobody and to mount") {
+    if !root_or_skip("needs root to switch to nobody and to mount") {
         return;
     }
     use std::os::unix::fs::PermissionsExt;

@@ -523,7 +523,7 @@ print("ok")
 /// A block device export: size from BLKGETSIZE64, zeroing with BLKZEROOUT.
 #[test]
 fn block_device_export() {
-    if !root_or_skip("block_device_export: needs root for losetup") {
+    if !root_or_skip("needs root for losetup") {
         return;
     }
     let dev = Loop::new(16 * MIB);

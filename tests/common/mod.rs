@@ -106,13 +106,56 @@ pub fn spawn_until_line(cmd: &mut Command) -> (Child, BufReader<ChildStdout>, St
     (child, stdout, line)
 }
 
-/// True as root; otherwise says on stderr that the test (`what`: its name and why it needs
-/// root) was skipped, so a run without root never reports it as passing silently.
-pub fn root_or_skip(what: &str) -> bool {
+/// Skips the running test, or the part of it named in `reason` that cannot run here: says so
+/// on stderr (`SKIPPED copy::full_disk_...: needs root to mount a small tmpfs`) and appends
+/// the same line, without `SKIPPED`, to the file `$LIGHTFOOT_SKIP_LOG` names. `make test` sets
+/// it (a file under target/, emptied first) and ends with the count and the lines, so a skip
+/// never passes for a pass. The caller returns (or goes on without the part). Every skip of the
+/// tests goes through here: [`root_or_skip`] and [`tool_or_skip`] for root and tools, and the
+/// callers themselves for a kernel feature that is absent.
+pub fn skip(reason: &str) {
+    use std::io::Write;
+    // The harness runs each test on a thread named after it.
+    let test = std::thread::current().name().filter(|n| *n != "main").unwrap_or("?").to_string();
+    let line = format!("{}::{test}: {reason}", env!("CARGO_CRATE_NAME"));
+    eprintln!("SKIPPED {line}");
+    if let Some(log) = std::env::var_os("LIGHTFOOT_SKIP_LOG") {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap_or_else(|e| panic!("LIGHTFOOT_SKIP_LOG={}: {e}", Path::new(&log).display()));
+        // One write of the whole line: O_APPEND keeps the lines of test binaries and threads
+        // writing at once whole.
+        f.write_all(format!("{line}\n").as_bytes()).expect("write to LIGHTFOOT_SKIP_LOG");
+    }
+}
+
+/// True as root. Otherwise skips ([`skip`]) with `why`, what the test needs root for
+/// ("needs root to mount a small tmpfs"), and is false: the caller returns, or goes on without
+/// the part that needs root. As root nothing is skipped: whatever else a root-only test needs
+/// is asserted, so a precondition missing as root fails the test instead of passing it by.
+pub fn root_or_skip(why: &str) -> bool {
     if euid() == 0 {
         return true;
     }
-    eprintln!("SKIPPED {what}");
+    skip(why);
+    false
+}
+
+/// True when `name` is on PATH. Otherwise as root it fails the test: `make test` installs
+/// every tool the tests use (Debian package `package`) as root, so a tool missing then is a
+/// set-up gone wrong, not something to pass by. Without root it skips ([`skip`], saying which
+/// tool and package) and is false: the caller returns.
+#[track_caller]
+pub fn tool_or_skip(name: &str, package: &str) -> bool {
+    let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().unwrap();
+    if found.status.success() {
+        return true;
+    }
+    let why = format!("{name} is missing (Debian package {package}; scripts/install-deps.sh installs it)");
+    assert!(euid() != 0, "{why}: as root `make test` installs it, so it is not skipped");
+    skip(&why);
     false
 }
 
