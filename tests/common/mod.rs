@@ -12,11 +12,15 @@ use lightfoot::io::residency;
 
 pub const MIB: u64 = 1 << 20;
 
-/// Polls `f` until it holds or `secs` have passed; whether it held. Looks every 5 ms at
-/// first, backing off to every 100 ms: a condition that comes quickly is seen at once, and
-/// one that is costly to check (a spawned `ss`) is not checked hundreds of times.
-pub fn within(secs: u64, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+/// Polls `f` until it holds or `timeout` has passed; whether it held. The one place where the
+/// tests wait by the clock for something to happen: every wait on a condition (a file to
+/// appear, a process to end, a server to listen, a counter to move) goes through here, through
+/// [`within`] or [`wait_until`], and the few sleeps left in the tests are workloads' lengths
+/// and paces, each saying why no condition would do. Looks every 5 ms at first, backing off to
+/// every 100 ms: a condition that comes quickly is seen at once, and one that is costly to
+/// check (a spawned `ss`) is not checked hundreds of times.
+pub fn poll(timeout: std::time::Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
     let mut pause = std::time::Duration::from_millis(5);
     while std::time::Instant::now() < deadline {
         if f() {
@@ -26,6 +30,18 @@ pub fn within(secs: u64, mut f: impl FnMut() -> bool) -> bool {
         pause = (pause * 2).min(std::time::Duration::from_millis(100));
     }
     f()
+}
+
+/// [`poll`] for up to `secs` seconds.
+pub fn within(secs: u64, f: impl FnMut() -> bool) -> bool {
+    poll(std::time::Duration::from_secs(secs), f)
+}
+
+/// Waits until `f` holds; fails the test, naming `what` (what was waited for), if it does not
+/// within `timeout`.
+#[track_caller]
+pub fn wait_until(what: &str, timeout: std::time::Duration, f: impl FnMut() -> bool) {
+    assert!(poll(timeout, f), "timed out after {timeout:?} waiting for {what}");
 }
 
 pub fn bin() -> &'static str {
@@ -211,17 +227,14 @@ pub fn random_file(path: &Path, size: u64) {
 /// Writes back and drops every page of `path`, and asserts none is left. Readahead that a
 /// reader which just ended started can still be in flight: its pages are locked while the read
 /// runs and a drop skips them (a clean-clone run once found 8 MiB left after a 40 MB reader),
-/// so the drop is repeated every 20 ms while pages are left, for up to 2 s, as the sweep of
-/// `lightfoot run` does.
+/// so the drop is repeated while pages are left (at [`poll`]'s pace), for up to 2 s, as the
+/// sweep of `lightfoot run` does.
 pub fn evict(path: &Path) {
     let f = residency::open(path).unwrap();
-    for _ in 0..100 {
+    poll(std::time::Duration::from_secs(2), || {
         residency::evict(&f, path, 0, None, true).unwrap();
-        if cached(path, 0, None) == 0 {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+        cached(path, 0, None) == 0
+    });
     assert_eq!(cached(path, 0, None), 0, "could not evict {}", path.display());
 }
 
@@ -361,14 +374,13 @@ impl Drop for Mount {
     /// a moment after its own file system is unmounted), then lazily: a test never leaves a
     /// mount behind.
     fn drop(&mut self) {
-        for _ in 0..20 {
+        let unmounted = poll(std::time::Duration::from_secs(2), || {
             let out = Command::new("umount").arg(&self.path).stderr(Stdio::null()).status();
-            if out.is_ok_and(|s| s.success()) {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(100));
+            out.is_ok_and(|s| s.success())
+        });
+        if !unmounted {
+            let _ = Command::new("umount").arg("-l").arg(&self.path).status();
         }
-        let _ = Command::new("umount").arg("-l").arg(&self.path).status();
     }
 }
 
