@@ -506,9 +506,8 @@ print("ok")
         spawn_until_line(Command::new("/usr/bin/python3").args(["-c", script]).env("URI", s.uri()));
     assert_eq!(line.trim(), "connected");
     let sock = s.sock.clone();
-    let pid = s.child.id();
-    assert!(Command::new("kill").arg(pid.to_string()).status().unwrap().success());
-    std::thread::sleep(Duration::from_millis(300));
+    // SIGTERM, taken (the grace period begun) before the client reads again.
+    signal_handled(s.child.id(), "TERM");
     py.stdin.take().unwrap().write_all(b"go\n").unwrap();
     let out = py.wait_with_output().unwrap();
     let mut rest = String::new();

@@ -181,6 +181,68 @@ pub fn euid() -> u32 {
     line.split_whitespace().nth(2).unwrap().parse().unwrap()
 }
 
+/// The threads of process `pid` named `name` (their /proc/PID/task/TID directories).
+pub fn threads_named(pid: u32, name: &str) -> Vec<PathBuf> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return vec![] };
+    tasks
+        .flatten()
+        .map(|t| t.path())
+        .filter(|t| std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.trim_end() == name))
+        .collect()
+}
+
+/// Where the blocked thread or process `task` (a /proc/PID or /proc/PID/task/TID directory)
+/// waits: its system call's number and first argument (`202 0x55d0c8a0` for a futex, `0 0x3`
+/// for a read of descriptor 3); `None` while it runs, or where /proc does not say (it takes
+/// ptrace's permission: root, or a descendant of this process).
+pub fn waiting_in(task: &Path) -> Option<String> {
+    let call = std::fs::read_to_string(task.join("syscall")).ok()?;
+    let mut fields = call.split_whitespace();
+    let (nr, arg) = (fields.next()?, fields.next()?);
+    (nr != "running" && nr != "-1").then(|| format!("{nr} {arg}"))
+}
+
+/// The kernel function the process `pid` sleeps in (/proc/PID/wchan: `wait_for_partner` for
+/// an open of a FIFO waiting for its other end); empty while it runs.
+pub fn wchan(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default()
+}
+
+/// How often `task` has given up the CPU to wait (`voluntary_ctxt_switches`).
+fn voluntary_switches(task: &Path) -> u64 {
+    let status = std::fs::read_to_string(task.join("status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Sends signal `sig` (`INT`, `TERM`) to the lightfoot process `pid` and waits until its
+/// handler has run: the copy has set its cancel flag, the server has begun its shutdown.
+/// lightfoot takes these signals through the ctrlc crate, whose thread (`ctrl-c`) waits for
+/// one, runs the handler and waits again; the signal's own handler only wakes it. So: first
+/// wait for that thread to wait (the handler is in place: a signal sent earlier would kill
+/// the process), then signal, then wait for the thread to be back where it waited, having
+/// waited again since (its count of waits went up).
+#[track_caller]
+pub fn signal_handled(pid: u32, sig: &str) {
+    let ten = std::time::Duration::from_secs(10);
+    let mut waiting = None;
+    wait_until(&format!("lightfoot {pid} to have its signal handler thread waiting"), ten, || {
+        waiting = threads_named(pid, "ctrl-c")
+            .pop()
+            .and_then(|t| Some((waiting_in(&t)?, voluntary_switches(&t), t)));
+        waiting.is_some()
+    });
+    let (at, waits, task) = waiting.unwrap();
+    let st = Command::new("kill").args([&format!("-{sig}"), &pid.to_string()]).status().unwrap();
+    assert!(st.success(), "kill -{sig} {pid}");
+    wait_until(&format!("lightfoot {pid} to run its SIG{sig} handler"), ten, || {
+        voluntary_switches(&task) > waits && waiting_in(&task).as_deref() == Some(at.as_str())
+    });
+}
+
 /// A scratch directory on the same filesystem as the build (ext4 here), readable by all.
 pub fn scratch() -> tempfile::TempDir {
     let base = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
