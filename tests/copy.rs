@@ -397,10 +397,13 @@ fn a_fifo_destination_is_opened_once() {
     // libc's mkfifo: std cannot make a FIFO.
     // SAFETY: mkfifo reads the NUL-terminated path `c`, which outlives the call.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-    let mut reader =
-        Command::new("sh").args(["-c", &format!("cat {} > {}", s(&fifo), s(&out_file))]).spawn().unwrap();
-    // Let the reader block in its open of the FIFO first.
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    let out = std::fs::File::create(&out_file).unwrap();
+    let mut reader = Command::new("cat").arg(&fifo).stdout(out).spawn().unwrap();
+    // The reader blocks in its open of the FIFO first (waiting there for a writer).
+    let pid = reader.id();
+    wait_until("cat to wait in its open of the FIFO", std::time::Duration::from_secs(10), || {
+        matches!(wchan(pid).as_str(), "wait_for_partner" | "fifo_open")
+    });
     let mut lf =
         Command::new(bin()).args(["copy", s(&src), s(&fifo)]).stderr(Stdio::piped()).spawn().unwrap();
     if !within(20, || lf.try_wait().unwrap().is_some()) {
@@ -427,12 +430,28 @@ fn a_source_that_shrinks_during_the_copy_fails_it() {
     let mut args = vec!["copy", "-j1", "--request-size=1M", "--", s(&src), "["];
     args.extend(slow.split(' '));
     args.push("]");
-    let lf = Command::new(bin()).args(&args).stderr(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    // The progress lines on standard output: the cut comes with the first above `0/100`, once
+    // the first MiB is copied (the size was taken before the first line), with 15 MiB of data
+    // and 1.5 s still to go.
+    args.insert(1, "--progress=1");
+    let mut lf =
+        Command::new(bin()).args(&args).stderr(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut progress = std::io::BufReader::new(lf.stdout.take().unwrap());
+    let mut said = String::new();
+    loop {
+        let mut line = String::new();
+        // The end of the lines, if the copy ended first: its status says why, below.
+        let n = std::io::BufRead::read_line(&mut progress, &mut line).unwrap();
+        said.push_str(&line);
+        if n == 0 || line.trim().strip_suffix("/100").is_some_and(|p| p != "0") {
+            break;
+        }
+    }
     std::fs::OpenOptions::new().write(true).open(&src).unwrap().set_len(32 * MIB).unwrap();
     let out = lf.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(text(&out).contains("shrank during the copy"), "{}", text(&out));
+    std::io::Read::read_to_string(&mut progress, &mut said).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{said}{}", text(&out));
+    assert!(text(&out).contains("shrank during the copy"), "{said}{}", text(&out));
 }
 
 /// Files this user cannot write: cachestat answers EPERM, so residency is unknown; the copy

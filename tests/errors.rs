@@ -420,7 +420,8 @@ fn a_pid_file_that_cannot_be_written_starts_no_run_command() {
     ]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains(&format!("write pid file {}: no such file", s(&pid))), "{}", text(&out));
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    // Final now: `lightfoot` read the server's standard output and error to their end, and a
+    // --run command started would have held them open (it inherits them) until it ended.
     assert!(!ran.exists(), "--run's command ran though the server failed");
 }
 
