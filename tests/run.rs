@@ -509,7 +509,10 @@ fn the_watcher_holds_a_static_reader_to_little() {
         std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stderr.as_mut().unwrap()), &mut line)
             .unwrap();
         assert_eq!(line, "r\n");
-        // Two ticks of the watcher's, and some.
+        // Two ticks of the watcher's, and some: the bound is on what the watcher leaves after
+        // that long, the same wait for the bare reader that has no watcher. Waiting for the
+        // cache to shrink instead would turn the bound into "some time", and the bare run
+        // would have nothing to wait for.
         std::thread::sleep(std::time::Duration::from_millis(200));
         let n = cached(&f, 0, None);
         std::io::Write::write_all(child.stdin.as_mut().unwrap(), b"x").unwrap();
