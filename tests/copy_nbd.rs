@@ -233,11 +233,14 @@ fn a_killed_server_fails_the_copy() {
         &["--filter=log", "--filter=delay", "file", s(&src), "rdelay=2", &logfile],
     );
     let dst = dir.path().join("dst.img");
-    let copy =
-        Command::new(bin()).args(["copy", &server.uri, s(&dst)]).stderr(Stdio::piped()).spawn().unwrap();
-    // Reads take 2 s each: once one has reached the server, the copy is under way and far from
-    // done.
-    wait_until("the copy's first read", Duration::from_secs(10), || begun(&log, "Read") > 0);
+    let copy = Command::new(bin())
+        .args(["copy", "--workers", "16", &server.uri, s(&dst)])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Reads take 2 s each: once the 16 workers' first reads have reached the server, the copy
+    // is under way and far from done.
+    wait_until("the copy's first 16 reads", Duration::from_secs(10), || begun(&log, "Read") >= 16);
     server.child.kill().unwrap();
     let out = copy.wait_with_output().unwrap();
     fails_with(&out, &[&server.uri, "at offset", "incomplete"]);
@@ -288,7 +291,7 @@ fn a_captive_server_that_dies_is_named_with_how_it_ended() {
     let captive =
         ["[", "nbdkit", "--filter=log", "--filter=delay", "file", s(&src), "rdelay=2", &logfile, "]"];
     let copy = Command::new(bin())
-        .args(["copy", "--"])
+        .args(["copy", "--workers", "16", "--"])
         .args(captive)
         .arg(&dst)
         .stderr(Stdio::piped())
@@ -303,9 +306,9 @@ fn a_captive_server_that_dies_is_named_with_how_it_ended() {
         "no captive server started"
     );
     let server = server.unwrap();
-    // Reads take 2 s each: once one has reached the server, the copy is under way and far from
-    // done.
-    wait_until("the copy's first read", Duration::from_secs(10), || begun(&log, "Read") > 0);
+    // Reads take 2 s each: once the 16 workers' first reads have reached the server, the copy
+    // is under way and far from done.
+    wait_until("the copy's first 16 reads", Duration::from_secs(10), || begun(&log, "Read") >= 16);
     // libc's kill: the server is the copy's child, not ours, so no `Child` of ours can kill it.
     // SAFETY: kill takes integers and touches no memory of ours; `server` is the captive
     // server's pid, still a child of the running copy.
@@ -556,7 +559,7 @@ fn a_peer_gone_silent_over_tcp_is_found_out() {
     // Connected, and its requests received and acknowledged: nothing left for retransmission
     // to wait on.
     assert!(within(10, || ns.established(10871).0 == 1), "the copy did not connect");
-    wait_until("nbdkit to take the copy's 16 reads", Duration::from_secs(10), || begun(&log, "Read") == 16);
+    wait_until("nbdkit to take the copy's 16 reads", Duration::from_secs(10), || begun(&log, "Read") >= 16);
     assert!(within(10, || ns.established(10871) == (1, 0)), "the copy's requests were not all acknowledged");
     Netns::silence(&ns.server);
     let gone = within(20, || !client.running());
@@ -616,8 +619,11 @@ fn ctrl_c_ends_a_copy_whose_server_stopped_answering() {
         &["--filter=log", "--filter=delay", "pattern", "64M", "rdelay=100", &logfile],
     );
     let dst = dir.path().join("dst.img");
-    // Once its requests are sent and waiting.
-    let out = interrupted_copy(&[], &server.uri, &dst, "a read to reach nbdkit", |_| begun(&log, "Read") > 0);
+    // Once all its requests are sent and waiting: 16 workers, a read in flight each (a worker
+    // yet to send its read would stop at the flag, and the copy say only "interrupted").
+    let held = |_| begun(&log, "Read") >= 16;
+    let out =
+        interrupted_copy(&["--workers", "16"], &server.uri, &dst, "nbdkit to hold the copy's 16 reads", held);
     for w in [&server.uri, "at offset", "interrupted while waiting for the server", "is incomplete"] {
         assert!(text(&out).contains(w), "message lacks '{w}': {}", text(&out));
     }
