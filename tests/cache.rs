@@ -97,7 +97,7 @@ fn errors_name_the_file_and_the_others_are_still_shown() {
 /// never print a guess.
 #[test]
 fn unprivileged_stat_says_residency_is_not_visible() {
-    if !root_or_skip("unprivileged_stat: needs root to switch to nobody") {
+    if !root_or_skip("needs root to switch to nobody") {
         return;
     }
     let dir = scratch();
@@ -128,7 +128,7 @@ fn unprivileged_stat_says_residency_is_not_visible() {
 /// not write, and one nobody may write but does not own.
 #[test]
 fn unprivileged_stat_sees_files_it_owns_or_may_write() {
-    if !root_or_skip("unprivileged_stat: needs root to switch to nobody") {
+    if !root_or_skip("needs root to switch to nobody") {
         return;
     }
     use std::os::unix::fs::PermissionsExt;
@@ -236,7 +236,8 @@ fn merged_writes_leave_no_pages_before_a_flush() {
     let opts = OpenOptions { write: true, create: false, truncate: false };
     let b = lightfoot::backend::FileBackend::open(&f, opts, CacheMode::Neutral, &Tuning::default()).unwrap();
     if b.policy().mechanism().write != WriteMech::DontCache {
-        eprintln!("skipped: no RWF_DONTCACHE here ({:?})", b.policy().mechanism().write);
+        // The kernel's or the filesystem's: root changes nothing.
+        skip(&format!("no RWF_DONTCACHE here (writes use {:?})", b.policy().mechanism().write));
         return;
     }
     // 20 KiB each (below the 64 KiB of a large write), into holes, 1 MiB apart.
@@ -297,7 +298,8 @@ fn small_writes_into_uncached_written_pages_skip_the_cache() {
     let dir = scratch();
     let (f, b, mut model) = neutral_written_file(dir.path());
     if b.policy().align() != 512 {
-        eprintln!("skipped: O_DIRECT alignment here is {}, not 512", b.policy().align());
+        // The device's logical block size: root changes nothing.
+        skip(&format!("O_DIRECT alignment here is {}, not 512", b.policy().align()));
         return;
     }
     let write = |b: &lightfoot::backend::FileBackend, model: &mut Vec<u8>, at: u64, len: usize, v: u8| {

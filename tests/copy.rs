@@ -222,7 +222,7 @@ fn bad_input_gets_a_clear_error() {
 
 #[test]
 fn full_disk_fails_cleanly_and_says_the_destination_is_incomplete() {
-    if !root_or_skip("full_disk: needs root to mount a small tmpfs") {
+    if !root_or_skip("needs root to mount a small tmpfs") {
         return;
     }
     let dir = scratch();
@@ -241,7 +241,7 @@ fn full_disk_fails_cleanly_and_says_the_destination_is_incomplete() {
 /// is no room for DST (ENOSPC), it still fails, before any data is written.
 #[test]
 fn preallocate_without_fallocate_or_without_room() {
-    if !root_or_skip("preallocate_without_fallocate_or_without_room: needs root to mount") {
+    if !root_or_skip("needs root to mount") {
         return;
     }
     let dir = scratch();
@@ -265,7 +265,7 @@ fn preallocate_without_fallocate_or_without_room() {
 /// before ("O_DIRECT: invalid argument"), as it would on iso9660.
 #[test]
 fn copies_from_a_filesystem_without_direct_io() {
-    if !root_or_skip("copies_from_a_filesystem_without_direct_io: needs root to mount") {
+    if !root_or_skip("needs root to mount") {
         return;
     }
     let found = Command::new("sh").args(["-c", "command -v mksquashfs"]).output().unwrap();
@@ -301,7 +301,7 @@ fn copies_from_a_filesystem_without_direct_io() {
 
 #[test]
 fn block_device_destination() {
-    if !root_or_skip("block_device_destination: needs root for losetup") {
+    if !root_or_skip("needs root for losetup") {
         return;
     }
     let dir = scratch();
@@ -326,7 +326,7 @@ fn block_device_destination() {
 /// case it is for), and a second device node for the same device counts as the same file.
 #[test]
 fn block_devices_in_use_or_named_twice() {
-    if !root_or_skip("block_devices_in_use_or_named_twice: needs root for losetup") {
+    if !root_or_skip("needs root for losetup") {
         return;
     }
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -397,10 +397,13 @@ fn a_fifo_destination_is_opened_once() {
     // libc's mkfifo: std cannot make a FIFO.
     // SAFETY: mkfifo reads the NUL-terminated path `c`, which outlives the call.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-    let mut reader =
-        Command::new("sh").args(["-c", &format!("cat {} > {}", s(&fifo), s(&out_file))]).spawn().unwrap();
-    // Let the reader block in its open of the FIFO first.
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    let out = std::fs::File::create(&out_file).unwrap();
+    let mut reader = Command::new("cat").arg(&fifo).stdout(out).spawn().unwrap();
+    // The reader blocks in its open of the FIFO first (waiting there for a writer).
+    let pid = reader.id();
+    wait_until("cat to wait in its open of the FIFO", std::time::Duration::from_secs(10), || {
+        matches!(wchan(pid).as_str(), "wait_for_partner" | "fifo_open")
+    });
     let mut lf =
         Command::new(bin()).args(["copy", s(&src), s(&fifo)]).stderr(Stdio::piped()).spawn().unwrap();
     if !within(20, || lf.try_wait().unwrap().is_some()) {
@@ -427,19 +430,35 @@ fn a_source_that_shrinks_during_the_copy_fails_it() {
     let mut args = vec!["copy", "-j1", "--request-size=1M", "--", s(&src), "["];
     args.extend(slow.split(' '));
     args.push("]");
-    let lf = Command::new(bin()).args(&args).stderr(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    // The progress lines on standard output: the cut comes with the first above `0/100`, once
+    // the first MiB is copied (the size was taken before the first line), with 15 MiB of data
+    // and 1.5 s still to go.
+    args.insert(1, "--progress=1");
+    let mut lf =
+        Command::new(bin()).args(&args).stderr(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut progress = std::io::BufReader::new(lf.stdout.take().unwrap());
+    let mut said = String::new();
+    loop {
+        let mut line = String::new();
+        // The end of the lines, if the copy ended first: its status says why, below.
+        let n = std::io::BufRead::read_line(&mut progress, &mut line).unwrap();
+        said.push_str(&line);
+        if n == 0 || line.trim().strip_suffix("/100").is_some_and(|p| p != "0") {
+            break;
+        }
+    }
     std::fs::OpenOptions::new().write(true).open(&src).unwrap().set_len(32 * MIB).unwrap();
     let out = lf.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(text(&out).contains("shrank during the copy"), "{}", text(&out));
+    std::io::Read::read_to_string(&mut progress, &mut said).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{said}{}", text(&out));
+    assert!(text(&out).contains("shrank during the copy"), "{said}{}", text(&out));
 }
 
 /// Files this user cannot write: cachestat answers EPERM, so residency is unknown; the copy
 /// must say so and still be neutral (DONTCACHE or O_DIRECT need no residency).
 #[test]
 fn unprivileged_user_on_a_root_owned_source() {
-    if !root_or_skip("unprivileged_user: needs root to switch to nobody") {
+    if !root_or_skip("needs root to switch to nobody") {
         return;
     }
     let dir = scratch();
@@ -485,9 +504,8 @@ fn interrupt_stops_cleanly() {
         .unwrap();
     let mut stdin = child.stdin.take().unwrap();
     stdin.write_all(&vec![1u8; 4 * MIB as usize]).unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    unsafe_free_kill(child.id(), "INT");
-    std::thread::sleep(std::time::Duration::from_millis(100));
+    // Ctrl-C, once the copy has taken it (its flag is set).
+    signal_handled(child.id(), "INT");
     // The copy is blocked reading: more data lets it see the flag at the next request.
     let _ = stdin.write_all(&vec![1u8; MIB as usize]);
     drop(stdin);
@@ -495,10 +513,6 @@ fn interrupt_stops_cleanly() {
     assert_eq!(out.status.code(), Some(130), "{}", text(&out));
     assert!(text(&out).contains("interrupted") && text(&out).contains("is incomplete"), "{}", text(&out));
     assert!(cached(&dst, 0, None) <= MIB, "left {} cached", cached(&dst, 0, None));
-}
-
-fn unsafe_free_kill(pid: u32, sig: &str) {
-    assert!(Command::new("kill").args([&format!("-{sig}"), &pid.to_string()]).status().unwrap().success());
 }
 
 /// Regression: a DONTCACHE copy reading through folios another reader's readahead had marked

@@ -225,11 +225,22 @@ fn a_killed_server_fails_the_copy() {
     let dir = scratch();
     let src = dir.path().join("src.img");
     random_file(&src, 64 * MIB);
-    let mut server = Peer::nbdkit(dir.path(), "slow", &["--filter=delay", "file", s(&src), "rdelay=2"]);
+    let log = dir.path().join("slow.log");
+    let logfile = format!("logfile={}", s(&log));
+    let mut server = Peer::nbdkit(
+        dir.path(),
+        "slow",
+        &["--filter=log", "--filter=delay", "file", s(&src), "rdelay=2", &logfile],
+    );
     let dst = dir.path().join("dst.img");
-    let copy =
-        Command::new(bin()).args(["copy", &server.uri, s(&dst)]).stderr(Stdio::piped()).spawn().unwrap();
-    std::thread::sleep(Duration::from_millis(800));
+    let copy = Command::new(bin())
+        .args(["copy", "--workers", "16", &server.uri, s(&dst)])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Reads take 2 s each: once the 16 workers' first reads have reached the server, the copy
+    // is under way and far from done.
+    wait_until("the copy's first 16 reads", Duration::from_secs(10), || begun(&log, "Read") >= 16);
     server.child.kill().unwrap();
     let out = copy.wait_with_output().unwrap();
     fails_with(&out, &[&server.uri, "at offset", "incomplete"]);
@@ -245,15 +256,42 @@ fn children(pid: u32) -> Vec<i32> {
         .collect()
 }
 
+/// Requests of `kind` (`Read`; `Preconnect` for a connection accepted) that nbdkit's log
+/// filter has written to `log` as begun (its lines for a request's start end in `...`).
+fn begun(log: &Path, kind: &str) -> usize {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines().filter(|l| l.contains(&format!(" {kind} id=")) && l.ends_with(" ...")).count()
+}
+
+/// Whether process `pid` has a socket whose row (split on blanks) in the /proc/net table
+/// `table` (`tcp`, `unix`) `fits`; `inode` is the index of the row's inode field.
+fn has_socket(pid: u32, table: &str, inode: usize, fits: impl Fn(&[&str]) -> bool) -> bool {
+    let ours: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|l| Some(l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.to_string()))
+        .collect();
+    let rows = std::fs::read_to_string(format!("/proc/net/{table}")).unwrap_or_default();
+    rows.lines().skip(1).any(|row| {
+        let f: Vec<&str> = row.split_whitespace().collect();
+        f.get(inode).is_some_and(|i| ours.iter().any(|o| o == i)) && fits(&f)
+    })
+}
+
 #[test]
 fn a_captive_server_that_dies_is_named_with_how_it_ended() {
     let dir = scratch();
     let src = dir.path().join("src.img");
     random_file(&src, 64 * MIB);
     let dst = dir.path().join("dst.img");
-    let captive = ["[", "nbdkit", "--filter=delay", "file", s(&src), "rdelay=2", "]"];
+    let log = dir.path().join("captive.log");
+    let logfile = format!("logfile={}", s(&log));
+    let captive =
+        ["[", "nbdkit", "--filter=log", "--filter=delay", "file", s(&src), "rdelay=2", &logfile, "]"];
     let copy = Command::new(bin())
-        .args(["copy", "--"])
+        .args(["copy", "--workers", "16", "--"])
         .args(captive)
         .arg(&dst)
         .stderr(Stdio::piped())
@@ -268,8 +306,9 @@ fn a_captive_server_that_dies_is_named_with_how_it_ended() {
         "no captive server started"
     );
     let server = server.unwrap();
-    // Reads take 2 s each: the copy is under way and far from done.
-    std::thread::sleep(Duration::from_millis(800));
+    // Reads take 2 s each: once the 16 workers' first reads have reached the server, the copy
+    // is under way and far from done.
+    wait_until("the copy's first 16 reads", Duration::from_secs(10), || begun(&log, "Read") >= 16);
     // libc's kill: the server is the copy's child, not ours, so no `Child` of ours can kill it.
     // SAFETY: kill takes integers and touches no memory of ours; `server` is the captive
     // server's pid, still a child of the running copy.
@@ -277,7 +316,12 @@ fn a_captive_server_that_dies_is_named_with_how_it_ended() {
     let out = copy.wait_with_output().unwrap();
     fails_with(
         &out,
-        &["[ nbdkit --filter=delay", "connection lost", "ended during the copy (signal: 9", "incomplete"],
+        &[
+            "[ nbdkit --filter=log --filter=delay",
+            "connection lost",
+            "ended during the copy (signal: 9",
+            "incomplete",
+        ],
     );
 }
 
@@ -431,7 +475,16 @@ impl Netns {
 
     /// The server's established TCP connections on `port`.
     fn served(&self, port: u16) -> usize {
-        Netns::ss(&self.server, &["-tn", "state", "established", &format!("( sport = :{port} )")]).len()
+        self.served_unacked(port).0
+    }
+
+    /// The server's established TCP connections on `port`, and the bytes it has sent on them
+    /// that the client has not acknowledged.
+    fn served_unacked(&self, port: u16) -> (usize, u64) {
+        let lines =
+            Netns::ss(&self.server, &["-tn", "state", "established", &format!("( sport = :{port} )")]);
+        let unacked = lines.iter().filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()).sum();
+        (lines.len(), unacked)
     }
 }
 
@@ -481,26 +534,33 @@ impl Drop for Kill {
 /// (TCP's retransmissions do, after minutes).
 #[test]
 fn a_peer_gone_silent_over_tcp_is_found_out() {
-    if !root_or_skip("a_peer_gone_silent_over_tcp_is_found_out: needs root for network namespaces") {
+    if !root_or_skip("needs root for network namespaces") {
         return;
     }
     const KEEPALIVE: (&str, &str) = ("LIGHTFOOT_TCP_KEEPALIVE", "1,1,2");
 
     // The client: nbdkit answers reads only after 60 s; its side goes silent while the copy
-    // waits for the first replies.
+    // waits for the first replies. 16 workers, one read in flight each, and 16 nbdkit threads,
+    // each taking one: nbdkit's log shows when the copy has sent all it will send.
     let ns = Netns::new();
+    let dir = scratch();
+    let log = dir.path().join("nbdkit.log");
+    let logfile = format!("logfile={}", s(&log));
     let mut cmd = Netns::command(&ns.server, "nbdkit");
-    cmd.args(["-f", "-i", Netns::SERVER, "-p", "10871", "--filter=delay", "pattern", "64M", "rdelay=60"]);
+    cmd.args(["-f", "-t", "16", "-i", Netns::SERVER, "-p", "10871", "--filter=log", "--filter=delay"]);
+    cmd.args(["pattern", "64M", "rdelay=60", &logfile]);
     let server = Kill::spawn(cmd);
     assert!(within(10, || ns.listening(10871)), "nbdkit did not listen");
     let mut cmd = Netns::command(&ns.client, bin());
-    cmd.args(["copy", "--connections", "1", &format!("nbd://{}:10871/", Netns::SERVER), "null:"]);
+    cmd.args(["copy", "--connections", "1", "--workers", "16"]);
+    cmd.args([&format!("nbd://{}:10871/", Netns::SERVER), "null:"]);
     cmd.env(KEEPALIVE.0, KEEPALIVE.1);
     let mut client = Kill::spawn(cmd);
-    // Connected, and its requests received: nothing left for retransmission to wait on.
-    assert!(within(10, || ns.established(10871) == (1, 0)), "the copy did not connect");
-    std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(ns.established(10871), (1, 0), "the copy's requests were not all acknowledged");
+    // Connected, and its requests received and acknowledged: nothing left for retransmission
+    // to wait on.
+    assert!(within(10, || ns.established(10871).0 == 1), "the copy did not connect");
+    wait_until("nbdkit to take the copy's 16 reads", Duration::from_secs(10), || begun(&log, "Read") >= 16);
+    assert!(within(10, || ns.established(10871) == (1, 0)), "the copy's requests were not all acknowledged");
     Netns::silence(&ns.server);
     let gone = within(20, || !client.running());
     let out = client.finish();
@@ -519,12 +579,20 @@ fn a_peer_gone_silent_over_tcp_is_found_out() {
     cmd.env(KEEPALIVE.0, KEEPALIVE.1);
     let mut server = Kill::spawn(cmd);
     assert!(within(10, || ns.listening(10872)), "lightfoot serve did not listen");
+    // nbdsh connects (the handshake done) before it runs its commands: it says so, then idles
+    // (a sleep that is the workload: a client connected with nothing in flight).
     let mut cmd = Netns::command(&ns.client, "/usr/bin/nbdsh");
-    cmd.args(["-u", &format!("nbd://{}:10872/", Netns::SERVER), "-c", "import time; time.sleep(120)"]);
+    let idle = "import time; print('connected', flush=True); time.sleep(120)";
+    cmd.args(["-u", &format!("nbd://{}:10872/", Netns::SERVER), "-c", idle]);
     cmd.env("PATH", "/usr/bin:/bin:/usr/sbin:/sbin");
-    let idle = Kill::spawn(cmd);
-    assert!(within(10, || ns.established(10872) == (1, 0)), "nbdsh did not connect");
-    std::thread::sleep(Duration::from_millis(200));
+    let mut idle = Kill::spawn(cmd);
+    let mut said = String::new();
+    let stdout = idle.0.as_mut().unwrap().stdout.as_mut().unwrap();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut said).unwrap();
+    assert_eq!(said, "connected\n", "nbdsh did not connect");
+    // Every byte of the handshake acknowledged, both ways: the server waits on nothing.
+    let quiet = || ns.established(10872) == (1, 0) && ns.served_unacked(10872) == (1, 0);
+    assert!(within(10, quiet), "the handshake's last bytes were not acknowledged");
     Netns::silence(&ns.client);
     // Its FIN would be lost with the link: the server hears nothing more from it.
     drop(idle);
@@ -543,10 +611,19 @@ fn a_peer_gone_silent_over_tcp_is_found_out() {
 #[test]
 fn ctrl_c_ends_a_copy_whose_server_stopped_answering() {
     let dir = scratch();
-    let server = Peer::nbdkit(dir.path(), "stuck", &["--filter=delay", "pattern", "64M", "rdelay=100"]);
+    let log = dir.path().join("stuck.log");
+    let logfile = format!("logfile={}", s(&log));
+    let server = Peer::nbdkit(
+        dir.path(),
+        "stuck",
+        &["--filter=log", "--filter=delay", "pattern", "64M", "rdelay=100", &logfile],
+    );
     let dst = dir.path().join("dst.img");
-    // 800 ms: its requests are sent and waiting.
-    let out = interrupted_copy(&[], &server.uri, &dst, 800);
+    // Once all its requests are sent and waiting: 16 workers, a read in flight each (a worker
+    // yet to send its read would stop at the flag, and the copy say only "interrupted").
+    let held = |_| begun(&log, "Read") >= 16;
+    let out =
+        interrupted_copy(&["--workers", "16"], &server.uri, &dst, "nbdkit to hold the copy's 16 reads", held);
     for w in [&server.uri, "at offset", "interrupted while waiting for the server", "is incomplete"] {
         assert!(text(&out).contains(w), "message lacks '{w}': {}", text(&out));
     }
@@ -557,23 +634,38 @@ fn ctrl_c_ends_a_copy_whose_server_stopped_answering() {
 fn ctrl_c_ends_a_handshake_that_never_comes() {
     let dir = scratch();
     let sock = dir.path().join("mute.sock");
-    // Connections wait in the listen queue; nothing is ever sent on them.
-    let _mute = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    // The connection is accepted; nothing is ever sent on it.
+    let mute = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    mute.set_nonblocking(true).unwrap();
+    let mut accepted = None;
     let dst = dir.path().join("dst.img");
-    let out = interrupted_copy(&[], &format!("nbd+unix:///?socket={}", sock.display()), &dst, 500);
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let out = interrupted_copy(&[], &uri, &dst, "the copy to connect", |_| {
+        accepted = accepted.take().or_else(|| mute.accept().ok());
+        accepted.is_some()
+    });
     assert!(text(&out).contains("interrupted during the handshake"), "{}", text(&out));
     assert!(!dst.exists(), "the destination was created before the source was open");
 }
 
 /// A Ctrl-C that comes while the source's handshake is slow but finishes (nbdkit opens each
-/// connection after 1.5 s) stops the copy before the destination is created.
+/// connection after 1 s) stops the copy before the destination is created.
 #[test]
 fn ctrl_c_during_a_slow_handshake_leaves_the_destination_alone() {
     let dir = scratch();
-    let server = Peer::nbdkit(dir.path(), "slow", &["--filter=delay", "pattern", "64M", "delay-open=1500ms"]);
+    let log = dir.path().join("slow.log");
+    let logfile = format!("logfile={}", s(&log));
+    let server = Peer::nbdkit(
+        dir.path(),
+        "slow",
+        &["--filter=log", "--filter=delay", "pattern", "64M", "delay-open=1000ms", &logfile],
+    );
     let dst = dir.path().join("dst.img");
-    // One connection: its handshake ends within the 2 s grace.
-    let out = interrupted_copy(&["--connections", "1"], &server.uri, &dst, 500);
+    // One connection: its handshake ends within the 2 s grace. Ctrl-C once nbdkit has
+    // accepted it, 1 s before it opens.
+    let accepted = |_| begun(&log, "Preconnect") > 0;
+    let out =
+        interrupted_copy(&["--connections", "1"], &server.uri, &dst, "nbdkit to accept the copy", accepted);
     assert!(text(&out).contains("interrupted before the destination was opened"), "{}", text(&out));
     assert!(!dst.exists(), "the destination was created after Ctrl-C");
 }
@@ -600,7 +692,10 @@ fn ctrl_c_ends_a_tcp_connect_that_waits() {
         "the listen queue is not full"
     );
     let dst = dir.path().join("dst.img");
-    let out = interrupted_copy(&[], &format!("nbd://{addr}"), &dst, 500);
+    // Once the copy's SYN is out (its socket in /proc/net/tcp: `st` 02, SYN_SENT, to the port).
+    let port = format!(":{:04X}", addr.port());
+    let syn_sent = |pid| has_socket(pid, "tcp", 9, |f| f[2].ends_with(&port) && f[3] == "02");
+    let out = interrupted_copy(&[], &format!("nbd://{addr}"), &dst, "the copy's SYN", syn_sent);
     assert!(text(&out).contains("interrupted while connecting"), "{}", text(&out));
     assert!(!dst.exists(), "the destination was created before the source was open");
 }
@@ -621,20 +716,31 @@ fn ctrl_c_ends_a_unix_connect_that_waits() {
     let full = lightfoot::io::sys::unix_connect_nonblocking(&sock);
     assert_eq!(full.map_err(|e| e.raw_os_error()), Err(Some(libc::EAGAIN)), "the listen queue is not full");
     let dst = dir.path().join("dst.img");
-    let out = interrupted_copy(&[], &format!("nbd+unix:///?socket={}", sock.display()), &dst, 500);
+    // Once the copy tries: it holds a Unix stream socket (/proc/net/unix: `Type` 0001) that is
+    // neither connected nor listening (`St` 01, `Flags` 0), which it makes just to connect.
+    let trying = |pid| has_socket(pid, "unix", 6, |f| f[3] == "00000000" && f[4] == "0001" && f[5] == "01");
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let out = interrupted_copy(&[], &uri, &dst, "the copy to try to connect", trying);
     assert!(text(&out).contains("interrupted while connecting"), "{}", text(&out));
     assert!(!dst.exists(), "the destination was created before the source was open");
 }
 
-/// `lightfoot copy [ARGS] FROM DST`, sent SIGINT (Ctrl-C) after `ms`: it must end within
-/// 15 s, with exit status 130. Its output.
-fn interrupted_copy(args: &[&str], from: &str, dst: &Path, ms: u64) -> std::process::Output {
+/// `lightfoot copy [ARGS] FROM DST`, sent SIGINT (Ctrl-C) once `ready` (given its pid) says
+/// it has got as far as the test needs (`what`): it must end within 15 s, with exit status
+/// 130. Its output.
+fn interrupted_copy(
+    args: &[&str],
+    from: &str,
+    dst: &Path,
+    what: &str,
+    mut ready: impl FnMut(u32) -> bool,
+) -> std::process::Output {
     let mut cmd = Command::new(bin());
     cmd.arg("copy").args(args).args([from, s(dst)]);
     let mut copy = Kill::spawn(cmd);
-    std::thread::sleep(Duration::from_millis(ms));
-    let pid = copy.0.as_ref().unwrap().id().to_string();
-    assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    let pid = copy.0.as_ref().unwrap().id();
+    wait_until(what, Duration::from_secs(10), || ready(pid));
+    assert!(Command::new("kill").args(["-INT", &pid.to_string()]).status().unwrap().success());
     let ended = within(15, || !copy.running());
     let out = copy.finish();
     assert!(ended, "the copy still waited 15 s after Ctrl-C: {}", text(&out));

@@ -89,7 +89,7 @@ fn a_closed_or_abandoned_progress_fd_never_fails_the_copy() {
 /// A copy that fails never says 100/100.
 #[test]
 fn a_failed_copy_never_reaches_100() {
-    if !root_or_skip("a_failed_copy_never_reaches_100: needs root to mount a small tmpfs") {
+    if !root_or_skip("needs root to mount a small tmpfs") {
         return;
     }
     let dir = scratch();

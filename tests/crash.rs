@@ -43,6 +43,9 @@ struct Durable {
 struct Client {
     id: u64,
     state: Mutex<Durable>,
+    /// A request begun after the cut has ended, or the client has (on an error the crash
+    /// caused).
+    past_cut: AtomicBool,
 }
 
 impl Client {
@@ -53,7 +56,7 @@ impl Client {
             flushes: 0,
             fua: 0,
         };
-        Client { id, state: Mutex::new(state) }
+        Client { id, state: Mutex::new(state), past_cut: AtomicBool::new(false) }
     }
 
     /// Writes, zeroes and flushes at random until `stop`. Flushes acknowledged after `cut` is
@@ -69,6 +72,7 @@ impl Client {
             let at = (rng.below(REGION - len as u64 + 1) & !511) as usize;
             // Touched before it is sent: a request in flight at the crash may have landed.
             let mark = |s: &Mutex<Durable>| s.lock().unwrap().touched[at..at + len].fill(true);
+            let after_cut = cut.load(Ordering::SeqCst);
             let r = match rng.below(10) {
                 0..=6 => {
                     rng.fill(&mut buf[..len]);
@@ -105,7 +109,11 @@ impl Client {
             };
             if let Err(e) = r {
                 assert!(cut.load(Ordering::SeqCst), "client {}: {e}", self.id);
+                self.past_cut.store(true, Ordering::SeqCst);
                 return;
+            }
+            if after_cut {
+                self.past_cut.store(true, Ordering::SeqCst);
             }
         }
     }
@@ -127,7 +135,8 @@ impl Client {
 }
 
 /// Runs the clients on `connect`ed backends; once `pause` has passed and each client has
-/// flushed at least once, sets `cut` and calls `crash`; returns the flushes counted.
+/// flushed at least once, sets `cut` and calls `crash`; stops the clients once each has sent
+/// a request after the crash (or ended on the error it caused); returns the flushes counted.
 fn crash_during_writes(
     connect: impl Fn() -> Box<dyn Backend> + Sync,
     pause: Duration,
@@ -141,15 +150,19 @@ fn crash_during_writes(
             let (cut, stop) = (&cut, &stop);
             s.spawn(move || c.run(&*b, cut, stop));
         }
+        // The workload's length: writes go on for `pause` (and until each client has flushed)
+        // before the crash, however fast they are. Not a wait for something to happen.
         std::thread::sleep(pause);
-        assert!(
-            within(20, || clients.iter().all(|c| c.state.lock().unwrap().flushes > 0)),
-            "a client never flushed"
-        );
-        cut.store(true, Ordering::SeqCst);
-        crash();
-        std::thread::sleep(Duration::from_millis(50));
+        let flushed = within(20, || clients.iter().all(|c| c.state.lock().unwrap().flushes > 0));
+        if flushed {
+            cut.store(true, Ordering::SeqCst);
+            crash();
+        }
+        let went_on = flushed && within(20, || clients.iter().all(|c| c.past_cut.load(Ordering::SeqCst)));
+        // Stopped before any assertion fails: the scope waits for the clients.
         stop.store(true, Ordering::Relaxed);
+        assert!(flushed, "a client never flushed");
+        assert!(went_on, "a client sent no request after the crash, nor ended");
     });
     clients
 }

@@ -49,9 +49,7 @@ fn the_demo_serves_without_nbdcopy() {
 
 #[test]
 fn the_demo_uses_nbdcopy_where_it_is_installed() {
-    let has = Command::new("sh").args(["-c", "command -v nbdcopy"]).output().unwrap().status.success();
-    if !has {
-        eprintln!("SKIP the_demo_uses_nbdcopy_where_it_is_installed: nbdcopy is not installed");
+    if !tool_or_skip("nbdcopy", "libnbd-bin") {
         return;
     }
     let dir = scratch();

@@ -59,6 +59,7 @@ fn rules() -> Vec<Rule> {
 struct Rig {
     srv: InProcess,
     store: Arc<MemoryBackend>,
+    faults: Arc<FaultInjector>,
 }
 
 impl Rig {
@@ -68,9 +69,10 @@ impl Rig {
         let mut image = vec![0u8; SIZE as usize];
         lightfoot::testing::conformance::Rng::new(SIZE).fill(&mut image);
         store.write(&image, 0, false).unwrap();
-        let faulty: Arc<dyn Backend> = Arc::new(FaultInjector::new(store.clone(), rules()));
+        let faults = Arc::new(FaultInjector::new(store.clone(), rules()));
+        let faulty: Arc<dyn Backend> = faults.clone();
         let srv = InProcess::start(stack_opener(faulty, stack.prefetch(), stack.holds_writes()), |_| {});
-        Rig { srv, store }
+        Rig { srv, store, faults }
     }
 
     fn client(&self) -> NbdBackend {
@@ -111,9 +113,14 @@ fn faults_through(stack: Stack) {
     assert_eq!(read(&a, flushed.len(), FLUSHED).unwrap(), flushed, "{stack:?}: after failed reads");
 
     // A slow read holds up neither another connection nor the same connection's other requests.
+    // (The slow read's rule is the third: see `rules`.)
+    let slowed = rig.faults.fired()[2];
     let slow = std::thread::scope(|s| {
         let t = s.spawn(|| read(&a, 4096, SLOW_READ).map(drop));
-        std::thread::sleep(Duration::from_millis(50));
+        // Once the slow read is held in the store.
+        wait_until("the slow read to reach the store", Duration::from_secs(10), || {
+            rig.faults.fired()[2] > slowed
+        });
         let start = Instant::now();
         assert_eq!(read(&b, 4096, FLUSHED).unwrap(), flushed[..4096], "{stack:?}");
         let other = start.elapsed();

@@ -158,6 +158,8 @@ fn load(extra: &[&str], rss_bound_mib: u64) {
         })
         .collect();
     let secs = seconds();
+    // The load's length (LIGHTFOOT_LOAD_SECS): the clients run for that long, whatever they
+    // get done. Not a wait for something to happen: there is no condition to wait for.
     std::thread::sleep(Duration::from_secs(secs));
     stop.store(true, Ordering::Relaxed);
     let mut models = Vec::new();

@@ -2,6 +2,8 @@
 //! zeroes and trims, sent through several fronts (as from several connections) of one
 //! `Prefetch` while its read-ahead runs in the background. Every byte read is checked.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -113,12 +115,8 @@ fn probe_hit(seed: u64) -> Result<(), String> {
     for i in 0..32 {
         f.read(&mut buf, i * K4).map_err(|e| format!("seed {seed}: probe read: {e}"))?;
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while p.stats().buffer.prefetched == 0 {
-        if std::time::Instant::now() > deadline {
-            return Err(format!("seed {seed}: no read-ahead after a 128 KiB stream: {:?}", p.stats()));
-        }
-        std::thread::sleep(Duration::from_millis(5));
+    if !common::within(10, || p.stats().buffer.prefetched > 0) {
+        return Err(format!("seed {seed}: no read-ahead after a 128 KiB stream: {:?}", p.stats()));
     }
     // Read on through what was read ahead (its chunks start where the stream will be, not
     // necessarily at the next byte).

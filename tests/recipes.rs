@@ -4,7 +4,8 @@
 //! in for `/run/lightfoot` and `/var/lib/lightfoot`, with the lightfoot under test first on
 //! PATH. The tests check the bytes and, where a recipe says cache-neutral, that the files it
 //! reads and writes are not left in the page cache. A missing tool skips its test with a line
-//! on stderr naming it (scripts/install-deps.sh installs them all).
+//! naming it (common::skip; as root it fails the test: scripts/install-deps.sh installs them
+//! all).
 
 mod common;
 
@@ -16,19 +17,10 @@ use common::*;
 const PAGE: &str = include_str!("../docs/recipes.md");
 const SIZE: u64 = 32 * MIB;
 
-/// Whether every tool is on PATH; otherwise says on stderr which is missing and that `what`
-/// was skipped, so a run without them never reports a pass silently.
-fn tools_or_skip(what: &str, tools: &[(&str, &str)]) -> bool {
-    for (name, package) in tools {
-        let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().unwrap();
-        if !found.status.success() {
-            eprintln!(
-                "SKIPPED {what}: {name} is missing (Debian package {package}; scripts/install-deps.sh installs it)"
-            );
-            return false;
-        }
-    }
-    true
+/// Whether every tool is on PATH; otherwise the test is skipped ([`tool_or_skip`]: as root a
+/// missing tool fails it instead).
+fn tools_or_skip(tools: &[(&str, &str)]) -> bool {
+    tools.iter().all(|(name, package)| tool_or_skip(name, package))
 }
 
 /// A recipe's working directory: a scratch directory that is the current directory of its
@@ -131,7 +123,7 @@ fn assert_uncached(r: &Recipe, names: &[&str], after: &str) {
 
 #[test]
 fn qcow2_out_and_back_through_a_captive_qemu_nbd() {
-    if !tools_or_skip("qcow2_out_and_back_through_a_captive_qemu_nbd", &[("qemu-nbd", "qemu-utils")]) {
+    if !tools_or_skip(&[("qemu-nbd", "qemu-utils")]) {
         return;
     }
     let r = Recipe::new();
@@ -172,7 +164,7 @@ fn qcow2_out_and_back_through_a_captive_qemu_nbd() {
 
 #[test]
 fn raw_to_qcow2_through_a_captive_qemu_nbd() {
-    if !tools_or_skip("raw_to_qcow2_through_a_captive_qemu_nbd", &[("qemu-nbd", "qemu-utils")]) {
+    if !tools_or_skip(&[("qemu-nbd", "qemu-utils")]) {
         return;
     }
     let r = Recipe::new();
@@ -193,10 +185,7 @@ fn raw_to_qcow2_through_a_captive_qemu_nbd() {
 
 #[test]
 fn an_export_as_the_backing_file_of_a_qcow2_overlay() {
-    if !tools_or_skip(
-        "an_export_as_the_backing_file_of_a_qcow2_overlay",
-        &[("qemu-nbd", "qemu-utils"), ("qemu-io", "qemu-utils")],
-    ) {
+    if !tools_or_skip(&[("qemu-nbd", "qemu-utils"), ("qemu-io", "qemu-utils")]) {
         return;
     }
     let r = Recipe::new();
@@ -237,10 +226,7 @@ fn unit_value(unit: &str, key: &str) -> String {
 
 #[test]
 fn a_systemd_socket_unit() {
-    if !tools_or_skip(
-        "a_systemd_socket_unit",
-        &[("systemd-analyze", "systemd"), ("systemd-socket-activate", "systemd")],
-    ) {
+    if !tools_or_skip(&[("systemd-analyze", "systemd"), ("systemd-socket-activate", "systemd")]) {
         return;
     }
     let units = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/systemd");
@@ -282,11 +268,11 @@ fn a_systemd_socket_unit() {
             text(&out)
         );
     } else {
-        eprintln!(
-            "SKIPPED a_systemd_socket_unit's systemd-analyze verify: it cannot run here (a unit that must pass \
-             fails: {}); the units were not verified",
+        skip(&format!(
+            "systemd-analyze verify cannot run here (a unit that must pass fails: {}): the units were \
+             not verified",
             text(&probe).trim()
-        );
+        ));
     }
 
     // The unit's command under systemd-socket-activate, as docs/recipes.md shows it.

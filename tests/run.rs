@@ -429,7 +429,7 @@ int main(int argc, char **argv) {
 /// file cached: the check can fail.
 #[test]
 fn the_watcher_covers_static_programs_and_mmap() {
-    if !root_or_skip("the_watcher_covers_static_programs_and_mmap: fanotify needs root") {
+    if !root_or_skip("fanotify needs root") {
         return;
     }
     let dir = scratch();
@@ -488,7 +488,7 @@ fn the_watcher_covers_static_programs_and_mmap() {
 /// the check can fail.
 #[test]
 fn the_watcher_holds_a_static_reader_to_little() {
-    if !root_or_skip("the_watcher_holds_a_static_reader_to_little: fanotify needs root") {
+    if !root_or_skip("fanotify needs root") {
         return;
     }
     let dir = scratch();
@@ -509,7 +509,10 @@ fn the_watcher_holds_a_static_reader_to_little() {
         std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stderr.as_mut().unwrap()), &mut line)
             .unwrap();
         assert_eq!(line, "r\n");
-        // Two ticks of the watcher's, and some.
+        // Two ticks of the watcher's, and some: the bound is on what the watcher leaves after
+        // that long, the same wait for the bare reader that has no watcher. Waiting for the
+        // cache to shrink instead would turn the bound into "some time", and the bare run
+        // would have nothing to wait for.
         std::thread::sleep(std::time::Duration::from_millis(200));
         let n = cached(&f, 0, None);
         std::io::Write::write_all(child.stdin.as_mut().unwrap(), b"x").unwrap();
@@ -528,7 +531,7 @@ fn the_watcher_holds_a_static_reader_to_little() {
 /// same bytes. Without the watcher it leaves the tree cached: the check can fail.
 #[test]
 fn restic_backup_leaves_the_cache_as_it_found_it() {
-    if !root_or_skip("restic_backup_leaves_the_cache_as_it_found_it: fanotify needs root") {
+    if !root_or_skip("fanotify needs root") {
         return;
     }
     need("restic", "restic");
@@ -600,7 +603,7 @@ fn restic_backup_leaves_the_cache_as_it_found_it() {
 /// systems waits for while CMD runs, so the host's opens go on.
 #[test]
 fn a_stopped_run_does_not_hold_the_hosts_opens() {
-    if !root_or_skip("a_stopped_run_does_not_hold_the_hosts_opens: fanotify needs root") {
+    if !root_or_skip("fanotify needs root") {
         return;
     }
     use std::os::unix::process::CommandExt;
@@ -635,7 +638,7 @@ fn a_stopped_run_does_not_hold_the_hosts_opens() {
 /// refuses to run CMD.
 #[test]
 fn without_root_the_watcher_is_off_and_says_what_is_not_covered() {
-    if !root_or_skip("without_root_the_watcher…: needs root to switch to nobody") {
+    if !root_or_skip("needs root to switch to nobody") {
         return;
     }
     let dir = scratch();
@@ -679,7 +682,7 @@ fn without_root_the_watcher_is_off_and_says_what_is_not_covered() {
 /// writeback), shows that the errors were met before `fsync`, not by it.
 #[test]
 fn a_write_error_under_write_behind_reaches_fsync() {
-    if !root_or_skip("a_write_error_under_write_behind_reaches_fsync: needs root for mount and losetup") {
+    if !root_or_skip("needs root for mount and losetup") {
         return;
     }
     let dir = scratch();
@@ -783,7 +786,7 @@ except OSError as e:
 /// and under the watcher. Bare, they leave the file cached: the check can fail.
 #[test]
 fn a_file_system_without_dontcache_is_covered_the_same() {
-    if !root_or_skip("a_file_system_without_dontcache_is_covered_the_same: needs root for mount") {
+    if !root_or_skip("needs root for mount") {
         return;
     }
     need("mkfs.btrfs", "btrfs-progs");
@@ -878,7 +881,7 @@ fn max_cache_bounds_what_writers_hold() {
 /// caller, and goes on once the watcher is let go.
 #[test]
 fn only_cmds_opens_wait_for_the_watcher() {
-    if !root_or_skip("only_cmds_opens_wait_for_the_watcher: fanotify needs root") {
+    if !root_or_skip("fanotify needs root") {
         return;
     }
     let dir = scratch();

@@ -165,7 +165,8 @@ ts = [threading.Thread(target=write, args=(n,) + w) for n, w in zip(("whole", "p
     assert!(same_contents(&src, &during), "failed writes changed the image, or reads failed");
     assert!(s.alive(), "the server exited: {}", s.stderr());
 
-    // Between 30 s and 40 s after the open (see above).
+    // Between 30 s and 40 s after the open (see above): a point on the lease's clock, set by
+    // lightfoot's 30 s give-up and the gateway's 40 s, not an event a condition could see.
     std::thread::sleep(Duration::from_secs(33).saturating_sub(opened.elapsed()));
     c.restart_volume(1);
     // The master may take a moment to count the volumes writable again, and the lease must

@@ -470,13 +470,18 @@ except nbd.Error:
     pass
 assert len(a.pread(512, 0)) == 512
 a.shutdown()
-import time; time.sleep(0.2)
-c = nbd.NBD()
-c.connect_uri(os.environ["URI"])
 print("ok")
 "#;
     let out = libnbd(script, &s.uri());
     assert!(out.status.success(), "{}", text(&out));
+    // The slot is given back once the server has seen the first connection end.
+    let again = "import os, nbd\nc = nbd.NBD()\nc.connect_uri(os.environ['URI'])\nprint('ok')\n";
+    let mut out = None;
+    let connected = within(10, || {
+        out = Some(libnbd(again, &s.uri()));
+        out.as_ref().is_some_and(|o| o.status.success())
+    });
+    assert!(connected, "no connection after the first one ended: {}", text(out.as_ref().unwrap()));
     s.stop();
 }
 
@@ -506,9 +511,8 @@ print("ok")
         spawn_until_line(Command::new("/usr/bin/python3").args(["-c", script]).env("URI", s.uri()));
     assert_eq!(line.trim(), "connected");
     let sock = s.sock.clone();
-    let pid = s.child.id();
-    assert!(Command::new("kill").arg(pid.to_string()).status().unwrap().success());
-    std::thread::sleep(Duration::from_millis(300));
+    // SIGTERM, taken (the grace period begun) before the client reads again.
+    signal_handled(s.child.id(), "TERM");
     py.stdin.take().unwrap().write_all(b"go\n").unwrap();
     let out = py.wait_with_output().unwrap();
     let mut rest = String::new();
@@ -523,7 +527,7 @@ print("ok")
 /// A block device export: size from BLKGETSIZE64, zeroing with BLKZEROOUT.
 #[test]
 fn block_device_export() {
-    if !root_or_skip("block_device_export: needs root for losetup") {
+    if !root_or_skip("needs root for losetup") {
         return;
     }
     let dev = Loop::new(16 * MIB);
@@ -626,7 +630,7 @@ fn stats_on_sigusr1_and_at_exit() {
     let img = dir.path().join("disk.img");
     sample(&img, 4 * MIB, MIB);
     let pid_file = dir.path().join("pid");
-    let s = Served::start(&img, &["--stats", "--json", "--pid-file", pid_file.to_str().unwrap()]);
+    let mut s = Served::start(&img, &["--stats", "--json", "--pid-file", pid_file.to_str().unwrap()]);
     assert!(within(5, || pid_file.exists()), "no pid file");
     let pid: u32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
     assert_eq!(pid, s.child.id());
@@ -634,8 +638,22 @@ fn stats_on_sigusr1_and_at_exit() {
     let out = libnbd("import os, nbd\nh = nbd.NBD()\nh.connect_uri(os.environ['URI'])\nh.pwrite(b'x' * 4096, 0)\nh.flush()\n", &s.uri());
     assert!(out.status.success(), "{}", text(&out));
     assert!(Command::new("kill").args(["-USR1", &pid.to_string()]).status().unwrap().success());
-    std::thread::sleep(Duration::from_millis(400));
-    let (_, err) = s.stop();
+    // Stopped once the snapshot SIGUSR1 asks for is out: the first JSON line on stderr.
+    let mut stderr = std::io::BufReader::new(s.child.stderr.take().unwrap());
+    let mut err = String::new();
+    loop {
+        let mut line = String::new();
+        if std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() == 0 {
+            break;
+        }
+        err.push_str(&line);
+        if serde_json::from_str::<serde_json::Value>(&line).is_ok() {
+            break;
+        }
+    }
+    // The rest: the pipe holds what the server writes until it has exited.
+    let _ = s.stop();
+    stderr.read_to_string(&mut err).unwrap();
     assert!(!pid_file.exists(), "pid file left behind");
     let snaps: Vec<serde_json::Value> = err.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     assert_eq!(snaps.len(), 2, "one snapshot on SIGUSR1, one at exit: {err}");
@@ -659,19 +677,24 @@ fn exit_with_parent_and_socket_activation() {
     sample(&img, MIB, 64 * 1024);
     let pid_file = dir.path().join("pid");
     let sock = dir.path().join("s");
-    // The parent shell exits after a moment: the server must follow.
-    let st = Command::new("sh")
+    // The parent shell exits once the server is up (its pid file is written after
+    // --exit-with-parent is armed) and the test closes the shell's input: the server must
+    // follow.
+    let mut parent = Command::new("sh")
         .arg("-c")
         .arg(format!(
-            "{} serve --exit-with-parent --pid-file {} --unix {} {} & sleep 0.5",
+            "{} serve --exit-with-parent --pid-file {} --unix {} {} & read go; true",
             bin(),
             pid_file.display(),
             sock.display(),
             img.display()
         ))
-        .status()
+        .stdin(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
-    assert!(st.success());
+    wait_until("the server's pid file", Duration::from_secs(10), || pid_file.exists());
+    drop(parent.stdin.take());
+    assert!(parent.wait().unwrap().success());
     assert!(within(10, || !pid_file.exists() && !sock.exists()), "server outlived its parent");
     // Socket activation: a listening socket on fd 3, LISTEN_PID and LISTEN_FDS set.
     let activate = format!(

@@ -228,7 +228,7 @@ for i in range(24):
 /// space really runs out, the write-back error fails that FLUSH and every later one.
 #[test]
 fn a_full_filesystem_fails_flush_only_when_written_bytes_do_not_fit() {
-    if !root_or_skip("a_full_filesystem: needs root to mount a small tmpfs") {
+    if !root_or_skip("needs root to mount a small tmpfs") {
         return;
     }
     let dir = scratch();
@@ -279,7 +279,7 @@ print('ok')
 /// with 4 KiB blocks (1 MiB allocated here instead of 256 KiB).
 #[test]
 fn gaps_are_not_filled_across_a_small_block_filesystems_holes() {
-    if !root_or_skip("gaps_are_not_filled_across_a_small_block_filesystems_holes: needs root to mount") {
+    if !root_or_skip("needs root to mount") {
         return;
     }
     let dir = scratch();

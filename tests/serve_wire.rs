@@ -548,7 +548,11 @@ fn a_connection_holds_a_bounded_amount_of_request_data() {
             }
         }
     });
-    // Well before the first slow write (2 s) completes and frees its budget.
+    // Well before the first slow write (2 s) completes and frees its budget. A bound on what
+    // the server has NOT taken: nothing marks the moment it will take no more (the writer
+    // also blocks for moments while the server still reads), so the count is read in the
+    // middle of the 2 s the slow writes hold the budget, when a server without the bound
+    // would have taken far more.
     std::thread::sleep(Duration::from_millis(1000));
     let taken = sent.load(Ordering::SeqCst);
     // 64 MiB in flight, a third request's header read and waiting, and what the socket buffers
@@ -648,6 +652,7 @@ fn a_handshake_that_takes_too_long_is_cut() {
             cut_dribbler = true;
             break;
         }
+        // The dribbler's pace, which is the workload: a client sending a byte every 50 ms.
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(cut_dribbler || closed(&mut dribbler), "a dribbling handshake was not cut");
@@ -802,9 +807,9 @@ fn options_during_shutdown() {
     let (_d, mut s) = setup();
     let mut a = connect(&s.sock);
     let mut b = connect(&s.sock);
-    // Both connections are past the greeting, waiting for options, when shutdown begins.
-    assert!(Command::new("kill").arg(s.child.id().to_string()).status().unwrap().success());
-    std::thread::sleep(Duration::from_millis(300));
+    // Both connections are past the greeting, waiting for options, when shutdown begins:
+    // SIGTERM, taken (the server's flag set) before the options come.
+    signal_handled(s.child.id(), "TERM");
     send_option(&mut a, OPT_EXPORT_NAME, b"");
     let mut first = [0u8; 1];
     assert_eq!(a.read(&mut first).unwrap(), 0, "EXPORT_NAME during shutdown got bytes");

@@ -12,11 +12,15 @@ use lightfoot::io::residency;
 
 pub const MIB: u64 = 1 << 20;
 
-/// Polls `f` until it holds or `secs` have passed; whether it held. Looks every 5 ms at
-/// first, backing off to every 100 ms: a condition that comes quickly is seen at once, and
-/// one that is costly to check (a spawned `ss`) is not checked hundreds of times.
-pub fn within(secs: u64, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+/// Polls `f` until it holds or `timeout` has passed; whether it held. The one place where the
+/// tests wait by the clock for something to happen: every wait on a condition (a file to
+/// appear, a process to end, a server to listen, a counter to move) goes through here, through
+/// [`within`] or [`wait_until`], and the few sleeps left in the tests are workloads' lengths
+/// and paces, each saying why no condition would do. Looks every 5 ms at first, backing off to
+/// every 100 ms: a condition that comes quickly is seen at once, and one that is costly to
+/// check (a spawned `ss`) is not checked hundreds of times.
+pub fn poll(timeout: std::time::Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
     let mut pause = std::time::Duration::from_millis(5);
     while std::time::Instant::now() < deadline {
         if f() {
@@ -26,6 +30,18 @@ pub fn within(secs: u64, mut f: impl FnMut() -> bool) -> bool {
         pause = (pause * 2).min(std::time::Duration::from_millis(100));
     }
     f()
+}
+
+/// [`poll`] for up to `secs` seconds.
+pub fn within(secs: u64, f: impl FnMut() -> bool) -> bool {
+    poll(std::time::Duration::from_secs(secs), f)
+}
+
+/// Waits until `f` holds; fails the test, naming `what` (what was waited for), if it does not
+/// within `timeout`.
+#[track_caller]
+pub fn wait_until(what: &str, timeout: std::time::Duration, f: impl FnMut() -> bool) {
+    assert!(poll(timeout, f), "timed out after {timeout:?} waiting for {what}");
 }
 
 pub fn bin() -> &'static str {
@@ -106,13 +122,56 @@ pub fn spawn_until_line(cmd: &mut Command) -> (Child, BufReader<ChildStdout>, St
     (child, stdout, line)
 }
 
-/// True as root; otherwise says on stderr that the test (`what`: its name and why it needs
-/// root) was skipped, so a run without root never reports it as passing silently.
-pub fn root_or_skip(what: &str) -> bool {
+/// Skips the running test, or the part of it named in `reason` that cannot run here: says so
+/// on stderr (`SKIPPED copy::full_disk_...: needs root to mount a small tmpfs`) and appends
+/// the same line, without `SKIPPED`, to the file `$LIGHTFOOT_SKIP_LOG` names. `make test` sets
+/// it (a file under target/, emptied first) and ends with the count and the lines, so a skip
+/// never passes for a pass. The caller returns (or goes on without the part). Every skip of the
+/// tests goes through here: [`root_or_skip`] and [`tool_or_skip`] for root and tools, and the
+/// callers themselves for a kernel feature that is absent.
+pub fn skip(reason: &str) {
+    use std::io::Write;
+    // The harness runs each test on a thread named after it.
+    let test = std::thread::current().name().filter(|n| *n != "main").unwrap_or("?").to_string();
+    let line = format!("{}::{test}: {reason}", env!("CARGO_CRATE_NAME"));
+    eprintln!("SKIPPED {line}");
+    if let Some(log) = std::env::var_os("LIGHTFOOT_SKIP_LOG") {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap_or_else(|e| panic!("LIGHTFOOT_SKIP_LOG={}: {e}", Path::new(&log).display()));
+        // One write of the whole line: O_APPEND keeps the lines of test binaries and threads
+        // writing at once whole.
+        f.write_all(format!("{line}\n").as_bytes()).expect("write to LIGHTFOOT_SKIP_LOG");
+    }
+}
+
+/// True as root. Otherwise skips ([`skip`]) with `why`, what the test needs root for
+/// ("needs root to mount a small tmpfs"), and is false: the caller returns, or goes on without
+/// the part that needs root. As root nothing is skipped: whatever else a root-only test needs
+/// is asserted, so a precondition missing as root fails the test instead of passing it by.
+pub fn root_or_skip(why: &str) -> bool {
     if euid() == 0 {
         return true;
     }
-    eprintln!("SKIPPED {what}");
+    skip(why);
+    false
+}
+
+/// True when `name` is on PATH. Otherwise as root it fails the test: `make test` installs
+/// every tool the tests use (Debian package `package`) as root, so a tool missing then is a
+/// set-up gone wrong, not something to pass by. Without root it skips ([`skip`], saying which
+/// tool and package) and is false: the caller returns.
+#[track_caller]
+pub fn tool_or_skip(name: &str, package: &str) -> bool {
+    let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().unwrap();
+    if found.status.success() {
+        return true;
+    }
+    let why = format!("{name} is missing (Debian package {package}; scripts/install-deps.sh installs it)");
+    assert!(euid() != 0, "{why}: as root `make test` installs it, so it is not skipped");
+    skip(&why);
     false
 }
 
@@ -120,6 +179,68 @@ pub fn euid() -> u32 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
     line.split_whitespace().nth(2).unwrap().parse().unwrap()
+}
+
+/// The threads of process `pid` named `name` (their /proc/PID/task/TID directories).
+pub fn threads_named(pid: u32, name: &str) -> Vec<PathBuf> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return vec![] };
+    tasks
+        .flatten()
+        .map(|t| t.path())
+        .filter(|t| std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.trim_end() == name))
+        .collect()
+}
+
+/// Where the blocked thread or process `task` (a /proc/PID or /proc/PID/task/TID directory)
+/// waits: its system call's number and first argument (`202 0x55d0c8a0` for a futex, `0 0x3`
+/// for a read of descriptor 3); `None` while it runs, or where /proc does not say (it takes
+/// ptrace's permission: root, or a descendant of this process).
+pub fn waiting_in(task: &Path) -> Option<String> {
+    let call = std::fs::read_to_string(task.join("syscall")).ok()?;
+    let mut fields = call.split_whitespace();
+    let (nr, arg) = (fields.next()?, fields.next()?);
+    (nr != "running" && nr != "-1").then(|| format!("{nr} {arg}"))
+}
+
+/// The kernel function the process `pid` sleeps in (/proc/PID/wchan: `wait_for_partner` for
+/// an open of a FIFO waiting for its other end); empty while it runs.
+pub fn wchan(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default()
+}
+
+/// How often `task` has given up the CPU to wait (`voluntary_ctxt_switches`).
+fn voluntary_switches(task: &Path) -> u64 {
+    let status = std::fs::read_to_string(task.join("status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Sends signal `sig` (`INT`, `TERM`) to the lightfoot process `pid` and waits until its
+/// handler has run: the copy has set its cancel flag, the server has begun its shutdown.
+/// lightfoot takes these signals through the ctrlc crate, whose thread (`ctrl-c`) waits for
+/// one, runs the handler and waits again; the signal's own handler only wakes it. So: first
+/// wait for that thread to wait (the handler is in place: a signal sent earlier would kill
+/// the process), then signal, then wait for the thread to be back where it waited, having
+/// waited again since (its count of waits went up).
+#[track_caller]
+pub fn signal_handled(pid: u32, sig: &str) {
+    let ten = std::time::Duration::from_secs(10);
+    let mut waiting = None;
+    wait_until(&format!("lightfoot {pid} to have its signal handler thread waiting"), ten, || {
+        waiting = threads_named(pid, "ctrl-c")
+            .pop()
+            .and_then(|t| Some((waiting_in(&t)?, voluntary_switches(&t), t)));
+        waiting.is_some()
+    });
+    let (at, waits, task) = waiting.unwrap();
+    let st = Command::new("kill").args([&format!("-{sig}"), &pid.to_string()]).status().unwrap();
+    assert!(st.success(), "kill -{sig} {pid}");
+    wait_until(&format!("lightfoot {pid} to run its SIG{sig} handler"), ten, || {
+        voluntary_switches(&task) > waits && waiting_in(&task).as_deref() == Some(at.as_str())
+    });
 }
 
 /// A scratch directory on the same filesystem as the build (ext4 here), readable by all.
@@ -168,17 +289,14 @@ pub fn random_file(path: &Path, size: u64) {
 /// Writes back and drops every page of `path`, and asserts none is left. Readahead that a
 /// reader which just ended started can still be in flight: its pages are locked while the read
 /// runs and a drop skips them (a clean-clone run once found 8 MiB left after a 40 MB reader),
-/// so the drop is repeated every 20 ms while pages are left, for up to 2 s, as the sweep of
-/// `lightfoot run` does.
+/// so the drop is repeated while pages are left (at [`poll`]'s pace), for up to 2 s, as the
+/// sweep of `lightfoot run` does.
 pub fn evict(path: &Path) {
     let f = residency::open(path).unwrap();
-    for _ in 0..100 {
+    poll(std::time::Duration::from_secs(2), || {
         residency::evict(&f, path, 0, None, true).unwrap();
-        if cached(path, 0, None) == 0 {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+        cached(path, 0, None) == 0
+    });
     assert_eq!(cached(path, 0, None), 0, "could not evict {}", path.display());
 }
 
@@ -318,14 +436,13 @@ impl Drop for Mount {
     /// a moment after its own file system is unmounted), then lazily: a test never leaves a
     /// mount behind.
     fn drop(&mut self) {
-        for _ in 0..20 {
+        let unmounted = poll(std::time::Duration::from_secs(2), || {
             let out = Command::new("umount").arg(&self.path).stderr(Stdio::null()).status();
-            if out.is_ok_and(|s| s.success()) {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(100));
+            out.is_ok_and(|s| s.success())
+        });
+        if !unmounted {
+            let _ = Command::new("umount").arg("-l").arg(&self.path).status();
         }
-        let _ = Command::new("umount").arg("-l").arg(&self.path).status();
     }
 }
 
