@@ -30,6 +30,7 @@ use bytes::Bytes;
 use object_store::{PutMode, UpdateVersion};
 
 use super::store::Store;
+use super::S3Options;
 use crate::error::{Error, ErrorKind, Op, Result, Sticky};
 
 pub const LEASE: &str = "lightfoot.lease";
@@ -70,6 +71,39 @@ pub fn held_by_other(store: &Store, key: &str) -> Result<Option<String>> {
     let name = format!("{key}/{LEASE}");
     let Some((bytes, _)) = store.run(store.get(&name, None, None))? else { return Ok(None) };
     Ok(serde_json::from_slice::<Record>(&bytes).ok().filter(|r| r.expires > now_secs()).map(|r| r.holder))
+}
+
+/// How an open of the block image at `key` stands towards its one writer: the lease it
+/// holds (writable, unless `--without-lease`), and whether no other writer can change the
+/// image while it is open (so the map of its objects made at open stays true). A writable
+/// open fails on a store without conditional writes unless `--without-lease`.
+pub fn at_open(store: &Arc<Store>, key: &str, name: &str, opts: &S3Options) -> Result<(Option<Lease>, bool)> {
+    if !opts.writable {
+        return Ok(match held_by_other(store, key)? {
+            Some(holder) => {
+                tracing::info!("{name}: {holder} is writing the image: block status reports it all as data");
+                (None, false)
+            }
+            None => (None, true),
+        });
+    }
+    if !probe_conditional_writes(store, key)? {
+        if !opts.without_lease {
+            return Err(Error::new(ErrorKind::NotSupported, Op::Open).path(name).detail(
+                "the store does not enforce conditional writes (a second create of one name succeeded), \
+                 so lightfoot cannot make sure it is the image's only writer; --without-lease writes anyway",
+            ));
+        }
+        tracing::warn!(
+            "{name}: --without-lease on a store without conditional writes: nothing stops a second writer"
+        );
+        return Ok((None, true));
+    }
+    if opts.without_lease {
+        tracing::warn!("{name}: --without-lease: nothing stops a second writer");
+        return Ok((None, true));
+    }
+    Ok((Some(Lease::take(store.clone(), key, opts.break_lease)?), true))
 }
 
 /// A lease this process holds, renewed by a thread of its own until dropped.

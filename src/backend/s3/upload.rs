@@ -1,4 +1,5 @@
-//! Writing an image into one object: a multipart upload, for `copy … s3://BUCKET/KEY`.
+//! Writing an image into one object: [`Upload`], a multipart upload, for
+//! `copy … s3://BUCKET/KEY`. It is written only: it cannot be read back.
 //!
 //! The object appears only when the upload completes, at FLUSH (or the end of the job) with
 //! every byte of it written; until then readers see the old object or none. A copy that fails
@@ -23,7 +24,9 @@ use object_store::path::Path;
 use object_store::{MultipartUpload, ObjectStoreExt, PutPayload};
 use tokio::task::JoinHandle;
 
+use super::blocks::BlockImage;
 use super::store::Store;
+use super::Image;
 use crate::error::{Error, ErrorKind, Op, Result};
 
 /// S3's limit on the parts of one upload.
@@ -39,6 +42,8 @@ const STREAM_PART: u64 = 64 << 20;
 const HELD_BYTES: u64 = 64 << 20;
 
 pub struct Upload {
+    store: Arc<Store>,
+    key: String,
     part_size: u64,
     /// Known in advance (a file or device source), else learnt from the writes.
     size: Option<u64>,
@@ -116,7 +121,8 @@ struct State {
 }
 
 impl Upload {
-    pub fn start(store: &Store, key: &str, size: Option<u64>) -> Result<Upload> {
+    /// Starts the upload of `key`, of `size` bytes (`None`: as many as are written).
+    pub fn start(store: Arc<Store>, key: &str, size: Option<u64>) -> Result<Upload> {
         let part_size = match size {
             Some(s) => MIN_PART.max(s.div_ceil(MAX_PARTS).div_ceil(1 << 20) << 20),
             None => STREAM_PART,
@@ -125,6 +131,8 @@ impl Upload {
             .run(store.s3().put_multipart(&Path::from(key)))
             .map_err(|e| store.error(Op::Write, key, &e))?;
         Ok(Upload {
+            store,
+            key: key.into(),
             part_size,
             size,
             buffers: Buffers::default(),
@@ -132,17 +140,13 @@ impl Upload {
         })
     }
 
-    /// The object's size, where known in advance.
-    pub fn size(&self) -> Option<u64> {
-        self.size
-    }
-
     fn part_len(&self, p: u64, end: u64) -> u64 {
         self.part_size.min(end - p * self.part_size)
     }
 
     /// Writes `data` (`None`: zeroes) at `offset`, sending the parts it completes.
-    pub fn write(&self, store: &Store, key: &str, data: Option<&[u8]>, offset: u64, len: u64) -> Result<()> {
+    fn write(&self, data: Option<&[u8]>, offset: u64, len: u64) -> Result<()> {
+        let (store, key) = (&self.store, &self.key);
         let end = offset + len;
         if let Some(size) = self.size {
             if end > size {
@@ -190,7 +194,7 @@ impl Upload {
             }
             at += n;
         }
-        self.send_ready(store, key, &mut st)
+        self.send_ready(&mut st)
     }
 
     /// Sends the full parts that are next in line, then waits for the oldest sends while
@@ -199,12 +203,12 @@ impl Upload {
     /// the very one waiting for the lock here, and a writer that fails never comes. The
     /// last send on its way is waited for only while full parts wait too: a part alone over
     /// the budget (images over 625 GiB) stays on its way while the next one fills.
-    fn send_ready(&self, store: &Store, key: &str, st: &mut State) -> Result<()> {
+    fn send_ready(&self, st: &mut State) -> Result<()> {
         while let Some(buf) = st.full.remove(&st.next) {
             let len = buf.len() as u64;
             let upload = st.upload.as_mut().expect("an upload in progress");
-            let handle = store.spawn(upload.put_part(self.buffers.payload(buf)));
-            store.counters.put.fetch_add(1, Relaxed);
+            let handle = self.store.spawn(upload.put_part(self.buffers.payload(buf)));
+            self.store.counters.put.fetch_add(1, Relaxed);
             let p = st.next;
             st.sending.push((p, len, handle));
             st.next += 1;
@@ -215,19 +219,13 @@ impl Upload {
             && st.sending.len() > left
         {
             let (p, len, h) = st.sending.remove(0);
-            self.wait_part(store, key, p, len, h)?;
+            self.wait_part(p, len, h)?;
         }
         Ok(())
     }
 
-    fn wait_part(
-        &self,
-        store: &Store,
-        key: &str,
-        p: u64,
-        len: u64,
-        h: JoinHandle<object_store::Result<()>>,
-    ) -> Result<()> {
+    fn wait_part(&self, p: u64, len: u64, h: JoinHandle<object_store::Result<()>>) -> Result<()> {
+        let (store, key) = (&self.store, &self.key);
         let at = p * self.part_size;
         match store.run(h) {
             Ok(Ok(())) => {
@@ -242,9 +240,46 @@ impl Upload {
         }
     }
 
-    /// Completes the upload: every byte of the image must have been written. The object
-    /// then appears, whole. Without every byte, the upload is aborted and this fails.
-    pub fn complete(&self, store: &Store, key: &str) -> Result<()> {
+    fn abort_locked(&self, st: &mut State) {
+        let store = &self.store;
+        for (_, _, h) in std::mem::take(&mut st.sending) {
+            h.abort();
+        }
+        st.filling.clear();
+        st.full.clear();
+        if let Some(mut u) = st.upload.take() {
+            if let Err(e) = store.run(u.abort()) {
+                tracing::warn!("abandoning the upload: {}", store.scrub(&e.to_string()));
+            }
+        }
+    }
+}
+
+impl Image for Upload {
+    fn size(&self) -> Option<u64> {
+        self.size
+    }
+
+    fn writable(&self) -> bool {
+        true
+    }
+
+    fn read(&self, _buf: &mut [u8], _offset: u64) -> Result<()> {
+        Err(Error::new(ErrorKind::NotSupported, Op::Read)
+            .path(self.store.uri(&self.key))
+            .detail("an object being uploaded cannot be read"))
+    }
+
+    /// TRIM (`partial == false`) writes zeroes, as ZERO does: every byte must be written.
+    fn change(&self, offset: u64, len: u64, data: Option<&[u8]>, _partial: bool) -> Result<()> {
+        self.write(data, offset, len)
+    }
+
+    /// Completes the upload, at FLUSH or at the end of the job: every byte of the image must
+    /// have been written. The object then appears, whole. Without every byte, the upload is
+    /// aborted and this fails.
+    fn complete(&self) -> Result<()> {
+        let (store, key) = (&self.store, &self.key);
         let mut st = self.state.lock().unwrap();
         if st.done {
             return Ok(());
@@ -261,7 +296,7 @@ impl Upload {
                 st.filling.insert(p, (buf, written));
             }
         }
-        let res = self.send_ready(store, key, &mut st).and_then(|()| {
+        let res = self.send_ready(&mut st).and_then(|()| {
             if st.next < parts || !st.filling.is_empty() {
                 let missing = st.filling.keys().next().copied().unwrap_or(st.next);
                 return Err(Error::new(ErrorKind::UnexpectedEof, Op::Write)
@@ -270,13 +305,13 @@ impl Upload {
                     .detail("not every byte of the object was written: the upload is abandoned"));
             }
             for (p, len, h) in std::mem::take(&mut st.sending) {
-                self.wait_part(store, key, p, len, h)?;
+                self.wait_part(p, len, h)?;
             }
             let upload = st.upload.as_mut().expect("an upload in progress");
             if parts == 0 {
                 // An empty image: S3 wants at least one part.
                 let h = store.spawn(upload.put_part(PutPayload::default()));
-                self.wait_part(store, key, 0, 0, h)?;
+                self.wait_part(0, 0, h)?;
             }
             store.counters.put.fetch_add(1, Relaxed);
             store.run(upload.complete()).map_err(|e| store.error(Op::Write, key, &e))?;
@@ -284,32 +319,25 @@ impl Upload {
         });
         st.done = true;
         if res.is_err() {
-            Self::abort_locked(store, &mut st);
+            self.abort_locked(&mut st);
         } else {
             st.upload = None;
         }
         res
     }
 
-    /// Abandons the upload (the job failed or was interrupted): the parts sent are deleted and
-    /// no object appears.
-    pub fn abort(&self, store: &Store) {
+    fn blocks(&self) -> Option<&BlockImage> {
+        None
+    }
+}
+
+/// Abandons an upload not completed (the job failed or was interrupted): the parts sent are
+/// deleted and no object appears.
+impl Drop for Upload {
+    fn drop(&mut self) {
         let mut st = self.state.lock().unwrap();
         st.done = true;
-        Self::abort_locked(store, &mut st);
-    }
-
-    fn abort_locked(store: &Store, st: &mut State) {
-        for (_, _, h) in std::mem::take(&mut st.sending) {
-            h.abort();
-        }
-        st.filling.clear();
-        st.full.clear();
-        if let Some(mut u) = st.upload.take() {
-            if let Err(e) = store.run(u.abort()) {
-                tracing::warn!("abandoning the upload: {}", store.scrub(&e.to_string()));
-            }
-        }
+        self.abort_locked(&mut st);
     }
 }
 
