@@ -1,9 +1,13 @@
 //! The watcher: what the preload library cannot see (statically linked programs, Go programs
 //! such as restic, mmap, io_uring, programs that clear their environment, setuid programs).
 //!
-//! It runs as a process of its own (`lightfoot __watch PARENT mounts [MAX_CACHE]`), started by
-//! `lightfoot run` before CMD, in a process group of its own: a terminal's Ctrl-Z stops CMD and
-//! `lightfoot run`, never the watcher, which CMD's opens wait for.
+//! It runs as a process of its own (`lightfoot __watch PARENT mounts|filesystems [MAX_CACHE]`,
+//! src/cli/watch.rs), started by `lightfoot run` before CMD, in a process group of its own: a
+//! terminal's Ctrl-Z stops CMD and `lightfoot run`, never the watcher, which CMD's opens wait
+//! for. [`Watcher`] is `lightfoot run`'s end of it, [`Watch`] the work the process does. They
+//! talk through the process's stdout: a first line, [`READY`] and the watched mount points as
+//! JSON once the marks are in place (or [`FAILED`] and why), and when `lightfoot run` closes
+//! its stdin, the [`Outcome`] as one line of JSON.
 //!
 //! - **Which files.** `lightfoot run` (and so CMD) has a mount namespace of its own, a copy of
 //!   the caller's. A fanotify group marks each of its mounts that has a page cache of its own
@@ -27,11 +31,11 @@
 //! - **At the end** (`lightfoot run` closes the watcher's stdin when CMD has ended), each file
 //!   is written back and dropped as in the final sweep, through the watcher's own descriptor
 //!   (so files renamed to another directory, as restic does with its packs, are still found),
-//!   and reported on stdout as JSON.
+//!   and reported.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::io::{BufRead, Read, Write};
+use std::io::{BufRead, Read};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
@@ -48,6 +52,11 @@ use crate::io::sys::{self, Advice, FanEvent, Fanotify};
 
 /// The hidden subcommand the watcher process runs as.
 pub const COMMAND: &str = "__watch";
+
+/// The start of the watcher's first line once it watches: the mount points follow, as JSON.
+pub const READY: &str = "ready ";
+/// The start of its first line when it could not start: the error follows.
+pub const FAILED: &str = "error: ";
 
 /// How often the watcher looks at the files CMD has open.
 pub const TICK: Duration = Duration::from_millis(20);
@@ -119,7 +128,7 @@ impl Watcher {
         let mut child = Command::new(exe)
             .arg(COMMAND)
             .arg(std::process::id().to_string())
-            .arg(if private { "mounts" } else { "filesystems" })
+            .arg(if private { Marks::Mounts } else { Marks::Filesystems }.as_str())
             .args(max_cache.map(|m| m.to_string()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -129,10 +138,12 @@ impl Watcher {
         let mut line = String::new();
         let mut out = std::io::BufReader::new(child.stdout.as_mut().expect("piped"));
         let _ = out.read_line(&mut line);
-        let Some(list) = line.strip_prefix("ready ") else {
+        let Some(list) = line.strip_prefix(READY) else {
             let _ = child.kill();
             let _ = child.wait();
-            let why = line.trim().strip_prefix("error: ").unwrap_or("it ended before it was ready");
+            let why = line.trim().strip_prefix(FAILED).unwrap_or("it ended before it was ready");
+            // The watcher's error names its operation already ("watcher: …"): not twice.
+            let why = why.strip_prefix(Op::Watch.as_str()).and_then(|w| w.strip_prefix(": ")).unwrap_or(why);
             return Err(Error::new(ErrorKind::Io, Op::Watch).detail(why));
         };
         let filesystems = serde_json::from_str(list).unwrap_or_default();
@@ -168,74 +179,107 @@ impl Watcher {
     }
 }
 
-/// `lightfoot __watch PARENT mounts|filesystems [MAX_CACHE]`: the watcher process's main.
-pub fn main(mut args: impl Iterator<Item = std::ffi::OsString>) -> i32 {
-    let parent: Option<u32> = args.next().and_then(|a| a.to_str()?.parse().ok());
-    let what = args.next();
-    let (Some(parent), Some(whole)) = (
-        parent,
-        what.and_then(|w| match w.to_str()? {
-            "mounts" => Some(false),
-            "filesystems" => Some(true),
-            _ => None,
-        }),
-    ) else {
-        eprintln!("usage: lightfoot {COMMAND} PARENT_PID mounts|filesystems [MAX_CACHE_BYTES] (started by lightfoot run)");
-        return 2;
-    };
-    let bounded = args.next().is_some();
-    let mut stdout = std::io::stdout();
-    let fan = match Fanotify::new() {
-        Ok(f) => f,
-        Err(e) => {
-            let _ = writeln!(stdout, "error: fanotify: {} (the watcher needs root)", io_message(&e));
-            return 1;
+/// What the watcher marks (its second argument).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Marks {
+    /// Every mount with a page cache of this mount namespace, one of `lightfoot run`'s own:
+    /// only the opens made in it wait for the watcher.
+    Mounts,
+    /// Every file system with a page cache, once each (no mount namespace could be made):
+    /// every open on the host waits.
+    Filesystems,
+}
+
+impl Marks {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Marks::Mounts => "mounts",
+            Marks::Filesystems => "filesystems",
         }
-    };
-    // The files CMD inherits from `lightfoot run` (shell redirections) are never opened by it:
-    // their first sight is now, before the marks (opening them afterwards would wait on
-    // ourselves).
-    let mut inherited = Vec::new();
-    for n in 0..3 {
-        if let Ok(f) = File::open(format!("/proc/{parent}/fd/{n}")) {
-            if f.metadata().is_ok_and(|m| m.is_file()) {
-                inherited.push(first_sight(OwnedFd::from(f), parent));
+    }
+}
+
+impl std::str::FromStr for Marks {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Marks> {
+        match s {
+            "mounts" => Ok(Marks::Mounts),
+            "filesystems" => Ok(Marks::Filesystems),
+            _ => Err(Error::invalid(Op::Parse, format!("'{s}': not mounts or filesystems"))),
+        }
+    }
+}
+
+/// The watcher process at work: its marks, the thread that answers opens and the one that
+/// drops what CMD's tree brings in.
+pub struct Watch {
+    filesystems: Vec<PathBuf>,
+    notes: Vec<String>,
+    stop: Arc<AtomicBool>,
+    handler: std::thread::JoinHandle<Result<()>>,
+    scanner: std::thread::JoinHandle<Vec<Tracked>>,
+}
+
+impl Watch {
+    /// Starts watching the tree of `parent` (`lightfoot run`): the first sight of the files it
+    /// holds as its standard streams, then the marks, then the two threads. `bounded`:
+    /// `--max-cache` was given. Fails if fanotify is refused (it needs root) or no file system
+    /// could be marked.
+    pub fn start(parent: u32, marks: Marks, bounded: bool) -> Result<Watch> {
+        let fan =
+            Fanotify::new().map_err(|e| Error::io(Op::Watch, e).detail("fanotify, which needs root"))?;
+        // The files CMD inherits from `lightfoot run` (shell redirections) are never opened by
+        // it: their first sight is now, before the marks (opening them afterwards would wait on
+        // ourselves).
+        let mut inherited = Vec::new();
+        for n in 0..3 {
+            if let Ok(f) = File::open(format!("/proc/{parent}/fd/{n}")) {
+                if f.metadata().is_ok_and(|m| m.is_file()) {
+                    inherited.push(first_sight(OwnedFd::from(f), parent));
+                }
             }
         }
+        let (filesystems, notes) = mark_filesystems(&fan, marks == Marks::Filesystems);
+        if filesystems.is_empty() {
+            return Err(Error::new(ErrorKind::NotFound, Op::Watch)
+                .detail(format!("no file system could be watched: {}", notes.join("; "))));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        for s in inherited {
+            let _ = tx.send(Msg::Seen(Box::new(s)));
+        }
+        let handler = {
+            let stop = stop.clone();
+            std::thread::spawn(move || handle_events(fan, parent, tx, &stop))
+        };
+        // The scanner ends when the handler has ended and its messages are read.
+        let scanner = std::thread::spawn(move || scan(rx, bounded));
+        Ok(Watch { filesystems, notes, stop, handler, scanner })
     }
-    let (filesystems, mut notes) = mark_filesystems(&fan, whole);
-    if filesystems.is_empty() {
-        let _ = writeln!(stdout, "error: no file system could be watched: {}", notes.join("; "));
-        return 1;
+
+    /// The mount points whose file systems are watched.
+    pub fn filesystems(&self) -> &[PathBuf] {
+        &self.filesystems
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    let (tx, rx) = mpsc::channel();
-    for s in inherited {
-        let _ = tx.send(Msg::Seen(Box::new(s)));
+
+    /// Stops watching (CMD has ended): the marks go, opens still waiting are let through, and
+    /// every file is written back and dropped to its first sight; the report.
+    pub fn finish(self) -> Outcome {
+        let Watch { filesystems, mut notes, stop, handler, scanner } = self;
+        stop.store(true, Ordering::Release);
+        match handler.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => notes.push(e.to_string()),
+            Err(_) => notes.push("the event handler panicked".into()),
+        }
+        let files = scanner.join().map(finish_all).unwrap_or_else(|_| {
+            notes.push("the scanner panicked".into());
+            Vec::new()
+        });
+        Outcome { filesystems, notes, files }
     }
-    let handler = {
-        let stop = stop.clone();
-        std::thread::spawn(move || handle_events(fan, parent, tx, &stop))
-    };
-    // The scanner ends when the handler has ended and its messages are read.
-    let scanner = std::thread::spawn(move || scan(rx, bounded));
-    let _ = writeln!(stdout, "ready {}", serde_json::to_string(&filesystems).unwrap_or_default());
-    let _ = stdout.flush();
-    // CMD's end: `lightfoot run` closes our stdin (or dies, which closes it too).
-    let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
-    stop.store(true, Ordering::Release);
-    match handler.join() {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => notes.push(e.to_string()),
-        Err(_) => notes.push("the event handler panicked".into()),
-    }
-    let files = scanner.join().map(finish_all).unwrap_or_else(|_| {
-        notes.push("the scanner panicked".into());
-        Vec::new()
-    });
-    let outcome = Outcome { filesystems, notes, files };
-    let _ = writeln!(stdout, "{}", serde_json::to_string(&outcome).unwrap_or_default());
-    0
 }
 
 /// Marks every file system with a page cache, once each (`whole`), or every mount of one in
