@@ -46,7 +46,9 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{FileReport, Record, ALL_CACHED, NOT_COVERED_NOSYS, NOT_COVERED_OTHER};
+use lightfoot_record::{Header, ALL_CACHED, BLOCK, SHIFT};
+
+use super::{FileReport, Record};
 use crate::error::{io_message, Error, ErrorKind, Op, Result};
 use crate::io::sys::{self, Advice, FanEvent, Fanotify};
 
@@ -60,9 +62,6 @@ pub const FAILED: &str = "error: ";
 
 /// How often the watcher looks at the files CMD has open.
 pub const TICK: Duration = Duration::from_millis(20);
-
-const SHIFT: u32 = 21;
-const BLOCK: u64 = 1 << SHIFT;
 
 /// File system types with no page cache worth watching (or none at all).
 const SKIPPED_TYPES: &[&str] = &[
@@ -445,29 +444,23 @@ fn first_sight(fd: OwnedFd, pid: u32) -> Sight {
     let (dev, ino, size) = meta.as_ref().map_or((0, 0, 0), |m| (m.dev(), m.ino(), m.len()));
     let path = path_of(&file).unwrap_or_default();
     let blocks = size.div_ceil(BLOCK);
-    let mut bits = vec![0u8; blocks.div_ceil(8) as usize];
+    let mut bits = vec![0u8; lightfoot_record::bitmap_len(blocks)];
     let mut flags = 0;
     let mut cached_pages = 0;
     match sys::cachestat(file.as_fd(), 0, 0) {
         Ok(c) => {
             cached_pages = c.cached;
-            let mut held = Vec::new();
             // A failed look: taken for cached, so nothing of the file is ever dropped.
-            if !resident_within(&file, 0, blocks.max(1), c, &mut held) {
+            if !resident(&file, 0, blocks.max(1), c, |b, _| lightfoot_record::set(&mut bits, b)) {
                 flags |= ALL_CACHED;
             }
-            for (b, _) in held {
-                if let Some(byte) = bits.get_mut((b / 8) as usize) {
-                    *byte |= 1 << (b % 8);
-                }
-            }
         }
-        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => flags |= NOT_COVERED_NOSYS,
-        Err(_) => flags |= NOT_COVERED_OTHER,
+        Err(e) => flags |= lightfoot_record::not_covered(e.raw_os_error().unwrap_or(0), false),
     }
-    let record =
-        Record { flags, pid, dev, ino, size, cached_pages, block_shift: SHIFT, evicted_pages: 0, path, bits };
-    Sight { record, fd: OwnedFd::from(file) }
+    // As the library would record it (the descriptor: the watcher's own).
+    let mut header = Header::new(flags, pid, file.as_raw_fd(), dev, ino, path.as_os_str().len(), bits.len());
+    (header.size, header.cached_pages) = (size, cached_pages);
+    Sight { record: Record { header, path, bits }, fd: OwnedFd::from(file) }
 }
 
 /// A file of the tree's, as the scanner keeps it.
@@ -508,8 +501,8 @@ fn scan(rx: mpsc::Receiver<Msg>, bounded: bool) -> Vec<Tracked> {
             };
             match msg {
                 Msg::Seen(s) => {
-                    let key = (s.record.dev, s.record.ino);
-                    pids.insert(s.record.pid);
+                    let key = (s.record.header.dev, s.record.header.ino);
+                    pids.insert(s.record.header.pid);
                     order.push(key);
                     files.insert(
                         key,
@@ -596,17 +589,17 @@ fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64, bounded: bool) {
     }
     let size = file.metadata().map_or(0, |m| m.len());
     let blocks = size.div_ceil(BLOCK);
-    let mut resident = Vec::new();
+    let mut held_pages = Vec::new();
     for (start, end) in t.record.new_runs(blocks) {
         if let Ok(c) = sys::cachestat(file.as_fd(), start << SHIFT, (end - start) << SHIFT) {
-            let _ = resident_within(file, start, end, c, &mut resident);
+            let _ = resident(file, start, end, c, |b, c| held_pages.push((b, c)));
         }
     }
     let held =
         |b: u64| window.is_some_and(|w| w.iter().any(|&p| b + 1 >= p >> SHIFT && b <= (p + ahead) >> SHIFT));
     let mut left = 0;
     let mut waiting = HashSet::new();
-    for (b, c) in resident {
+    for (b, c) in held_pages {
         if held(b) {
             continue;
         }
@@ -647,31 +640,24 @@ fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64, bounded: bool) {
     }
 }
 
-/// The blocks in `[lo, hi)`, whose counts are `c`, that hold pages, with their counts, halving
-/// ranges that hold some; false if a look failed (those blocks are then not listed).
-fn resident_within(
+/// Calls `found` for each block in `[lo, hi)`, whose counts are `c`, that holds pages, with its
+/// counts (`lightfoot_record::scan`); false if a look failed (those blocks are then not
+/// reported).
+fn resident(
     file: &File,
     lo: u64,
     hi: u64,
     c: sys::CacheStat,
-    out: &mut Vec<(u64, sys::CacheStat)>,
+    mut found: impl FnMut(u64, sys::CacheStat),
 ) -> bool {
-    if c.cached == 0 {
-        return true;
+    let mut look = |off, len| sys::cachestat(file.as_fd(), off, len).ok();
+    lightfoot_record::scan(lo, hi, c, &mut look, &mut found)
+}
+
+impl lightfoot_record::Counts for sys::CacheStat {
+    fn cached(&self) -> u64 {
+        self.cached
     }
-    if hi - lo == 1 {
-        out.push((lo, c));
-        return true;
-    }
-    let mid = lo + (hi - lo) / 2;
-    let mut all = true;
-    for (a, b) in [(lo, mid), (mid, hi)] {
-        all &= match sys::cachestat(file.as_fd(), a << SHIFT, (b - a) << SHIFT) {
-            Ok(c) => resident_within(file, a, b, c, out),
-            Err(_) => false,
-        };
-    }
-    all
 }
 
 /// The end: every file written back and dropped to its first sight, and measured.
@@ -686,8 +672,8 @@ fn finish_all(files: Vec<Tracked>) -> Vec<Watched> {
                 path: r.path.clone(),
                 opens: t.opens,
                 written: t.written,
-                size_at_first_sight: r.size,
-                cached_before: r.cached_pages * page,
+                size_at_first_sight: r.header.size,
+                cached_before: r.header.cached_pages * page,
                 cached_after: t.left_when_closed,
                 bytes_read: None,
                 bytes_written: None,
@@ -719,7 +705,7 @@ fn finish_all(files: Vec<Tracked>) -> Vec<Watched> {
                 }
                 Err(e) => report.note = Some(e.to_string()),
             }
-            Watched { dev: r.dev, ino: r.ino, report }
+            Watched { dev: r.header.dev, ino: r.header.ino, report }
         })
         .collect()
 }
