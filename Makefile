@@ -39,7 +39,7 @@ install:
 	@test -f "$(PRELOAD)" || { echo "make install: $(PRELOAD) is missing: run \`make\` first" >&2; exit 1; }
 	@for art in "$(BIN)" "$(PRELOAD)"; do \
 		dep=$${art%.so}.d; \
-		sources=$$(sed 's/^[^:]*://' "$$dep" 2>/dev/null) || sources=$$(find src preload/src -type f); \
+		sources=$$(sed 's/^[^:]*://' "$$dep" 2>/dev/null) || sources=$$(find src preload/src record/src -type f); \
 		for f in $$sources; do \
 			if [ "$$f" -nt "$$art" ]; then \
 				echo "make install: $$art is older than $$f: run \`make\` first" >&2; exit 1; \

@@ -20,15 +20,10 @@
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 
 use libc::c_int;
+use lightfoot_record::{bitmap_len, BLOCK, SHIFT};
 
 use crate::record;
 use crate::sys;
-
-/// The unit of the residency record and of eviction: DONTNEED drops only whole folios, and
-/// readahead builds folios of up to 2 MiB, naturally aligned (KERNEL-NOTES: a smaller range
-/// drops nothing).
-pub const SHIFT: u32 = 21;
-pub const BLOCK: u64 = 1 << SHIFT;
 
 /// How many blocks a writer has left whose writeback it has not waited for yet, at most: 8 MiB
 /// of writeback in flight, enough to keep the device busy, little enough to bound what a writer
@@ -144,9 +139,11 @@ impl Slot {
             // everything).
             return self.all_cached.load(Relaxed) != 0;
         }
-        // SAFETY: `block < blocks` and the mapping holds `blocks` bits; it stays mapped while
-        // the slot is TRACKED, and only `forget` (on this descriptor's close) unmaps it.
-        (unsafe { *map.add((block / 8) as usize) } >> (block % 8)) & 1 == 1
+        // SAFETY: `block < blocks` and the mapping holds `blocks` bits, so the bytes up to
+        // `block`'s are in it; it stays mapped while the slot is TRACKED, and only `forget` (on
+        // this descriptor's close) unmaps it.
+        let bits = unsafe { std::slice::from_raw_parts(map, bitmap_len(block + 1)) };
+        lightfoot_record::is_set(bits, block)
     }
 
     /// Drops the pages of `block` unless it held pages at first sight.
@@ -304,7 +301,7 @@ fn look(fd: c_int, s: &Slot) -> bool {
     let cached = match sys::cached_pages(fd, 0, 0) {
         Ok(n) => n,
         Err(e) => {
-            record::write(fd, &st, size, 0, record::not_covered(e, writable), &[]);
+            record::write(fd, &st, size, 0, lightfoot_record::not_covered(e, writable), &[]);
             return false;
         }
     };
@@ -315,7 +312,7 @@ fn look(fd: c_int, s: &Slot) -> bool {
         if !map.is_null() {
             // SAFETY: `map` is a fresh, zeroed, writable mapping of `len` bytes, ours alone.
             let bits = unsafe { std::slice::from_raw_parts_mut(map, len) };
-            classify(fd, bits, 0, blocks, cached, size);
+            classify(fd, bits, blocks, cached, size);
         }
     }
     s.dev.store(st.st_dev, Relaxed);
@@ -332,30 +329,24 @@ fn look(fd: c_int, s: &Slot) -> bool {
         &[]
     } else {
         // SAFETY: as above; read only from here on.
-        unsafe { std::slice::from_raw_parts(map, blocks.div_ceil(8) as usize) }
+        unsafe { std::slice::from_raw_parts(map, bitmap_len(blocks)) }
     };
-    let flags = if writable { record::WRITABLE } else { 0 }
-        | if map.is_null() && cached > 0 { record::ALL_CACHED } else { 0 };
+    let flags = if writable { lightfoot_record::WRITABLE } else { 0 }
+        | if map.is_null() && cached > 0 { lightfoot_record::ALL_CACHED } else { 0 };
     record::write(fd, &st, size, cached, flags, bits);
     true
 }
 
-/// Sets the bits of the blocks in `[lo, hi)` that hold pages, halving the range while it holds
-/// some: `cached` pages are known to be in it. A failed look counts as cached (keeps pages).
-fn classify(fd: c_int, bits: &mut [u8], lo: u64, hi: u64, cached: u64, size: u64) {
-    if cached == 0 {
-        return;
-    }
-    if hi - lo == 1 {
-        bits[(lo / 8) as usize] |= 1 << (lo % 8);
-        return;
-    }
-    let mid = lo + (hi - lo) / 2;
-    for (a, b) in [(lo, mid), (mid, hi)] {
-        let len = (b << SHIFT).min(size).saturating_sub(a << SHIFT);
-        let n = sys::cached_pages(fd, a << SHIFT, len.max(1)).unwrap_or(1);
-        classify(fd, bits, a, b, n, size);
-    }
+/// Sets the bits of the file's blocks that hold pages (`cached` in all), by
+/// `lightfoot_record::scan`. A failed look counts as one page cached: the halving goes on and
+/// the blocks are taken for cached (their pages kept).
+fn classify(fd: c_int, bits: &mut [u8], blocks: u64, cached: u64, size: u64) {
+    // Clipped to the file: a length of 0 would mean "to the end" to cachestat.
+    let mut look = |off: u64, len: u64| {
+        let len = (off + len).min(size).saturating_sub(off).max(1);
+        Some(sys::cached_pages(fd, off, len).unwrap_or(1))
+    };
+    lightfoot_record::scan(0, blocks, cached, &mut look, &mut |b, _| lightfoot_record::set(bits, b));
 }
 
 /// After a data call on a tracked descriptor that moved bytes `[start, end)`: the blocks it is
@@ -404,7 +395,7 @@ pub fn moved(fd: c_int, s: &Slot, start: u64, end: u64, write: bool) {
 
 /// The length of the bitmap mapping for `blocks` blocks: a bit each, in whole pages.
 fn map_len(blocks: u64) -> usize {
-    (blocks.div_ceil(8) as usize).next_multiple_of(4096)
+    bitmap_len(blocks).next_multiple_of(4096)
 }
 
 fn same_file(fd: c_int, s: &Slot) -> bool {

@@ -7,7 +7,9 @@
 //!   eviction (async-signal-safe: a fixed table of atomics, no allocation, no lock).
 //! - [`record`]: one record per file looked at, for `lightfoot run`'s final sweep, which
 //!   writes back and drops what the program left (dirty pages, files never closed, processes
-//!   that ended by `_exit` or a signal).
+//!   that ended by `_exit` or a signal). The records' format, the 2 MiB block and the scan
+//!   that finds a file's cached blocks are `lightfoot_record`'s (`record/`), which lightfoot
+//!   reads the records with.
 //! - [`sys`]: the library's own system calls (never through the functions it exports).
 //!
 //! Every exported function calls the real one (found with `dlsym(RTLD_NEXT)`), keeps its result
@@ -101,7 +103,7 @@ extern "C" fn init() {
                 }
                 _ => std::ptr::null_mut(),
             };
-            fds::set_budget(bytes >> fds::SHIFT, shared);
+            fds::set_budget(bytes >> lightfoot_record::SHIFT, shared);
         }
     }
     // The standard streams, where they are regular files (a shell's `< in` and `> out`): stdio

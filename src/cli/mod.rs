@@ -11,6 +11,7 @@ mod human;
 mod progress;
 mod run;
 mod serve;
+mod watch;
 
 #[derive(Parser)]
 #[command(
@@ -59,9 +60,9 @@ pub fn run() -> i32 {
     if std::env::args_os().nth(1).is_some_and(|a| a == generate::COMMAND) {
         return generate::run(std::env::args_os().skip(1));
     }
-    // `lightfoot __watch PARENT` is `lightfoot run`'s watcher process (src/run/watch.rs).
-    if std::env::args_os().nth(1).is_some_and(|a| a == lightfoot::run::watch::COMMAND) {
-        return lightfoot::run::watch::main(std::env::args_os().skip(2));
+    // `lightfoot __watch …` is `lightfoot run`'s watcher process, hidden the same way.
+    if std::env::args_os().nth(1).is_some_and(|a| a == watch::COMMAND) {
+        return watch::run(std::env::args_os().skip(1));
     }
     let cli = Cli::parse();
     match cli.command {

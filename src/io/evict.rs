@@ -29,8 +29,9 @@ use std::sync::{Arc, Mutex};
 
 use super::writebehind::Classes;
 
-/// Eviction granularity: the largest folio readahead builds.
-pub const BLOCK: u64 = 2 << 20;
+/// Eviction granularity: the largest folio readahead builds (one definition for lightfoot and
+/// its preload library).
+pub use lightfoot_record::BLOCK;
 
 pub struct EvictBehind {
     /// Evict every block touched, cached before or not (`--cache=drop`).

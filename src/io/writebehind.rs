@@ -30,6 +30,9 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+// The granularity of the pre-cached check: the largest folio (DONTNEED drops whole folios).
+use lightfoot_record::BLOCK;
+
 use super::sys;
 
 pub const WINDOW: u64 = 8 << 20;
@@ -101,9 +104,6 @@ impl Classes {
             || (self.seen.lock().unwrap().contains(&b) && !self.precached.lock().unwrap().contains(&b))
     }
 }
-
-/// Granularity of the pre-cached check: the largest folio (DONTNEED drops whole folios).
-const BLOCK: u64 = 2 << 20;
 
 /// A window with the bytes written into it (in whole pages: a 1 KiB write caches a page),
 /// and whether any of them were written without RWF_DONTCACHE (its pages are then expected

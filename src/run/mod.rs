@@ -2,12 +2,13 @@
 //! children with `LD_PRELOAD`) left in the run directory, and the final sweep after CMD ends.
 //!
 //! The library drops what CMD's reads and writes bring in as CMD goes (evict-behind, at
-//! `close`); it also appends a record per file it looked at to `DIR/files` (the layout is
-//! `preload/src/record.rs`'s). The sweep makes the end state right whatever CMD did: for each
-//! file, from its first record (its first sight), it writes back what is dirty, drops every
-//! 2 MiB block that held no page at first sight, and measures what is left. That covers files
-//! CMD never closed, processes ended by `_exit` or a signal, dirty pages the library could not
-//! drop while their writeback ran, and stdio's reads and writes between `fopen` and `fclose`.
+//! `close`); it also appends a record per file it looked at to `DIR/files` (in the format of
+//! `lightfoot_record`, `record/`, which both sides use). The sweep makes the end state right
+//! whatever CMD did: for each file, from its first record (its first sight), it writes back
+//! what is dirty, drops every 2 MiB block that held no page at first sight, and measures what
+//! is left. That covers files CMD never closed, processes ended by `_exit` or a signal, dirty
+//! pages the library could not drop while their writeback ran, and stdio's reads and writes
+//! between `fopen` and `fclose`.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -15,37 +16,21 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use lightfoot_record::{
+    Header, ALL_CACHED, DONE, NOT_COVERED_EPERM, NOT_COVERED_NOSYS, NOT_COVERED_OTHER, WRITABLE,
+};
+
 use crate::error::{Error, ErrorKind, Op, Result};
 use crate::io::residency;
 use crate::io::sys::{self, Advice};
 
 pub mod watch;
 
-/// The record header, as `preload/src/record.rs` writes it (native byte order, `repr(C)`).
-const HEADER: usize = 64;
-const MAGIC: u32 = u32::from_le_bytes(*b"LFR1");
-pub(crate) const WRITABLE: u32 = 1;
-pub(crate) const NOT_COVERED_EPERM: u32 = 2;
-pub(crate) const NOT_COVERED_NOSYS: u32 = 4;
-pub(crate) const NOT_COVERED_OTHER: u32 = 8;
-pub(crate) const ALL_CACHED: u32 = 16;
-/// What a descriptor moved, written when it was closed: `size` is the bytes read,
-/// `cached_pages` the bytes written, `evicted_pages` the pages its drops took out.
-const DONE: u32 = 32;
-
-/// One record of the library's.
+/// One record of the library's (or a first sight of the watcher's), with its path and bitmap
+/// of its own.
 #[derive(Debug, Clone)]
 pub struct Record {
-    pub flags: u32,
-    pub pid: u32,
-    pub dev: u64,
-    pub ino: u64,
-    /// Bytes at first sight.
-    pub size: u64,
-    pub cached_pages: u64,
-    pub block_shift: u32,
-    /// In a DONE record: the pages the descriptor's drops took out of the cache.
-    pub evicted_pages: u32,
+    pub header: Header,
     pub path: PathBuf,
     /// Blocks that held pages at first sight (bit `b % 8` of byte `b / 8`); empty when none
     /// did (or the file was not covered).
@@ -54,15 +39,15 @@ pub struct Record {
 
 impl Record {
     pub(crate) fn covered(&self) -> bool {
-        self.flags & (NOT_COVERED_EPERM | NOT_COVERED_NOSYS | NOT_COVERED_OTHER) == 0
+        self.header.covered()
     }
 
     /// Whether block `b` held pages at first sight.
     pub(crate) fn was_cached(&self, b: u64) -> bool {
-        if self.flags & ALL_CACHED != 0 {
+        if self.header.flags & ALL_CACHED != 0 {
             return true;
         }
-        self.bits.get((b / 8) as usize).is_some_and(|byte| byte >> (b % 8) & 1 == 1)
+        lightfoot_record::is_set(&self.bits, b)
     }
 
     /// The runs `[start, end)` of blocks below `blocks` that held no page at first sight
@@ -85,11 +70,11 @@ impl Record {
     }
 
     pub(crate) fn why_not_covered(&self) -> Option<&'static str> {
-        if self.flags & NOT_COVERED_EPERM != 0 {
+        if self.header.flags & NOT_COVERED_EPERM != 0 {
             Some("cachestat refused the file (this user may not write it): its residency is unknown, so nothing of it is dropped")
-        } else if self.flags & NOT_COVERED_NOSYS != 0 {
+        } else if self.header.flags & NOT_COVERED_NOSYS != 0 {
             Some("no cachestat on this kernel (Linux 6.5 and later have it)")
-        } else if self.flags & NOT_COVERED_OTHER != 0 {
+        } else if self.header.flags & NOT_COVERED_OTHER != 0 {
             Some("cachestat failed on it")
         } else {
             None
@@ -97,40 +82,15 @@ impl Record {
     }
 }
 
-/// The records in `bytes`, in the order they were written; a torn tail (a process killed in
-/// the middle of its append cannot make one: the append is a single `writev`) is ignored.
+/// The records in `bytes`, in the order they were written (as far as they are whole).
 pub fn parse(bytes: &[u8]) -> Vec<Record> {
-    let u32_at = |b: &[u8], o: usize| u32::from_ne_bytes(b[o..o + 4].try_into().unwrap());
-    let u64_at = |b: &[u8], o: usize| u64::from_ne_bytes(b[o..o + 8].try_into().unwrap());
-    let mut out = Vec::new();
-    let mut at = 0;
-    while bytes.len() - at >= HEADER {
-        let h = &bytes[at..];
-        let len = u32_at(h, 4) as usize;
-        if u32_at(h, 0) != MAGIC || len < HEADER || len > h.len() {
-            break;
-        }
-        let path_len = u32_at(h, 20) as usize;
-        if HEADER + path_len > len {
-            break;
-        }
-        let path =
-            <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&h[HEADER..HEADER + path_len]);
-        out.push(Record {
-            flags: u32_at(h, 8),
-            pid: u32_at(h, 12),
-            dev: u64_at(h, 24),
-            ino: u64_at(h, 32),
-            size: u64_at(h, 40),
-            cached_pages: u64_at(h, 48),
-            block_shift: u32_at(h, 56),
-            evicted_pages: u32_at(h, 60),
-            path: PathBuf::from(path),
-            bits: h[HEADER + path_len..len].to_vec(),
-        });
-        at += len;
-    }
-    out
+    lightfoot_record::records(bytes)
+        .map(|e| Record {
+            header: e.header,
+            path: PathBuf::from(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(e.path)),
+            bits: e.bits.to_vec(),
+        })
+        .collect()
 }
 
 /// What the run did to one file.
@@ -176,20 +136,20 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
     let log = dir.join("files");
     let bytes = std::fs::read(&log).map_err(|e| Error::io(Op::Read, e).path(&log))?;
     let (done, records): (Vec<Record>, Vec<Record>) =
-        parse(&bytes).into_iter().partition(|r| r.flags & DONE != 0);
+        parse(&bytes).into_iter().partition(|r| r.header.flags & DONE != 0);
     let page = sys::page_size() as u64;
     // (read, written, evicted) bytes per file.
     let mut moved: HashMap<(u64, u64), (u64, u64, u64)> = HashMap::new();
     for d in done {
-        let m = moved.entry((d.dev, d.ino)).or_default();
-        m.0 += d.size;
-        m.1 += d.cached_pages;
-        m.2 += u64::from(d.evicted_pages) * page;
+        let m = moved.entry((d.header.dev, d.header.ino)).or_default();
+        m.0 += d.header.size;
+        m.1 += d.header.cached_pages;
+        m.2 += u64::from(d.header.evicted_pages) * page;
     }
     let mut order: Vec<(u64, u64)> = Vec::new();
     let mut by_file: HashMap<(u64, u64), Vec<Record>> = HashMap::new();
     for r in records {
-        let key = (r.dev, r.ino);
+        let key = (r.header.dev, r.header.ino);
         if !by_file.contains_key(&key) {
             order.push(key);
         }
@@ -200,7 +160,7 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
     for mut w in watched {
         if let Some(recs) = by_file.remove(&(w.dev, w.ino)) {
             w.report.opens += recs.len();
-            w.report.written |= recs.iter().any(|r| r.flags & WRITABLE != 0);
+            w.report.written |= recs.iter().any(|r| r.header.flags & WRITABLE != 0);
             w.report.mechanism.push_str(" and evict-behind");
             let (r, wr, ev) = moved.get(&(w.dev, w.ino)).copied().unwrap_or_default();
             (w.report.bytes_read, w.report.bytes_written) = (Some(r), Some(wr));
@@ -223,13 +183,13 @@ pub fn sweep(dir: &Path, watched: Vec<watch::Watched>) -> Result<Vec<FileReport>
     reports.extend(order.into_iter().map(|key| {
         let recs = &by_file[&key];
         let first = &recs[0];
-        let written = recs.iter().any(|r| r.flags & WRITABLE != 0);
+        let written = recs.iter().any(|r| r.header.flags & WRITABLE != 0);
         let mut report = FileReport {
             path: first.path.clone(),
             opens: recs.len(),
             written,
-            size_at_first_sight: first.size,
-            cached_before: first.cached_pages * page,
+            size_at_first_sight: first.header.size,
+            cached_before: first.header.cached_pages * page,
             cached_after: None,
             bytes_read: Some(moved.get(&key).map_or(0, |m| m.0)),
             bytes_written: Some(moved.get(&key).map_or(0, |m| m.1)),
@@ -261,8 +221,9 @@ pub(crate) type Renamed = HashMap<PathBuf, HashMap<(u64, u64), PathBuf>>;
 /// the name it was renamed to in the same directory (rsync, tar and editors write a temporary
 /// name and rename it over the real one once it is written: the record has the temporary one).
 fn locate(first: &Record, renamed: &mut Renamed) -> Option<PathBuf> {
-    let same =
-        |p: &Path| std::fs::symlink_metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == (first.dev, first.ino));
+    let same = |p: &Path| {
+        std::fs::symlink_metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == (first.header.dev, first.header.ino))
+    };
     if same(&first.path) {
         return Some(first.path.clone());
     }
@@ -278,7 +239,7 @@ fn locate(first: &Record, renamed: &mut Renamed) -> Option<PathBuf> {
             })
             .collect()
     });
-    entries.get(&(first.dev, first.ino)).cloned()
+    entries.get(&(first.header.dev, first.header.ino)).cloned()
 }
 
 /// Writes back and drops what one file holds beyond its first sight; where it is, what it
@@ -294,7 +255,7 @@ pub(crate) fn finish_file(
     let path = &path;
     let file = residency::open(path)?;
     let meta = file.metadata().map_err(|e| Error::io(Op::Stat, e).path(path))?;
-    if (meta.dev(), meta.ino()) != (first.dev, first.ino) {
+    if (meta.dev(), meta.ino()) != (first.header.dev, first.header.ino) {
         return Err(Error::new(crate::error::ErrorKind::InvalidInput, Op::Sweep)
             .path(path)
             .detail("replaced by another file while the sweep looked at it: left alone"));
@@ -335,8 +296,8 @@ fn write_back(file: &File, path: &Path) -> Result<()> {
 /// drop is repeated while pages are left, every 20 ms for up to 2 s. Returns the pages it took
 /// out (what the runs held before, less what they hold after).
 fn drop_new_blocks(file: &File, first: &Record) -> u64 {
-    let shift = first.block_shift;
-    let blocks = first.size.div_ceil(1 << shift);
+    let shift = first.header.block_shift;
+    let blocks = first.header.size.div_ceil(1 << shift);
     // (offset, len), len 0: to the end; a run reaching the first sight's end goes on to it.
     let mut runs: Vec<(u64, u64)> =
         first.new_runs(blocks).into_iter().map(|(s, e)| (s << shift, (e - s) << shift)).collect();
@@ -425,19 +386,9 @@ mod tests {
     use super::*;
 
     fn record(flags: u32, path: &str, bits: &[u8]) -> Vec<u8> {
-        let mut v = Vec::new();
-        let len = (HEADER + path.len() + bits.len()) as u32;
-        for x in [MAGIC, len, flags, 42, 7, path.len() as u32] {
-            v.extend_from_slice(&x.to_ne_bytes());
-        }
-        for x in [3u64, 99, 6 << 20, 10] {
-            v.extend_from_slice(&x.to_ne_bytes());
-        }
-        v.extend_from_slice(&21u32.to_ne_bytes());
-        v.extend_from_slice(&0u32.to_ne_bytes());
-        v.extend_from_slice(path.as_bytes());
-        v.extend_from_slice(bits);
-        v
+        let mut h = lightfoot_record::Header::new(flags, 42, 7, 3, 99, path.len(), bits.len());
+        (h.size, h.cached_pages) = (6 << 20, 10);
+        [&h.encode()[..], path.as_bytes(), bits].concat()
     }
 
     #[test]
@@ -449,7 +400,7 @@ mod tests {
         let r = parse(&bytes);
         assert_eq!(r.len(), 2, "{whole}");
         assert_eq!(
-            (r[0].path.to_str(), r[0].pid, r[0].dev, r[0].ino, r[0].size),
+            (r[0].path.to_str(), r[0].header.pid, r[0].header.dev, r[0].header.ino, r[0].header.size),
             (Some("/a/b"), 42, 3, 99, 6 << 20)
         );
         assert!(r[0].was_cached(0) && !r[0].was_cached(1) && r[0].was_cached(2) && !r[0].was_cached(3));
@@ -457,7 +408,7 @@ mod tests {
         assert_eq!(r[0].new_runs(3), vec![(1, 2)]);
         assert!(r[0].covered() && !r[1].covered());
         assert!(r[1].why_not_covered().unwrap().contains("cachestat refused"));
-        let all = Record { flags: ALL_CACHED, ..r[1].clone() };
+        let all = Record { header: Header { flags: ALL_CACHED, ..r[1].header }, ..r[1].clone() };
         assert!(all.was_cached(1000));
     }
 }

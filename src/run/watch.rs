@@ -1,9 +1,13 @@
 //! The watcher: what the preload library cannot see (statically linked programs, Go programs
 //! such as restic, mmap, io_uring, programs that clear their environment, setuid programs).
 //!
-//! It runs as a process of its own (`lightfoot __watch PARENT mounts [MAX_CACHE]`), started by
-//! `lightfoot run` before CMD, in a process group of its own: a terminal's Ctrl-Z stops CMD and
-//! `lightfoot run`, never the watcher, which CMD's opens wait for.
+//! It runs as a process of its own (`lightfoot __watch PARENT mounts|filesystems [MAX_CACHE]`,
+//! src/cli/watch.rs), started by `lightfoot run` before CMD, in a process group of its own: a
+//! terminal's Ctrl-Z stops CMD and `lightfoot run`, never the watcher, which CMD's opens wait
+//! for. [`Watcher`] is `lightfoot run`'s end of it, [`Watch`] the work the process does. They
+//! talk through the process's stdout: a first line, [`READY`] and the watched mount points as
+//! JSON once the marks are in place (or [`FAILED`] and why), and when `lightfoot run` closes
+//! its stdin, the [`Outcome`] as one line of JSON.
 //!
 //! - **Which files.** `lightfoot run` (and so CMD) has a mount namespace of its own, a copy of
 //!   the caller's. A fanotify group marks each of its mounts that has a page cache of its own
@@ -27,11 +31,11 @@
 //! - **At the end** (`lightfoot run` closes the watcher's stdin when CMD has ended), each file
 //!   is written back and dropped as in the final sweep, through the watcher's own descriptor
 //!   (so files renamed to another directory, as restic does with its packs, are still found),
-//!   and reported on stdout as JSON.
+//!   and reported.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::io::{BufRead, Read, Write};
+use std::io::{BufRead, Read};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
@@ -42,18 +46,22 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{FileReport, Record, ALL_CACHED, NOT_COVERED_NOSYS, NOT_COVERED_OTHER};
+use lightfoot_record::{Header, ALL_CACHED, BLOCK, SHIFT};
+
+use super::{FileReport, Record};
 use crate::error::{io_message, Error, ErrorKind, Op, Result};
 use crate::io::sys::{self, Advice, FanEvent, Fanotify};
 
 /// The hidden subcommand the watcher process runs as.
 pub const COMMAND: &str = "__watch";
 
+/// The start of the watcher's first line once it watches: the mount points follow, as JSON.
+pub const READY: &str = "ready ";
+/// The start of its first line when it could not start: the error follows.
+pub const FAILED: &str = "error: ";
+
 /// How often the watcher looks at the files CMD has open.
 pub const TICK: Duration = Duration::from_millis(20);
-
-const SHIFT: u32 = 21;
-const BLOCK: u64 = 1 << SHIFT;
 
 /// File system types with no page cache worth watching (or none at all).
 const SKIPPED_TYPES: &[&str] = &[
@@ -119,7 +127,7 @@ impl Watcher {
         let mut child = Command::new(exe)
             .arg(COMMAND)
             .arg(std::process::id().to_string())
-            .arg(if private { "mounts" } else { "filesystems" })
+            .arg(if private { Marks::Mounts } else { Marks::Filesystems }.as_str())
             .args(max_cache.map(|m| m.to_string()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -129,10 +137,12 @@ impl Watcher {
         let mut line = String::new();
         let mut out = std::io::BufReader::new(child.stdout.as_mut().expect("piped"));
         let _ = out.read_line(&mut line);
-        let Some(list) = line.strip_prefix("ready ") else {
+        let Some(list) = line.strip_prefix(READY) else {
             let _ = child.kill();
             let _ = child.wait();
-            let why = line.trim().strip_prefix("error: ").unwrap_or("it ended before it was ready");
+            let why = line.trim().strip_prefix(FAILED).unwrap_or("it ended before it was ready");
+            // The watcher's error names its operation already ("watcher: …"): not twice.
+            let why = why.strip_prefix(Op::Watch.as_str()).and_then(|w| w.strip_prefix(": ")).unwrap_or(why);
             return Err(Error::new(ErrorKind::Io, Op::Watch).detail(why));
         };
         let filesystems = serde_json::from_str(list).unwrap_or_default();
@@ -168,74 +178,107 @@ impl Watcher {
     }
 }
 
-/// `lightfoot __watch PARENT mounts|filesystems [MAX_CACHE]`: the watcher process's main.
-pub fn main(mut args: impl Iterator<Item = std::ffi::OsString>) -> i32 {
-    let parent: Option<u32> = args.next().and_then(|a| a.to_str()?.parse().ok());
-    let what = args.next();
-    let (Some(parent), Some(whole)) = (
-        parent,
-        what.and_then(|w| match w.to_str()? {
-            "mounts" => Some(false),
-            "filesystems" => Some(true),
-            _ => None,
-        }),
-    ) else {
-        eprintln!("usage: lightfoot {COMMAND} PARENT_PID mounts|filesystems [MAX_CACHE_BYTES] (started by lightfoot run)");
-        return 2;
-    };
-    let bounded = args.next().is_some();
-    let mut stdout = std::io::stdout();
-    let fan = match Fanotify::new() {
-        Ok(f) => f,
-        Err(e) => {
-            let _ = writeln!(stdout, "error: fanotify: {} (the watcher needs root)", io_message(&e));
-            return 1;
+/// What the watcher marks (its second argument).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Marks {
+    /// Every mount with a page cache of this mount namespace, one of `lightfoot run`'s own:
+    /// only the opens made in it wait for the watcher.
+    Mounts,
+    /// Every file system with a page cache, once each (no mount namespace could be made):
+    /// every open on the host waits.
+    Filesystems,
+}
+
+impl Marks {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Marks::Mounts => "mounts",
+            Marks::Filesystems => "filesystems",
         }
-    };
-    // The files CMD inherits from `lightfoot run` (shell redirections) are never opened by it:
-    // their first sight is now, before the marks (opening them afterwards would wait on
-    // ourselves).
-    let mut inherited = Vec::new();
-    for n in 0..3 {
-        if let Ok(f) = File::open(format!("/proc/{parent}/fd/{n}")) {
-            if f.metadata().is_ok_and(|m| m.is_file()) {
-                inherited.push(first_sight(OwnedFd::from(f), parent));
+    }
+}
+
+impl std::str::FromStr for Marks {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Marks> {
+        match s {
+            "mounts" => Ok(Marks::Mounts),
+            "filesystems" => Ok(Marks::Filesystems),
+            _ => Err(Error::invalid(Op::Parse, format!("'{s}': not mounts or filesystems"))),
+        }
+    }
+}
+
+/// The watcher process at work: its marks, the thread that answers opens and the one that
+/// drops what CMD's tree brings in.
+pub struct Watch {
+    filesystems: Vec<PathBuf>,
+    notes: Vec<String>,
+    stop: Arc<AtomicBool>,
+    handler: std::thread::JoinHandle<Result<()>>,
+    scanner: std::thread::JoinHandle<Vec<Tracked>>,
+}
+
+impl Watch {
+    /// Starts watching the tree of `parent` (`lightfoot run`): the first sight of the files it
+    /// holds as its standard streams, then the marks, then the two threads. `bounded`:
+    /// `--max-cache` was given. Fails if fanotify is refused (it needs root) or no file system
+    /// could be marked.
+    pub fn start(parent: u32, marks: Marks, bounded: bool) -> Result<Watch> {
+        let fan =
+            Fanotify::new().map_err(|e| Error::io(Op::Watch, e).detail("fanotify, which needs root"))?;
+        // The files CMD inherits from `lightfoot run` (shell redirections) are never opened by
+        // it: their first sight is now, before the marks (opening them afterwards would wait on
+        // ourselves).
+        let mut inherited = Vec::new();
+        for n in 0..3 {
+            if let Ok(f) = File::open(format!("/proc/{parent}/fd/{n}")) {
+                if f.metadata().is_ok_and(|m| m.is_file()) {
+                    inherited.push(first_sight(OwnedFd::from(f), parent));
+                }
             }
         }
+        let (filesystems, notes) = mark_filesystems(&fan, marks == Marks::Filesystems);
+        if filesystems.is_empty() {
+            return Err(Error::new(ErrorKind::NotFound, Op::Watch)
+                .detail(format!("no file system could be watched: {}", notes.join("; "))));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        for s in inherited {
+            let _ = tx.send(Msg::Seen(Box::new(s)));
+        }
+        let handler = {
+            let stop = stop.clone();
+            std::thread::spawn(move || handle_events(fan, parent, tx, &stop))
+        };
+        // The scanner ends when the handler has ended and its messages are read.
+        let scanner = std::thread::spawn(move || scan(rx, bounded));
+        Ok(Watch { filesystems, notes, stop, handler, scanner })
     }
-    let (filesystems, mut notes) = mark_filesystems(&fan, whole);
-    if filesystems.is_empty() {
-        let _ = writeln!(stdout, "error: no file system could be watched: {}", notes.join("; "));
-        return 1;
+
+    /// The mount points whose file systems are watched.
+    pub fn filesystems(&self) -> &[PathBuf] {
+        &self.filesystems
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    let (tx, rx) = mpsc::channel();
-    for s in inherited {
-        let _ = tx.send(Msg::Seen(Box::new(s)));
+
+    /// Stops watching (CMD has ended): the marks go, opens still waiting are let through, and
+    /// every file is written back and dropped to its first sight; the report.
+    pub fn finish(self) -> Outcome {
+        let Watch { filesystems, mut notes, stop, handler, scanner } = self;
+        stop.store(true, Ordering::Release);
+        match handler.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => notes.push(e.to_string()),
+            Err(_) => notes.push("the event handler panicked".into()),
+        }
+        let files = scanner.join().map(finish_all).unwrap_or_else(|_| {
+            notes.push("the scanner panicked".into());
+            Vec::new()
+        });
+        Outcome { filesystems, notes, files }
     }
-    let handler = {
-        let stop = stop.clone();
-        std::thread::spawn(move || handle_events(fan, parent, tx, &stop))
-    };
-    // The scanner ends when the handler has ended and its messages are read.
-    let scanner = std::thread::spawn(move || scan(rx, bounded));
-    let _ = writeln!(stdout, "ready {}", serde_json::to_string(&filesystems).unwrap_or_default());
-    let _ = stdout.flush();
-    // CMD's end: `lightfoot run` closes our stdin (or dies, which closes it too).
-    let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
-    stop.store(true, Ordering::Release);
-    match handler.join() {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => notes.push(e.to_string()),
-        Err(_) => notes.push("the event handler panicked".into()),
-    }
-    let files = scanner.join().map(finish_all).unwrap_or_else(|_| {
-        notes.push("the scanner panicked".into());
-        Vec::new()
-    });
-    let outcome = Outcome { filesystems, notes, files };
-    let _ = writeln!(stdout, "{}", serde_json::to_string(&outcome).unwrap_or_default());
-    0
 }
 
 /// Marks every file system with a page cache, once each (`whole`), or every mount of one in
@@ -401,29 +444,23 @@ fn first_sight(fd: OwnedFd, pid: u32) -> Sight {
     let (dev, ino, size) = meta.as_ref().map_or((0, 0, 0), |m| (m.dev(), m.ino(), m.len()));
     let path = path_of(&file).unwrap_or_default();
     let blocks = size.div_ceil(BLOCK);
-    let mut bits = vec![0u8; blocks.div_ceil(8) as usize];
+    let mut bits = vec![0u8; lightfoot_record::bitmap_len(blocks)];
     let mut flags = 0;
     let mut cached_pages = 0;
     match sys::cachestat(file.as_fd(), 0, 0) {
         Ok(c) => {
             cached_pages = c.cached;
-            let mut held = Vec::new();
             // A failed look: taken for cached, so nothing of the file is ever dropped.
-            if !resident_within(&file, 0, blocks.max(1), c, &mut held) {
+            if !resident(&file, 0, blocks.max(1), c, |b, _| lightfoot_record::set(&mut bits, b)) {
                 flags |= ALL_CACHED;
             }
-            for (b, _) in held {
-                if let Some(byte) = bits.get_mut((b / 8) as usize) {
-                    *byte |= 1 << (b % 8);
-                }
-            }
         }
-        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => flags |= NOT_COVERED_NOSYS,
-        Err(_) => flags |= NOT_COVERED_OTHER,
+        Err(e) => flags |= lightfoot_record::not_covered(e.raw_os_error().unwrap_or(0), false),
     }
-    let record =
-        Record { flags, pid, dev, ino, size, cached_pages, block_shift: SHIFT, evicted_pages: 0, path, bits };
-    Sight { record, fd: OwnedFd::from(file) }
+    // As the library would record it (the descriptor: the watcher's own).
+    let mut header = Header::new(flags, pid, file.as_raw_fd(), dev, ino, path.as_os_str().len(), bits.len());
+    (header.size, header.cached_pages) = (size, cached_pages);
+    Sight { record: Record { header, path, bits }, fd: OwnedFd::from(file) }
 }
 
 /// A file of the tree's, as the scanner keeps it.
@@ -464,8 +501,8 @@ fn scan(rx: mpsc::Receiver<Msg>, bounded: bool) -> Vec<Tracked> {
             };
             match msg {
                 Msg::Seen(s) => {
-                    let key = (s.record.dev, s.record.ino);
-                    pids.insert(s.record.pid);
+                    let key = (s.record.header.dev, s.record.header.ino);
+                    pids.insert(s.record.header.pid);
                     order.push(key);
                     files.insert(
                         key,
@@ -552,17 +589,17 @@ fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64, bounded: bool) {
     }
     let size = file.metadata().map_or(0, |m| m.len());
     let blocks = size.div_ceil(BLOCK);
-    let mut resident = Vec::new();
+    let mut held_pages = Vec::new();
     for (start, end) in t.record.new_runs(blocks) {
         if let Ok(c) = sys::cachestat(file.as_fd(), start << SHIFT, (end - start) << SHIFT) {
-            let _ = resident_within(file, start, end, c, &mut resident);
+            let _ = resident(file, start, end, c, |b, c| held_pages.push((b, c)));
         }
     }
     let held =
         |b: u64| window.is_some_and(|w| w.iter().any(|&p| b + 1 >= p >> SHIFT && b <= (p + ahead) >> SHIFT));
     let mut left = 0;
     let mut waiting = HashSet::new();
-    for (b, c) in resident {
+    for (b, c) in held_pages {
         if held(b) {
             continue;
         }
@@ -603,31 +640,24 @@ fn step(t: &mut Tracked, window: Option<&Vec<u64>>, ahead: u64, bounded: bool) {
     }
 }
 
-/// The blocks in `[lo, hi)`, whose counts are `c`, that hold pages, with their counts, halving
-/// ranges that hold some; false if a look failed (those blocks are then not listed).
-fn resident_within(
+/// Calls `found` for each block in `[lo, hi)`, whose counts are `c`, that holds pages, with its
+/// counts (`lightfoot_record::scan`); false if a look failed (those blocks are then not
+/// reported).
+fn resident(
     file: &File,
     lo: u64,
     hi: u64,
     c: sys::CacheStat,
-    out: &mut Vec<(u64, sys::CacheStat)>,
+    mut found: impl FnMut(u64, sys::CacheStat),
 ) -> bool {
-    if c.cached == 0 {
-        return true;
+    let mut look = |off, len| sys::cachestat(file.as_fd(), off, len).ok();
+    lightfoot_record::scan(lo, hi, c, &mut look, &mut found)
+}
+
+impl lightfoot_record::Counts for sys::CacheStat {
+    fn cached(&self) -> u64 {
+        self.cached
     }
-    if hi - lo == 1 {
-        out.push((lo, c));
-        return true;
-    }
-    let mid = lo + (hi - lo) / 2;
-    let mut all = true;
-    for (a, b) in [(lo, mid), (mid, hi)] {
-        all &= match sys::cachestat(file.as_fd(), a << SHIFT, (b - a) << SHIFT) {
-            Ok(c) => resident_within(file, a, b, c, out),
-            Err(_) => false,
-        };
-    }
-    all
 }
 
 /// The end: every file written back and dropped to its first sight, and measured.
@@ -642,8 +672,8 @@ fn finish_all(files: Vec<Tracked>) -> Vec<Watched> {
                 path: r.path.clone(),
                 opens: t.opens,
                 written: t.written,
-                size_at_first_sight: r.size,
-                cached_before: r.cached_pages * page,
+                size_at_first_sight: r.header.size,
+                cached_before: r.header.cached_pages * page,
                 cached_after: t.left_when_closed,
                 bytes_read: None,
                 bytes_written: None,
@@ -675,7 +705,7 @@ fn finish_all(files: Vec<Tracked>) -> Vec<Watched> {
                 }
                 Err(e) => report.note = Some(e.to_string()),
             }
-            Watched { dev: r.dev, ino: r.ino, report }
+            Watched { dev: r.header.dev, ino: r.header.ino, report }
         })
         .collect()
 }
