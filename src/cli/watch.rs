@@ -1,5 +1,5 @@
 //! `lightfoot __watch PARENT mounts|filesystems [MAX_CACHE]`: the watcher process that
-//! `lightfoot run` starts as root (src/run/watch.rs says what it does). Its stdout is how it
+//! `lightfoot run` starts as root (src/run/watch/ says what it does). Its stdout is how it
 //! talks to `lightfoot run`: a first line once its marks are in place (or why it could not
 //! start), then the report when its stdin is closed (CMD has ended).
 //!
