@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use clap::Args;
 use lightfoot::backend::s3::Requests;
-use lightfoot::copy::endpoint::{open_destination, open_source, parse_endpoints, parse_size, DestOptions};
+use lightfoot::copy::endpoint::{parse_endpoints, parse_size};
+use lightfoot::copy::open::{open_destination, open_source, DestOptions};
 use lightfoot::copy::plan::Asked;
 use lightfoot::copy::{copy, Endpoint, Opened, Plan, Progress};
 use lightfoot::io::residency;
