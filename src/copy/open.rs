@@ -6,7 +6,7 @@
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::Endpoint;
@@ -15,15 +15,11 @@ use crate::backend::{Backend, FileBackend, NbdBackend, NullBackend, PipeBackend,
 use crate::error::{Error, ErrorKind, Op, Result};
 use crate::io::{CacheMode, OpenOptions, Tuning};
 
-/// An endpoint opened for a copy.
+/// An endpoint opened for a copy. What the CLI reports of it (mechanism, page cache, requests
+/// to object storage, how a captive server ended) it asks the backend through the [`Backend`]
+/// trait.
 pub struct Opened {
     pub backend: Arc<dyn Backend>,
-    /// The same backend when it is a file or device (for footprint figures and file steps).
-    pub file: Option<Arc<FileBackend>>,
-    /// The same backend when it is an NBD server (to say how a captive server ended).
-    pub nbd: Option<Arc<NbdBackend>>,
-    /// The same backend when it is in object storage (for its request counts).
-    pub s3: Option<Arc<S3Backend>>,
     /// The destination file did not exist before the job.
     pub created: bool,
     /// The destination reads as zeroes where not written.
@@ -31,9 +27,19 @@ pub struct Opened {
     /// What the endpoint is on this machine, when it is a file or block device (standard
     /// input included): see [`identity`].
     pub id: Option<(u64, u64)>,
+    /// A file or device: what the checks after the copy need.
+    on_disk: Option<OnDisk>,
     /// A block device destination held open with `O_EXCL` for the whole copy: the kernel then
     /// refuses to mount it (and refused the copy if it was mounted).
     _claim: Option<std::fs::File>,
+}
+
+/// A file or device endpoint as [`Opened::check_size_unchanged`] and [`Opened::sync_parent`]
+/// need it: its path, and a descriptor of its own onto the backend's open file (a dup, so it
+/// is the file copied even if the path now leads elsewhere).
+struct OnDisk {
+    path: PathBuf,
+    file: std::fs::File,
 }
 
 /// Which file or device `meta` describes: a block device by its device number (two device
@@ -48,32 +54,18 @@ pub fn identity(meta: &std::fs::Metadata) -> (u64, u64) {
 
 impl Opened {
     fn plain(backend: Arc<dyn Backend>, zeroed: bool) -> Opened {
-        Opened { backend, file: None, nbd: None, s3: None, created: false, zeroed, id: None, _claim: None }
-    }
-
-    fn nbd(backend: NbdBackend, zeroed: bool) -> Opened {
-        let nbd = Arc::new(backend);
-        Opened { nbd: Some(nbd.clone()), ..Opened::plain(nbd, zeroed) }
-    }
-
-    fn s3(backend: S3Backend, zeroed: bool) -> Opened {
-        let s3 = Arc::new(backend);
-        Opened { s3: Some(s3.clone()), ..Opened::plain(s3, zeroed) }
+        Opened { backend, created: false, zeroed, id: None, on_disk: None, _claim: None }
     }
 
     fn file(file: FileBackend, created: bool, zeroed: bool) -> Result<Opened> {
-        let meta =
-            file.policy().file().metadata().map_err(|e| Error::io(Op::Stat, e).path(file.policy().path()))?;
-        let file = Arc::new(file);
+        let path = file.policy().path().to_path_buf();
+        let dup = file.policy().file().try_clone().map_err(|e| Error::io(Op::Open, e).path(&path))?;
+        let meta = dup.metadata().map_err(|e| Error::io(Op::Stat, e).path(&path))?;
         Ok(Opened {
-            backend: file.clone(),
-            file: Some(file),
-            nbd: None,
-            s3: None,
-            created,
-            zeroed,
             id: Some(identity(&meta)),
-            _claim: None,
+            created,
+            on_disk: Some(OnDisk { path, file: dup }),
+            ..Opened::plain(Arc::new(file), zeroed)
         })
     }
 
@@ -82,9 +74,8 @@ impl Opened {
     /// file), so zeroes were copied for bytes it no longer has. A file that grew is only
     /// warned about: the copy holds its first `size` bytes.
     pub fn check_size_unchanged(&self, size: Option<u64>) -> Result<()> {
-        let (Some(f), Some(size)) = (&self.file, size) else { return Ok(()) };
-        let path = f.policy().path();
-        let meta = f.policy().file().metadata().map_err(|e| Error::io(Op::Stat, e).path(path))?;
+        let (Some(OnDisk { path, file }), Some(size)) = (&self.on_disk, size) else { return Ok(()) };
+        let meta = file.metadata().map_err(|e| Error::io(Op::Stat, e).path(path))?;
         if !meta.is_file() {
             return Ok(());
         }
@@ -106,13 +97,12 @@ impl Opened {
 
     /// After a new file was made durable: makes its directory entry durable too.
     pub fn sync_parent(&self) -> Result<()> {
-        let Some(f) = &self.file else { return Ok(()) };
+        let Some(OnDisk { path, .. }) = &self.on_disk else { return Ok(()) };
         if !self.created {
             return Ok(());
         }
         // The entry made is where the path leads: through a symlink, another directory.
-        let path =
-            std::fs::canonicalize(f.policy().path()).unwrap_or_else(|_| f.policy().path().to_path_buf());
+        let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.clone());
         let parent = match path.parent() {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),
@@ -132,10 +122,13 @@ pub fn open_source(
     s3: &S3Options,
 ) -> Result<Opened> {
     match ep {
-        Endpoint::S3(u) => {
-            Ok(Opened::s3(S3Backend::open(u, &S3Options { writable: false, ..s3.clone() })?, false))
+        Endpoint::S3(u) => Ok(Opened::plain(
+            Arc::new(S3Backend::open(u, &S3Options { writable: false, ..s3.clone() })?),
+            false,
+        )),
+        Endpoint::Nbd(t) => {
+            Ok(Opened::plain(Arc::new(NbdBackend::open(t, connections)?.keeping_extents()), false))
         }
-        Endpoint::Nbd(t) => Ok(Opened::nbd(NbdBackend::open(t, connections)?.keeping_extents(), false)),
         Endpoint::Stdio => {
             let mut o = Opened::plain(Arc::new(PipeBackend::stdin()?), false);
             // Standard input redirected from a file or device: known, so that it is never
@@ -194,7 +187,7 @@ pub struct DestOptions {
 fn open_s3_destination(u: &S3Uri, size: Option<u64>, opts: &DestOptions) -> Result<Opened> {
     let Some(object_size) = opts.s3.object_size else {
         // One object: every byte is sent, zeroes included (it does not read as zeroes).
-        return Ok(Opened::s3(S3Backend::create_object(u, size, &opts.s3)?, false));
+        return Ok(Opened::plain(Arc::new(S3Backend::create_object(u, size, &opts.s3)?), false));
     };
     let Some(size) = size else {
         return Err(Error::new(ErrorKind::InvalidInput, Op::Open)
@@ -212,7 +205,7 @@ fn open_s3_destination(u: &S3Uri, size: Option<u64>, opts: &DestOptions) -> Resu
         &S3Options { writable: true, size: Some(size), object_size: Some(object_size), ..opts.s3.clone() },
     )?;
     let zeroed = opts.destination_is_zero || b.is_empty();
-    Ok(Opened::s3(b, zeroed))
+    Ok(Opened::plain(Arc::new(b), zeroed))
 }
 
 /// Opens the destination. A regular file is created or truncated to `size` (so it reads as
@@ -233,7 +226,7 @@ pub fn open_destination(
         Endpoint::Nbd(t) => {
             let b = NbdBackend::open(t, opts.connections)?;
             let zeroed = prepare_nbd_destination(&b, size, opts)?;
-            Ok(Opened::nbd(b, zeroed))
+            Ok(Opened::plain(Arc::new(b), zeroed))
         }
         Endpoint::Path(p) => {
             let existing = match std::fs::metadata(p) {

@@ -32,7 +32,7 @@ use object_store::{PutMode, UpdateVersion};
 pub use config::{S3Config, S3Uri};
 pub use store::{Limits, Requests, Store};
 
-use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
+use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, Report, ZeroFlags};
 use crate::error::{Error, ErrorKind, Op, Result};
 
 /// The manifest of a block image, `KEY/lightfoot.json`. Named so that nbdkit's S3 plugin never
@@ -291,11 +291,6 @@ impl S3Backend {
         if let Layout::Blocks { lease: Some(l), .. } = &self.layout {
             l.release();
         }
-    }
-
-    /// The requests made so far.
-    pub fn requests(&self) -> Requests {
-        self.store.counters.snapshot()
     }
 
     /// A block image with no objects (new, or wholly trimmed): it reads as zeroes.
@@ -688,6 +683,11 @@ impl Backend for S3Backend {
 
     fn cache_info(&self) -> Option<CacheInfo> {
         None
+    }
+
+    /// The requests made so far.
+    fn report(&self) -> Report {
+        Report { requests: Some(self.store.counters.snapshot()), server_ended: None }
     }
 
     /// An upload completes if every byte was written (a copy with `--no-flush`), and is
