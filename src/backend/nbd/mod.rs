@@ -5,8 +5,9 @@
 //!
 //! - [`handshake`]: fixed newstyle negotiation: structured replies, `base:allocation`, GO with
 //!   block sizes.
-//! - [`conn`]: one connection shared by many threads, each with a request in flight; replies
-//!   are read straight into the caller's buffer.
+//! - [`conn`]: one connection shared by many threads, each with a request in flight, taking
+//!   turns to read the replies; `reply`: reading one reply straight into the caller's buffer,
+//!   and the checks that refuse a hostile server's.
 //! - [`NbdBackend`]: one or more connections (more only when the server advertises
 //!   `CAN_MULTI_CONN`), requests split to the server's maximum size, extents from
 //!   `base:allocation`, zeroing with `WRITE_ZEROES` (`FAST_ZERO` when asked), never `TRIM`
@@ -23,6 +24,7 @@ pub mod conn;
 mod extents;
 pub mod handshake;
 mod interrupt;
+mod reply;
 pub mod uri;
 
 use std::net::TcpStream;
