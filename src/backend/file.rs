@@ -8,7 +8,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
+use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, Report, ZeroFlags};
 use crate::error::{Error, ErrorKind, Op, Result};
 use crate::io::{sys, CacheMode, FileJob, OpenOptions, PolicyFile, Tuning};
 
@@ -323,8 +323,12 @@ impl Backend for FileBackend {
     }
 
     fn cache_info(&self) -> Option<CacheInfo> {
-        let stat = self.file.cache_stat()?;
+        let stat = self.file.cache_stat();
         Some(CacheInfo { page_size: sys::page_size() as u64, stat, mechanism: self.file.mechanism() })
+    }
+
+    fn report(&self) -> Report {
+        Report::default()
     }
 
     fn finish(&self) -> Result<()> {

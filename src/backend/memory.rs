@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::RwLock;
 
-use super::{Backend, CacheInfo, Caps, Extent, ZeroFlags};
+use super::{Backend, CacheInfo, Caps, Extent, Report, ZeroFlags};
 use crate::error::Result;
 
 const PAGE: u64 = 64 << 10;
@@ -150,6 +150,10 @@ impl Backend for MemoryBackend {
 
     fn cache_info(&self) -> Option<CacheInfo> {
         None
+    }
+
+    fn report(&self) -> Report {
+        Report::default()
     }
 
     fn finish(&self) -> Result<()> {

@@ -141,12 +141,26 @@ macro_rules! writes_leave_at_once {
 }
 pub(crate) use writes_leave_at_once;
 
-/// Page-cache footprint of a backend's file, where it has one.
+/// How a backend's file goes through the page cache, where it has one.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CacheInfo {
     pub page_size: u64,
-    pub stat: CacheStat,
+    /// The file's page-cache footprint, where the kernel tells (`cachestat`, Linux 6.5).
+    pub stat: Option<CacheStat>,
     pub mechanism: Mechanism,
+}
+
+/// What a backend has to tell the user besides its bytes and its page cache
+/// ([`Backend::report`]): the CLI prints it after a copy and with `serve --stats`.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    /// Requests made to object storage, by type, and bytes moved (`s3://`).
+    pub requests: Option<s3::Requests>,
+    /// How a captive NBD server ended, if it ended on its own. Worth saying after a failed
+    /// job only, where a server that died shows as a lost connection otherwise (after a job
+    /// that went well, a server may have quit on its own once the client left, as qemu-nbd
+    /// does).
+    pub server_ended: Option<String>,
 }
 
 /// Everything that holds bytes. All methods take `&self`: backends are shared between
@@ -217,8 +231,12 @@ pub trait Backend: Send + Sync {
     /// `offset`, at least one, together no longer than `len`.
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>>;
 
-    /// The page-cache footprint and mechanism, for backends over a file.
+    /// The mechanism and page-cache footprint, for backends over a file.
     fn cache_info(&self) -> Option<CacheInfo>;
+
+    /// What there is to tell the user besides bytes and cache ([`Report`]). Asked at any
+    /// time; how a captive server ended is known once [`Backend::finish`] has run.
+    fn report(&self) -> Report;
 
     /// End of the job: waits for and evicts what the cache policy says must go. Also done
     /// on drop; calling it reports the errors.

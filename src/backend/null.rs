@@ -1,7 +1,7 @@
 //! `null:`: reads zeroes, discards writes. As a copy destination it measures the source side
 //! alone; `null:SIZE` gives it a size (default: as large as anything it is asked to take).
 
-use super::{Backend, CacheInfo, Caps, Extent, ZeroFlags};
+use super::{Backend, CacheInfo, Caps, Extent, Report, ZeroFlags};
 use crate::error::Result;
 
 pub struct NullBackend {
@@ -82,6 +82,10 @@ impl Backend for NullBackend {
 
     fn cache_info(&self) -> Option<CacheInfo> {
         None
+    }
+
+    fn report(&self) -> Report {
+        Report::default()
     }
 
     fn finish(&self) -> Result<()> {

@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::sync::Mutex;
 
-use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
+use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, Report, ZeroFlags};
 use crate::error::{Error, ErrorKind, Op, Result};
 
 pub struct PipeBackend {
@@ -154,6 +154,10 @@ impl Backend for PipeBackend {
 
     fn cache_info(&self) -> Option<CacheInfo> {
         None
+    }
+
+    fn report(&self) -> Report {
+        Report::default()
     }
 
     fn finish(&self) -> Result<()> {

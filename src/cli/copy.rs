@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use clap::Args;
 use lightfoot::backend::s3::Requests;
-use lightfoot::copy::endpoint::{open_destination, open_source, parse_endpoints, parse_size, DestOptions};
+use lightfoot::copy::endpoint::{parse_endpoints, parse_size};
+use lightfoot::copy::open::{open_destination, open_source, DestOptions};
 use lightfoot::copy::plan::Asked;
 use lightfoot::copy::{copy, Endpoint, Opened, Plan, Progress};
 use lightfoot::io::residency;
@@ -235,11 +236,12 @@ struct Summary {
 
 impl Side {
     /// `opened`'s side of the summary: its cache figures before the job and after it (what
-    /// [`cached_of`] gives).
+    /// [`cached_of`] gives), and its requests to object storage (from its `report`).
     fn of(
         opened: &Opened,
         before: Option<u64>,
         after: (Option<u64>, Option<CacheStat>, Option<Mechanism>),
+        requests: Option<Requests>,
     ) -> Side {
         Side {
             name: opened.backend.name().to_string(),
@@ -247,7 +249,7 @@ impl Side {
             cached_before: before,
             cached_after: after.0,
             stat_after: after.1,
-            requests: opened.s3.as_ref().map(|b| b.requests()),
+            requests,
         }
     }
 }
@@ -261,8 +263,8 @@ fn cached_now(ep: &Endpoint) -> Option<u64> {
 
 fn cached_of(opened: &Opened) -> (Option<u64>, Option<CacheStat>, Option<Mechanism>) {
     match opened.backend.cache_info() {
-        Some(ci) => (Some(ci.stat.cached * ci.page_size), Some(ci.stat), Some(ci.mechanism)),
-        None => (None, None, opened.file.as_ref().map(|f| f.policy().mechanism())),
+        Some(ci) => (ci.stat.map(|s| s.cached * ci.page_size), ci.stat, Some(ci.mechanism)),
+        None => (None, None, None),
     }
 }
 
@@ -371,8 +373,9 @@ pub fn run(args: CopyArgs) -> i32 {
     // A captive server that died mid-copy shows as a lost connection: say how it ended. The
     // engine's finish has stopped the server by now; Captive kept how it ended if that was
     // before the stop.
+    let (src_report, dst_report) = (src.backend.report(), dst.backend.report());
     let ended: Vec<String> = if result.is_err() {
-        [&src, &dst].iter().filter_map(|o| o.nbd.as_ref()?.captive_ended()).collect()
+        [&src_report, &dst_report].into_iter().filter_map(|r| r.server_ended.clone()).collect()
     } else {
         Vec::new()
     };
@@ -395,8 +398,8 @@ pub fn run(args: CopyArgs) -> i32 {
         cache: args.cache,
         workers: plan.workers,
         request_size: plan.request_size,
-        source: Side::of(&src, src_before, (src_after, None, src_mech)),
-        destination: Side::of(&dst, dst_before, (dst_after, dst_stat, dst_mech)),
+        source: Side::of(&src, src_before, (src_after, None, src_mech), src_report.requests),
+        destination: Side::of(&dst, dst_before, (dst_after, dst_stat, dst_mech), dst_report.requests),
         error,
     };
     drop(src);

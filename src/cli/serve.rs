@@ -281,7 +281,7 @@ pub fn run(a: ServeArgs) -> i32 {
         prefetch: a.prefetch.then_some(prefetch).map(|p| if remote { p.for_round_trips() } else { p }),
         coalesce: a.coalesce.then_some(coalesce).map(|c| if remote { c.for_round_trips() } else { c }),
     };
-    let s3_stats = s3.clone();
+    let to_release = s3.clone();
     // Every open is a file of its own (readahead state and writeback errors are per open
     // file), sharing the export's error latch and block locks. An image in object storage is
     // one backend for all: its object locks and map of objects are shared.
@@ -404,11 +404,11 @@ pub fn run(a: ServeArgs) -> i32 {
     }
     if a.stats {
         let _ = lightfoot::io::sys::catch_sigusr1();
-        let (s, json, st, s3) = (server.clone(), a.json, stack.clone(), s3_stats.clone());
+        let (s, json, st) = (server.clone(), a.json, stack.clone());
         std::thread::spawn(move || loop {
             std::thread::sleep(std::time::Duration::from_millis(100));
             if lightfoot::io::sys::take_sigusr1() {
-                print_stats(&s, &st, s3.as_deref(), json);
+                print_stats(&s, &st, json);
             }
         });
     }
@@ -420,11 +420,11 @@ pub fn run(a: ServeArgs) -> i32 {
     // Clean shutdown: read-ahead stops, then held writes are written back and flushed; then
     // an image in object storage is free for another writer.
     let finished = stack.finish();
-    if let Some(b) = &s3_stats {
+    if let Some(b) = &to_release {
         b.release();
     }
     if a.stats {
-        print_stats(&server, &stack, s3_stats.as_deref(), a.json);
+        print_stats(&server, &stack, a.json);
     }
     if let Err(e) = served {
         super::report(&e);
@@ -471,9 +471,8 @@ fn parse_coalesce_block(s: &str) -> Result<u64, String> {
     Ok(n)
 }
 
-fn print_stats(server: &Server, stack: &Stack, s3: Option<&S3Backend>, json: bool) {
+fn print_stats(server: &Server, stack: &Stack, json: bool) {
     let snap = server.stats_snapshot();
-    let requests = s3.map(|b| b.requests());
     let pstats = stack.prefetch().map(|p| p.stats());
     let cstats = stack.coalesce().map(|c| c.stats());
     if json {
@@ -483,9 +482,6 @@ fn print_stats(server: &Server, stack: &Stack, s3: Option<&S3Backend>, json: boo
         }
         if let Some(c) = cstats {
             v["coalesce"] = serde_json::to_value(c).expect("stats serialise");
-        }
-        if let Some(r) = requests {
-            v["s3"] = serde_json::to_value(r).expect("stats serialise");
         }
         eprintln!("{v}");
         return;
@@ -509,7 +505,7 @@ fn print_stats(server: &Server, stack: &Stack, s3: Option<&S3Backend>, json: boo
     if snap.reads_merged > 0 {
         t += &format!("{} reads merged into the backend read before them\n", snap.reads_merged);
     }
-    if let Some(r) = &requests {
+    if let Some(r) = &snap.requests {
         t += &format!("{}\n", super::human::requests(r));
     }
     if let Some(p) = pstats {

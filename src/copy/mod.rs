@@ -8,7 +8,9 @@
 //! source of unknown size is read until it ends. With [`CopyOptions::interleave`] the requests
 //! in flight at once are mostly kept from being neighbours ([`interleaved`]).
 //!
-//! [`Plan`] chooses workers, request size, connections and interleaving from the endpoints.
+//! [`Endpoint`] is what the user names ([`endpoint`]: the syntax); [`open`] opens endpoints as
+//! backends ([`Opened`]); [`Plan`] chooses workers, request size, connections and interleaving
+//! from the endpoints.
 //!
 //! The engine knows nothing of files or cache policies: those live in the backends. It is
 //! cancelled through a flag (Ctrl-C), and always calls `finish` on both backends so their
@@ -22,9 +24,11 @@ use crate::error::{Error, ErrorKind, Op, Result};
 use crate::io::AlignedBuf;
 
 pub mod endpoint;
+pub mod open;
 pub mod plan;
 
-pub use endpoint::{Endpoint, Opened};
+pub use endpoint::Endpoint;
+pub use open::Opened;
 pub use plan::Plan;
 
 /// Granularity of zero detection in data extents: runs of zero bytes this long (and aligned)

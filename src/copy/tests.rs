@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::*;
-use crate::backend::{Backend, CacheInfo, Caps, Extent, MemoryBackend};
+use crate::backend::{Backend, CacheInfo, Caps, Extent, MemoryBackend, Report};
 use crate::testing::conformance::Rng;
 use crate::testing::fault::{Fault, FaultInjector, Op, Rule};
 
@@ -245,6 +245,9 @@ impl Backend for CountFinish {
     }
     fn cache_info(&self) -> Option<CacheInfo> {
         None
+    }
+    fn report(&self) -> Report {
+        Report::default()
     }
     fn finish(&self) -> Result<()> {
         self.1.fetch_add(1, Ordering::Relaxed);

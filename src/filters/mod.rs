@@ -29,7 +29,7 @@ pub use stack::{Stack, StackConfig};
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, CacheInfo, Caps, Extent, ZeroFlags};
+use crate::backend::{Backend, CacheInfo, Caps, Extent, Report, ZeroFlags};
 use crate::error::Result;
 
 /// A filter shared by the fronts over it: the [`Backend`] operations with the front's own
@@ -151,6 +151,10 @@ impl<F: Filter> Backend for Front<F> {
 
     fn cache_info(&self) -> Option<CacheInfo> {
         self.below.cache_info()
+    }
+
+    fn report(&self) -> Report {
+        self.below.report()
     }
 
     fn finish(&self) -> Result<()> {

@@ -364,11 +364,14 @@ impl Server {
         self.shutdown.store(true, Ordering::Relaxed);
     }
 
-    /// The figures of `--stats`, with the export's page-cache footprint.
+    /// The figures of `--stats`, with what the export's backend tells through the [`Backend`]
+    /// trait: its page-cache footprint and its requests to object storage.
     pub fn stats_snapshot(&self) -> stats::Snapshot {
         let mut snap = self.stats.snapshot();
-        snap.cache =
-            self.export.open().ok().and_then(|b| b.cache_info()).map(|c| c.stat.cached * c.page_size);
+        if let Ok(b) = self.export.open() {
+            snap.cache = b.cache_info().and_then(|c| Some(c.stat?.cached * c.page_size));
+            snap.requests = b.report().requests;
+        }
         snap
     }
 

@@ -1,4 +1,5 @@
-//! `--stats`: per-command request counts, bytes, errors and latency percentiles.
+//! `--stats`: per-command request counts, bytes, errors and latency percentiles, with what the
+//! export's backend tells of itself (page cache, requests to object storage).
 //!
 //! Latencies go into a log-linear histogram (8 buckets per power of two of microseconds), so
 //! recording is a few atomic adds and percentiles are accurate to within 12.5 %.
@@ -128,6 +129,7 @@ impl Stats {
             reads_merged: self.reads_merged.load(Ordering::Relaxed),
             commands,
             cache: None,
+            requests: None,
         }
     }
 }
@@ -153,6 +155,9 @@ pub struct Snapshot {
     pub commands: Vec<CommandSnapshot>,
     /// Bytes of the export in the page cache, where visible.
     pub cache: Option<u64>,
+    /// Requests the export's backend made to object storage (`s3://`).
+    #[serde(rename = "s3", skip_serializing_if = "Option::is_none")]
+    pub requests: Option<crate::backend::s3::Requests>,
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::backend::{Backend, CacheInfo, Caps, Extent, MemoryBackend, ZeroFlags};
+use crate::backend::{Backend, CacheInfo, Caps, Extent, MemoryBackend, Report, ZeroFlags};
 use crate::error::Result;
 
 pub struct PowerLoss {
@@ -130,6 +130,10 @@ impl Backend for PowerLoss {
 
     fn cache_info(&self) -> Option<CacheInfo> {
         self.current.cache_info()
+    }
+
+    fn report(&self) -> Report {
+        self.current.report()
     }
 
     fn finish(&self) -> Result<()> {

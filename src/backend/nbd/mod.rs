@@ -5,8 +5,9 @@
 //!
 //! - [`handshake`]: fixed newstyle negotiation: structured replies, `base:allocation`, GO with
 //!   block sizes.
-//! - [`conn`]: one connection shared by many threads, each with a request in flight; replies
-//!   are read straight into the caller's buffer.
+//! - [`conn`]: one connection shared by many threads, each with a request in flight, taking
+//!   turns to read the replies; `reply`: reading one reply straight into the caller's buffer,
+//!   and the checks that refuse a hostile server's.
 //! - [`NbdBackend`]: one or more connections (more only when the server advertises
 //!   `CAN_MULTI_CONN`), requests split to the server's maximum size, extents from
 //!   `base:allocation`, zeroing with `WRITE_ZEROES` (`FAST_ZERO` when asked), never `TRIM`
@@ -23,13 +24,14 @@ pub mod conn;
 mod extents;
 pub mod handshake;
 mod interrupt;
+mod reply;
 pub mod uri;
 
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use super::{write_zeroes, Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
+use super::{write_zeroes, Backend, BlockSizes, CacheInfo, Caps, Extent, Report, ZeroFlags};
 use crate::error::{Error, ErrorKind, Op, Result};
 use crate::io::sys;
 use crate::proto::*;
@@ -370,18 +372,6 @@ fn connect_tcp(host: &str, port: u16) -> std::io::Result<TcpStream> {
     }))
 }
 
-impl NbdBackend {
-    /// After a failed job: how the captive server ended, if it ended on its own (a server
-    /// that died mid-copy shows only as a lost connection otherwise). [`Backend::finish`]
-    /// has already given a server whose connection broke its moment to finish dying; this
-    /// only asks. `None` for a server reached by URI, or one still running.
-    pub fn captive_ended(&self) -> Option<String> {
-        let c = self.captive.as_ref()?;
-        let status = c.ended().or_else(|| c.exited(Duration::ZERO))?;
-        Some(format!("the server {} ended during the copy ({status})", c.display))
-    }
-}
-
 /// A failed connection to a captive server usually means the server failed: say how it ended.
 fn explain_captive(e: Error, captive: Option<&Captive>) -> Error {
     let Some(c) = captive else { return e };
@@ -540,12 +530,23 @@ impl Backend for NbdBackend {
         None
     }
 
+    /// How the captive server ended, if it ended on its own. [`Backend::finish`] has given a
+    /// server whose connection broke its moment to finish dying; this only asks. Nothing for
+    /// a server reached by URI, or one still running.
+    fn report(&self) -> Report {
+        let server_ended = self.captive.as_ref().and_then(|c| {
+            let status = c.ended().or_else(|| c.exited(Duration::ZERO))?;
+            Some(format!("the server {} ended during the copy ({status})", c.display))
+        });
+        Report { requests: None, server_ended }
+    }
+
     fn finish(&self) -> Result<()> {
         if self.finished.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
         // A lost connection to a captive server: give the server a moment to finish dying, so
-        // that how it ended is its own doing, not our SIGTERM's (see `captive_ended`).
+        // that how it ended is its own doing, not our SIGTERM's (see `report`).
         let lost = self.conns.iter().any(|c| c.is_dead());
         for c in &self.conns {
             c.disconnect();

@@ -29,7 +29,7 @@ pub use config::{S3Config, S3Uri};
 pub use manifest::MANIFEST;
 pub use store::{Limits, Requests, Store};
 
-use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, ZeroFlags};
+use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, Report, ZeroFlags};
 use crate::error::{Error, ErrorKind, Op, Result};
 use blocks::BlockImage;
 use manifest::Geometry;
@@ -124,11 +124,6 @@ impl S3Backend {
         if let Some(b) = self.image.blocks() {
             b.release();
         }
-    }
-
-    /// The requests made so far.
-    pub fn requests(&self) -> Requests {
-        self.store.counters.snapshot()
     }
 
     /// A block image with no objects (new, or wholly trimmed): it reads as zeroes.
@@ -245,6 +240,11 @@ impl Backend for S3Backend {
 
     fn cache_info(&self) -> Option<CacheInfo> {
         None
+    }
+
+    /// The requests made so far.
+    fn report(&self) -> Report {
+        Report { requests: Some(self.store.counters.snapshot()), server_ended: None }
     }
 
     /// An upload completes if every byte was written (a copy with `--no-flush`), and is

@@ -1,7 +1,7 @@
 //! Unit tests of the filter over memory backends (with faults injected where needed).
 
 use super::*;
-use crate::backend::{CacheInfo, MemoryBackend};
+use crate::backend::{CacheInfo, MemoryBackend, Report};
 use crate::error::ErrorKind;
 use crate::filters::Front;
 use crate::testing::fault::{Fault, FaultInjector, Op, Rule};
@@ -549,6 +549,9 @@ impl Backend for Recorder {
     }
     fn cache_info(&self) -> Option<CacheInfo> {
         self.inner.cache_info()
+    }
+    fn report(&self) -> Report {
+        self.inner.report()
     }
     fn finish(&self) -> Result<()> {
         self.inner.finish()

@@ -1,0 +1,317 @@
+//! Opening an [`Endpoint`] as a backend for a copy: [`open_source`], and [`open_destination`]
+//! with [`DestOptions`] (a new file is created at the source's size, an NBD export or an image
+//! in object storage is checked and zeroed up front where it can be). Each gives an
+//! [`Opened`]: the backend, what the copy engine must know of it (does it read as zeroes?),
+//! and, for a file or device, what the checks after the copy need.
+
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::Endpoint;
+use crate::backend::s3::{S3Options, S3Uri};
+use crate::backend::{Backend, FileBackend, NbdBackend, NullBackend, PipeBackend, S3Backend, ZeroFlags};
+use crate::error::{Error, ErrorKind, Op, Result};
+use crate::io::{CacheMode, OpenOptions, Tuning};
+
+/// An endpoint opened for a copy. What the CLI reports of it (mechanism, page cache, requests
+/// to object storage, how a captive server ended) it asks the backend through the [`Backend`]
+/// trait.
+pub struct Opened {
+    pub backend: Arc<dyn Backend>,
+    /// The destination file did not exist before the job.
+    pub created: bool,
+    /// The destination reads as zeroes where not written.
+    pub zeroed: bool,
+    /// What the endpoint is on this machine, when it is a file or block device (standard
+    /// input included): see [`identity`].
+    pub id: Option<(u64, u64)>,
+    /// A file or device: what the checks after the copy need.
+    on_disk: Option<OnDisk>,
+    /// A block device destination held open with `O_EXCL` for the whole copy: the kernel then
+    /// refuses to mount it (and refused the copy if it was mounted).
+    _claim: Option<std::fs::File>,
+}
+
+/// A file or device endpoint as [`Opened::check_size_unchanged`] and [`Opened::sync_parent`]
+/// need it: its path, and a descriptor of its own onto the backend's open file (a dup, so it
+/// is the file copied even if the path now leads elsewhere).
+struct OnDisk {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+/// Which file or device `meta` describes: a block device by its device number (two device
+/// nodes for one disk are the same disk), anything else by device and inode.
+pub fn identity(meta: &std::fs::Metadata) -> (u64, u64) {
+    if meta.file_type().is_block_device() {
+        (u64::MAX, meta.rdev())
+    } else {
+        (meta.dev(), meta.ino())
+    }
+}
+
+impl Opened {
+    fn plain(backend: Arc<dyn Backend>, zeroed: bool) -> Opened {
+        Opened { backend, created: false, zeroed, id: None, on_disk: None, _claim: None }
+    }
+
+    fn file(file: FileBackend, created: bool, zeroed: bool) -> Result<Opened> {
+        let path = file.policy().path().to_path_buf();
+        let dup = file.policy().file().try_clone().map_err(|e| Error::io(Op::Open, e).path(&path))?;
+        let meta = dup.metadata().map_err(|e| Error::io(Op::Stat, e).path(&path))?;
+        Ok(Opened {
+            id: Some(identity(&meta)),
+            created,
+            on_disk: Some(OnDisk { path, file: dup }),
+            ..Opened::plain(Arc::new(file), zeroed)
+        })
+    }
+
+    /// For a regular file source: fails if the file is now shorter than the `size` that was
+    /// copied. Its vanished end read as a hole (SEEK_DATA finds nothing past the end of a
+    /// file), so zeroes were copied for bytes it no longer has. A file that grew is only
+    /// warned about: the copy holds its first `size` bytes.
+    pub fn check_size_unchanged(&self, size: Option<u64>) -> Result<()> {
+        let (Some(OnDisk { path, file }), Some(size)) = (&self.on_disk, size) else { return Ok(()) };
+        let meta = file.metadata().map_err(|e| Error::io(Op::Stat, e).path(path))?;
+        if !meta.is_file() {
+            return Ok(());
+        }
+        let now = meta.len();
+        if now < size {
+            return Err(Error::new(ErrorKind::UnexpectedEof, Op::Copy).path(path).detail(format!(
+                "the source shrank during the copy, from {size} to {now} bytes: the destination \
+                 does not match it"
+            )));
+        }
+        if now > size {
+            tracing::warn!(
+                "{}: grew during the copy, from {size} to {now} bytes; only the first {size} were copied",
+                path.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// After a new file was made durable: makes its directory entry durable too.
+    pub fn sync_parent(&self) -> Result<()> {
+        let Some(OnDisk { path, .. }) = &self.on_disk else { return Ok(()) };
+        if !self.created {
+            return Ok(());
+        }
+        // The entry made is where the path leads: through a symlink, another directory.
+        let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.clone());
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let dir = std::fs::File::open(parent).map_err(|e| Error::io(Op::Open, e).path(parent))?;
+        dir.sync_all().map_err(|e| Error::io(Op::Flush, e).path(parent))
+    }
+}
+
+/// Opens the source. `connections` is for NBD servers that advertise multi-conn; `s3`
+/// gives the geometry of an `s3://` block image that has no manifest (one nbdkit made).
+pub fn open_source(
+    ep: &Endpoint,
+    mode: CacheMode,
+    tuning: &Tuning,
+    connections: usize,
+    s3: &S3Options,
+) -> Result<Opened> {
+    match ep {
+        Endpoint::S3(u) => Ok(Opened::plain(
+            Arc::new(S3Backend::open(u, &S3Options { writable: false, ..s3.clone() })?),
+            false,
+        )),
+        Endpoint::Nbd(t) => {
+            Ok(Opened::plain(Arc::new(NbdBackend::open(t, connections)?.keeping_extents()), false))
+        }
+        Endpoint::Stdio => {
+            let mut o = Opened::plain(Arc::new(PipeBackend::stdin()?), false);
+            // Standard input redirected from a file or device: known, so that it is never
+            // also the destination (`lightfoot copy - img < img` truncated img).
+            if let Ok(fd) = std::io::stdin().as_fd().try_clone_to_owned() {
+                if let Ok(m) = std::fs::File::from(fd).metadata() {
+                    if m.is_file() || m.file_type().is_block_device() {
+                        o.id = Some(identity(&m));
+                    }
+                }
+            }
+            Ok(o)
+        }
+        Endpoint::Null(None) => Err(Error::new(ErrorKind::InvalidInput, Op::Open)
+            .path("null:")
+            .detail("a null: source needs a size (null:SIZE, e.g. null:1G)")),
+        Endpoint::Null(size) => Ok(Opened::plain(Arc::new(NullBackend::new(*size)), false)),
+        Endpoint::Path(p) => {
+            let meta = std::fs::metadata(p).map_err(|e| Error::io(Op::Open, e).path(p))?;
+            if meta.is_dir() {
+                return Err(Error::new(ErrorKind::InvalidInput, Op::Open).path(p).detail("is a directory"));
+            }
+            if meta.file_type().is_fifo() || meta.file_type().is_char_device() {
+                let f = std::fs::File::open(p).map_err(|e| Error::io(Op::Open, e).path(p))?;
+                return Ok(Opened::plain(
+                    Arc::new(PipeBackend::from_file(&p.display().to_string(), f, false)),
+                    false,
+                ));
+            }
+            let fb = FileBackend::open(p, OpenOptions::default(), mode, tuning)?;
+            Opened::file(fb, false, false)
+        }
+    }
+}
+
+/// How to prepare a destination.
+#[derive(Debug, Clone, Default)]
+pub struct DestOptions {
+    /// Allocate the whole destination file before copying (`--preallocate`).
+    pub preallocate: bool,
+    /// The user promises a block device or NBD export already reads as zeroes
+    /// (`--destination-is-zero`).
+    pub destination_is_zero: bool,
+    /// Holes may be left as holes (not `--no-sparse`): an NBD destination is then zeroed
+    /// up front with one fast zero if it can do that.
+    pub sparse: bool,
+    /// Connections to an NBD server that advertises multi-conn.
+    pub connections: usize,
+    /// How an `s3://` destination is laid out (`--object-size`).
+    pub s3: S3Options,
+}
+
+/// An `s3://` destination: one object, uploaded in parts; or block objects of
+/// `--object-size` (a new image reads as zeroes, so holes are skipped; in an existing one they
+/// are zeroed, which deletes whole objects, unless `--destination-is-zero`).
+fn open_s3_destination(u: &S3Uri, size: Option<u64>, opts: &DestOptions) -> Result<Opened> {
+    let Some(object_size) = opts.s3.object_size else {
+        // One object: every byte is sent, zeroes included (it does not read as zeroes).
+        return Ok(Opened::plain(Arc::new(S3Backend::create_object(u, size, &opts.s3)?), false));
+    };
+    let Some(size) = size else {
+        return Err(Error::new(ErrorKind::InvalidInput, Op::Open)
+            .path(u.to_string())
+            .detail("a block image needs the source's size in advance (a pipe has none)"));
+    };
+    if !size.is_multiple_of(object_size) {
+        return Err(Error::new(ErrorKind::InvalidInput, Op::Open).path(u.to_string()).detail(format!(
+            "the source's size ({size}) is not a multiple of --object-size ({object_size}): \
+             a block image holds whole objects"
+        )));
+    }
+    let b = S3Backend::open(
+        u,
+        &S3Options { writable: true, size: Some(size), object_size: Some(object_size), ..opts.s3.clone() },
+    )?;
+    let zeroed = opts.destination_is_zero || b.is_empty();
+    Ok(Opened::plain(Arc::new(b), zeroed))
+}
+
+/// Opens the destination. A regular file is created or truncated to `size` (so it reads as
+/// zeroes); a block device is opened as it is and must be large enough; so must an NBD
+/// export, which is then zeroed with one fast zero where the server offers it.
+pub fn open_destination(
+    ep: &Endpoint,
+    src: &Opened,
+    size: Option<u64>,
+    mode: CacheMode,
+    tuning: &Tuning,
+    opts: DestOptions,
+) -> Result<Opened> {
+    match ep {
+        Endpoint::Stdio => Ok(Opened::plain(Arc::new(PipeBackend::stdout()?), false)),
+        Endpoint::Null(n) => Ok(Opened::plain(Arc::new(NullBackend::new(*n)), true)),
+        Endpoint::S3(u) => open_s3_destination(u, size, &opts),
+        Endpoint::Nbd(t) => {
+            let b = NbdBackend::open(t, opts.connections)?;
+            let zeroed = prepare_nbd_destination(&b, size, opts)?;
+            Ok(Opened::plain(Arc::new(b), zeroed))
+        }
+        Endpoint::Path(p) => {
+            let existing = match std::fs::metadata(p) {
+                Ok(m) => Some(m),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => return Err(Error::io(Op::Open, e).path(p)),
+            };
+            if let (Some(m), Some(id)) = (&existing, src.id) {
+                if identity(m) == id {
+                    return Err(Error::new(ErrorKind::InvalidInput, Op::Copy)
+                        .path(p)
+                        .detail("source and destination are the same file"));
+                }
+            }
+            match &existing {
+                Some(m) if m.is_dir() => {
+                    return Err(Error::new(ErrorKind::InvalidInput, Op::Open)
+                        .path(p)
+                        .detail("is a directory"))
+                }
+                Some(m) if m.file_type().is_block_device() => {
+                    // O_EXCL on a block device: refused while it is mounted or claimed (as
+                    // mkfs does), and it cannot be mounted while we hold it.
+                    let claim =
+                        std::fs::OpenOptions::new().write(true).custom_flags(libc::O_EXCL).open(p).map_err(
+                            |e| match e.raw_os_error() {
+                                Some(libc::EBUSY) => Error::new(ErrorKind::Permission, Op::Open)
+                                    .path(p)
+                                    .detail("the device is in use (mounted, or held by another program)"),
+                                _ => Error::io(Op::Open, e).path(p),
+                            },
+                        )?;
+                    let opts_o = OpenOptions { write: true, create: false, truncate: false };
+                    let fb = FileBackend::open(p, opts_o, mode, tuning)?;
+                    let mut o = Opened::file(fb, false, opts.destination_is_zero)?;
+                    o._claim = Some(claim);
+                    return Ok(o);
+                }
+                Some(m) if m.file_type().is_fifo() || m.file_type().is_char_device() => {
+                    let f = std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(p)
+                        .map_err(|e| Error::io(Op::Open, e).path(p))?;
+                    return Ok(Opened::plain(
+                        Arc::new(PipeBackend::from_file(&p.display().to_string(), f, true)),
+                        false,
+                    ));
+                }
+                _ => {}
+            }
+            let opts_o = OpenOptions { write: true, create: true, truncate: true };
+            let fb = FileBackend::open(p, opts_o, mode, tuning)?;
+            if let Some(size) = size {
+                if opts.preallocate && !fb.preallocate(size)? {
+                    tracing::warn!(
+                        "--preallocate: {}: the filesystem cannot allocate in advance: copying without it",
+                        p.display()
+                    );
+                }
+                fb.set_len(size)?;
+            }
+            Opened::file(fb, existing.is_none(), true)
+        }
+    }
+}
+
+/// Checks an NBD destination before anything is written to it, and makes it read as zeroes
+/// if one fast zero can: true when it then does (or the user says it already does).
+fn prepare_nbd_destination(b: &NbdBackend, size: Option<u64>, opts: DestOptions) -> Result<bool> {
+    // The fast zero below writes: check first what the copy would refuse anyway.
+    super::check_destination(b, size.unwrap_or(0))?;
+    if opts.destination_is_zero {
+        return Ok(true);
+    }
+    let Some(size) = size.filter(|&s| s > 0 && opts.sparse && b.caps().can_fast_zero) else {
+        return Ok(false);
+    };
+    // A fast zero either is quick or fails with ENOTSUP at once (the spec's promise); then
+    // the copy zeroes the holes it meets with WRITE_ZEROES instead.
+    match b.zero(0, size, ZeroFlags { may_trim: true, fast: true, fua: false }) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == ErrorKind::NotSupported => {
+            tracing::info!("{}: fast zero refused; holes will be zeroed one by one", b.name());
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}
