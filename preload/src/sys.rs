@@ -5,26 +5,8 @@
 //! `libc::syscall`; the rest (`fstat`, `fcntl`, `lseek`, `posix_fadvise`, `mmap`, …) are glibc's,
 //! which it does not export. All of them are async-signal-safe: no allocation, no locks.
 
-use libc::{c_int, c_long, c_void};
-
-/// `cachestat(2)` (Linux 6.5), as in the kernel's uapi.
-const SYS_CACHESTAT: c_long = 451;
-
-#[repr(C)]
-struct CachestatRange {
-    off: u64,
-    len: u64,
-}
-
-#[repr(C)]
-#[derive(Default)]
-struct Cachestat {
-    nr_cache: u64,
-    nr_dirty: u64,
-    nr_writeback: u64,
-    nr_evicted: u64,
-    nr_recently_evicted: u64,
-}
+use libc::{c_int, c_void};
+use lightfoot_record::{Cachestat, CachestatRange, SYS_CACHESTAT};
 
 /// `errno` now.
 pub fn errno() -> c_int {

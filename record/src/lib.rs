@@ -7,6 +7,7 @@
 //!   before the command touched it) that the library appends to the run's log and
 //!   `lightfoot run` reads back, with its bitmap ([`bitmap_len`], [`is_set`], [`set`]).
 //! - [`scan`]: finding which blocks of a file hold pages, halving ranges that hold some.
+//! - [`Cachestat`], [`CachestatRange`], [`SYS_CACHESTAT`]: `cachestat(2)`'s uapi layout.
 //!
 //! The preload library runs inside arbitrary programs, in signal handlers too: nothing here
 //! allocates, takes a lock or panics, and nothing is `unsafe`. `no_std` keeps it so.
@@ -14,8 +15,11 @@
 #![cfg_attr(not(test), no_std)]
 #![forbid(unsafe_code)]
 
+mod cachestat;
 mod format;
 mod scan;
+
+pub use cachestat::{Cachestat, CachestatRange, SYS_CACHESTAT};
 
 pub use format::{
     bitmap_len, is_set, not_covered, records, set, Entry, Header, Records, ALL_CACHED, DONE, MAGIC,

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::RwLock;
 
-use super::{Backend, CacheInfo, Caps, Extent, Report, ZeroFlags};
+use super::{Backend, Caps, Extent, ZeroFlags};
 use crate::error::Result;
 
 const PAGE: u64 = 64 << 10;
@@ -148,13 +148,7 @@ impl Backend for MemoryBackend {
         Ok(out)
     }
 
-    fn cache_info(&self) -> Option<CacheInfo> {
-        None
-    }
-
-    fn report(&self) -> Report {
-        Report::default()
-    }
+    crate::backend::nothing_to_report!();
 
     fn finish(&self) -> Result<()> {
         Ok(())

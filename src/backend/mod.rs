@@ -141,6 +141,39 @@ macro_rules! writes_leave_at_once {
 }
 pub(crate) use writes_leave_at_once;
 
+/// The two reporting hooks of [`Backend`] for a backend with neither a page cache of its own
+/// nor figures of its own to give (memory, `null:`, a pipe): no [`CacheInfo`], an empty
+/// [`Report`]. Written out by name, as [`writes_leave_at_once`] is.
+macro_rules! nothing_to_report {
+    () => {
+        fn cache_info(&self) -> Option<$crate::backend::CacheInfo> {
+            None
+        }
+
+        fn report(&self) -> $crate::backend::Report {
+            $crate::backend::Report::default()
+        }
+    };
+}
+pub(crate) use nothing_to_report;
+
+/// The two reporting hooks of [`Backend`] for a wrapper that reports what the backend it
+/// wraps (`self.$inner`) reports (the tests' fault injector and wrappers).
+#[cfg(any(test, feature = "testing"))]
+macro_rules! reports_of {
+    ($inner:ident) => {
+        fn cache_info(&self) -> Option<$crate::backend::CacheInfo> {
+            self.$inner.cache_info()
+        }
+
+        fn report(&self) -> $crate::backend::Report {
+            self.$inner.report()
+        }
+    };
+}
+#[cfg(any(test, feature = "testing"))]
+pub(crate) use reports_of;
+
 /// How a backend's file goes through the page cache, where it has one.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CacheInfo {

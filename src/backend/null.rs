@@ -1,7 +1,7 @@
 //! `null:`: reads zeroes, discards writes. As a copy destination it measures the source side
 //! alone; `null:SIZE` gives it a size (default: as large as anything it is asked to take).
 
-use super::{Backend, CacheInfo, Caps, Extent, Report, ZeroFlags};
+use super::{Backend, Caps, Extent, ZeroFlags};
 use crate::error::Result;
 
 pub struct NullBackend {
@@ -80,13 +80,7 @@ impl Backend for NullBackend {
         Ok(vec![Extent::hole(len)])
     }
 
-    fn cache_info(&self) -> Option<CacheInfo> {
-        None
-    }
-
-    fn report(&self) -> Report {
-        Report::default()
-    }
+    crate::backend::nothing_to_report!();
 
     fn finish(&self) -> Result<()> {
         Ok(())

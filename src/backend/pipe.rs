@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::sync::Mutex;
 
-use super::{Backend, BlockSizes, CacheInfo, Caps, Extent, Report, ZeroFlags};
+use super::{Backend, BlockSizes, Caps, Extent, ZeroFlags};
 use crate::error::{Error, ErrorKind, Op, Result};
 
 pub struct PipeBackend {
@@ -152,13 +152,7 @@ impl Backend for PipeBackend {
         Ok(vec![Extent::data(len)])
     }
 
-    fn cache_info(&self) -> Option<CacheInfo> {
-        None
-    }
-
-    fn report(&self) -> Report {
-        Report::default()
-    }
+    crate::backend::nothing_to_report!();
 
     fn finish(&self) -> Result<()> {
         Ok(())

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{Backend, CacheInfo, Caps, Extent, Report, ZeroFlags};
+use crate::backend::{Backend, Caps, Extent, ZeroFlags};
 /// Which operations a rule applies to: `Read`, `Write`, `Zero`, `Trim`, `Flush` or `Extents`
 /// (the error's operation, so a fired rule's error names the operation it failed).
 pub use crate::error::Op;
@@ -246,13 +246,7 @@ impl Backend for FaultInjector {
         }
     }
 
-    fn cache_info(&self) -> Option<CacheInfo> {
-        self.inner.cache_info()
-    }
-
-    fn report(&self) -> Report {
-        self.inner.report()
-    }
+    crate::backend::reports_of!(inner);
 
     fn finish(&self) -> Result<()> {
         self.inner.finish()

@@ -1,7 +1,7 @@
 //! Unit tests of the filter over memory backends (with faults injected where needed).
 
 use super::*;
-use crate::backend::{CacheInfo, MemoryBackend, Report};
+use crate::backend::MemoryBackend;
 use crate::error::ErrorKind;
 use crate::filters::Front;
 use crate::testing::fault::{Fault, FaultInjector, Op, Rule};
@@ -547,12 +547,7 @@ impl Backend for Recorder {
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         self.inner.extents(offset, len)
     }
-    fn cache_info(&self) -> Option<CacheInfo> {
-        self.inner.cache_info()
-    }
-    fn report(&self) -> Report {
-        self.inner.report()
-    }
+    crate::backend::reports_of!(inner);
     fn finish(&self) -> Result<()> {
         self.inner.finish()
     }

@@ -7,8 +7,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use super::block::block_size_bytes;
 use super::mem::{page_size, FileMapping};
 use super::{check, retry};
-
-const SYS_CACHESTAT: libc::c_long = 451;
+use lightfoot_record::{Cachestat, CachestatRange, SYS_CACHESTAT};
 
 /// Page-cache counters of a byte range, in pages, as `cachestat(2)` reports them.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -20,22 +19,6 @@ pub struct CacheStat {
     pub recently_evicted: u64,
 }
 
-#[repr(C)]
-struct CachestatRange {
-    off: u64,
-    len: u64,
-}
-
-#[repr(C)]
-#[derive(Default)]
-struct RawCachestat {
-    nr_cache: u64,
-    nr_dirty: u64,
-    nr_writeback: u64,
-    nr_evicted: u64,
-    nr_recently_evicted: u64,
-}
-
 /// `cachestat(2)` (Linux 6.5) of `[offset, offset + len)`; `len == 0` means to the end of file.
 /// Since 2025 it answers EPERM for files the caller could not write (KERNEL-NOTES).
 pub fn cachestat(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<CacheStat> {
@@ -43,7 +26,7 @@ pub fn cachestat(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<CacheStat>
         return Err(io::Error::from_raw_os_error(libc::ENOSYS));
     }
     let range = CachestatRange { off: offset, len };
-    let mut raw = RawCachestat::default();
+    let mut raw = Cachestat::default();
     retry(|| {
         // SAFETY: both pointers are to live, properly laid out `repr(C)` values for the call.
         let ret = unsafe {
@@ -51,7 +34,7 @@ pub fn cachestat(fd: BorrowedFd, offset: u64, len: u64) -> io::Result<CacheStat>
                 SYS_CACHESTAT,
                 fd.as_raw_fd(),
                 &range as *const CachestatRange,
-                &mut raw as *mut RawCachestat,
+                &mut raw as *mut Cachestat,
                 0u32,
             )
         };
