@@ -111,9 +111,6 @@ pub struct Probe {
     pub dontcache: bool,
     /// cachestat answers for this file (false: EPERM or a kernel without it).
     pub cachestat: bool,
-    /// The file opens with O_DIRECT (`Err`: the errno it was refused with; squashfs and
-    /// iso9660 refuse it).
-    pub direct: std::result::Result<(), i32>,
 }
 
 /// The mechanisms chosen for a file, with the reasons.
@@ -141,7 +138,16 @@ pub struct Choice {
 /// reads where they work, else evict-behind where residency is known, else an error (no
 /// read could leave the cache as it found it). Where O_DIRECT was asked for, its refusal is
 /// an error. The error has no path: the caller adds it.
-pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Result<Choice> {
+///
+/// `open_direct` is the O_DIRECT probe: it opens the file with O_DIRECT (`Err`: the errno it
+/// was refused with; squashfs and iso9660 refuse it), called only when a mechanism chosen
+/// wants O_DIRECT, so a job that needs none opens no second descriptor.
+pub fn choose(
+    mode: CacheMode,
+    probe: Probe,
+    tuning: &Tuning,
+    open_direct: impl FnOnce() -> std::result::Result<(), i32>,
+) -> Result<Choice> {
     let mut notes = Vec::new();
     let dontcache = probe.dontcache && !tuning.no_dontcache;
     if probe.dontcache && tuning.no_dontcache {
@@ -182,7 +188,8 @@ pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Result<Choice> 
         read = if dontcache { ReadMech::DontCache } else { ReadMech::Direct };
     }
     let wants_direct = matches!(read, ReadMech::Direct | ReadMech::DontCache) || write == WriteMech::Direct;
-    if let (true, Err(errno)) = (wants_direct, probe.direct) {
+    let direct = if wants_direct { open_direct() } else { Ok(()) };
+    if let Err(errno) = direct {
         let refused = || io::Error::from_raw_os_error(errno);
         let why = io_message(&refused());
         if read == ReadMech::DontCache && write != WriteMech::Direct {
@@ -221,7 +228,7 @@ pub fn choose(mode: CacheMode, probe: Probe, tuning: &Tuning) -> Result<Choice> 
         ReadMech::DontCache | ReadMech::EvictBehind => Fadvise::Random,
         ReadMech::Buffered | ReadMech::Direct => Fadvise::Normal,
     });
-    Ok(Choice { read, write, fadvise, direct: wants_direct && probe.direct.is_ok(), notes })
+    Ok(Choice { read, write, fadvise, direct: wants_direct && direct.is_ok(), notes })
 }
 
 /// What reads fall back to at run time when `mech` fails for good (DONTCACHE refused, a
@@ -281,25 +288,36 @@ names!(Fadvise { Normal = "normal", Sequential = "sequential", Random = "random"
 mod tests {
     use super::*;
 
-    const ALL: Probe = Probe { is_block: false, dontcache: true, cachestat: true, direct: Ok(()) };
+    const ALL: Probe = Probe { is_block: false, dontcache: true, cachestat: true };
+
+    /// The O_DIRECT probe of a file that opens with it.
+    fn opens() -> std::result::Result<(), i32> {
+        Ok(())
+    }
+
+    /// The O_DIRECT probe of a file that refuses it (squashfs, iso9660).
+    fn refuses() -> std::result::Result<(), i32> {
+        Err(libc::EINVAL)
+    }
 
     #[test]
     fn neutral_prefers_dontcache() {
-        let c = choose(CacheMode::Neutral, ALL, &Tuning::default()).unwrap();
+        let c = choose(CacheMode::Neutral, ALL, &Tuning::default(), opens).unwrap();
         let want = (ReadMech::DontCache, WriteMech::DontCache, Fadvise::Normal);
         assert_eq!((c.read, c.write, c.fadvise), want);
         // Without cachestat the readahead spill cannot be cleaned up: readahead goes off.
-        let c = choose(CacheMode::Neutral, Probe { cachestat: false, ..ALL }, &Tuning::default()).unwrap();
+        let c =
+            choose(CacheMode::Neutral, Probe { cachestat: false, ..ALL }, &Tuning::default(), opens).unwrap();
         assert_eq!((c.read, c.fadvise), (ReadMech::DontCache, Fadvise::Random));
     }
 
     #[test]
     fn neutral_without_dontcache_reads_direct_and_writes_behind() {
         let probe = Probe { dontcache: false, ..ALL };
-        let c = choose(CacheMode::Neutral, probe, &Tuning::default()).unwrap();
+        let c = choose(CacheMode::Neutral, probe, &Tuning::default(), opens).unwrap();
         assert_eq!((c.read, c.write), (ReadMech::Direct, WriteMech::WriteBehind));
         let forced = Tuning { no_dontcache: true, ..Tuning::default() };
-        assert_eq!(choose(CacheMode::Neutral, ALL, &forced).unwrap().read, ReadMech::Direct);
+        assert_eq!(choose(CacheMode::Neutral, ALL, &forced, opens).unwrap().read, ReadMech::Direct);
     }
 
     #[test]
@@ -310,7 +328,7 @@ mod tests {
             write: Some(WriteMech::DontCache),
             ..Tuning::default()
         };
-        let c = choose(CacheMode::Neutral, probe, &t).unwrap();
+        let c = choose(CacheMode::Neutral, probe, &t, opens).unwrap();
         assert_eq!((c.read, c.write), (ReadMech::Direct, WriteMech::WriteBehind));
         assert!(c.notes.iter().any(|n| n.contains("unavailable")));
     }
@@ -318,19 +336,19 @@ mod tests {
     #[test]
     fn evict_behind_needs_cachestat_in_neutral_mode() {
         let t = Tuning { read: Some(ReadMech::EvictBehind), no_cachestat: true, ..Tuning::default() };
-        let c = choose(CacheMode::Neutral, Probe { dontcache: false, ..ALL }, &t).unwrap();
+        let c = choose(CacheMode::Neutral, Probe { dontcache: false, ..ALL }, &t, opens).unwrap();
         assert_eq!(c.read, ReadMech::Direct);
         let t = Tuning { read: Some(ReadMech::EvictBehind), ..Tuning::default() };
-        assert_eq!(choose(CacheMode::Neutral, ALL, &t).unwrap().read, ReadMech::EvictBehind);
+        assert_eq!(choose(CacheMode::Neutral, ALL, &t, opens).unwrap().read, ReadMech::EvictBehind);
         // Drop mode evicts everything, so it needs no residency.
         let t = Tuning { no_cachestat: true, ..Tuning::default() };
-        assert_eq!(choose(CacheMode::Drop, ALL, &t).unwrap().read, ReadMech::EvictBehind);
+        assert_eq!(choose(CacheMode::Drop, ALL, &t, opens).unwrap().read, ReadMech::EvictBehind);
     }
 
     #[test]
     fn many_requests_in_flight_read_direct() {
         let t = Tuning { many_in_flight: true, ..Tuning::default() };
-        let c = choose(CacheMode::Neutral, ALL, &t).unwrap();
+        let c = choose(CacheMode::Neutral, ALL, &t, opens).unwrap();
         assert_eq!((c.read, c.write), (ReadMech::Direct, WriteMech::DontCache));
     }
 
@@ -338,25 +356,26 @@ mod tests {
     /// else the open fails; where O_DIRECT was asked for, it fails; keep mode never needs it.
     #[test]
     fn without_o_direct_neutral_reads_fall_back_in_one_place() {
-        let no_direct = Probe { direct: Err(libc::EINVAL), ..ALL };
+        let no_direct = ALL;
         let many = Tuning { many_in_flight: true, ..Tuning::default() };
-        let c = choose(CacheMode::Neutral, no_direct, &many).unwrap();
+        let c = choose(CacheMode::Neutral, no_direct, &many, refuses).unwrap();
         assert_eq!((c.read, c.direct), (ReadMech::DontCache, false));
-        let c = choose(CacheMode::Neutral, Probe { dontcache: false, ..no_direct }, &many).unwrap();
+        let c = choose(CacheMode::Neutral, Probe { dontcache: false, ..no_direct }, &many, refuses).unwrap();
         assert_eq!(
             (c.read, c.write, c.fadvise),
             (ReadMech::EvictBehind, WriteMech::WriteBehind, Fadvise::Random)
         );
         let bare = Probe { dontcache: false, cachestat: false, ..no_direct };
-        let e = choose(CacheMode::Neutral, bare, &many).unwrap_err();
+        let e = choose(CacheMode::Neutral, bare, &many, refuses).unwrap_err();
         assert!(e.to_string().contains("--cache drop or --cache keep"), "{e}");
-        assert!(choose(CacheMode::Direct, no_direct, &Tuning::default()).is_err());
+        assert!(choose(CacheMode::Direct, no_direct, &Tuning::default(), refuses).is_err());
         let forced = Tuning { read: Some(ReadMech::Direct), ..Tuning::default() };
-        assert!(choose(CacheMode::Neutral, no_direct, &forced).is_err());
-        let c = choose(CacheMode::Keep, no_direct, &Tuning::default()).unwrap();
+        assert!(choose(CacheMode::Neutral, no_direct, &forced, refuses).is_err());
+        let probed = |what| move || -> std::result::Result<(), i32> { panic!("{what} opened O_DIRECT") };
+        let c = choose(CacheMode::Keep, no_direct, &Tuning::default(), probed("keep mode")).unwrap();
         assert_eq!((c.read, c.direct), (ReadMech::Buffered, false));
         // DONTCACHE reads keep O_DIRECT as their fallback where it opens.
-        assert!(choose(CacheMode::Neutral, ALL, &Tuning::default()).unwrap().direct);
+        assert!(choose(CacheMode::Neutral, ALL, &Tuning::default(), opens).unwrap().direct);
     }
 
     #[test]
@@ -371,9 +390,9 @@ mod tests {
 
     #[test]
     fn keep_and_direct_are_what_they_say() {
-        let c = choose(CacheMode::Keep, ALL, &Tuning::default()).unwrap();
+        let c = choose(CacheMode::Keep, ALL, &Tuning::default(), opens).unwrap();
         assert_eq!((c.read, c.write), (ReadMech::Buffered, WriteMech::Buffered));
-        let c = choose(CacheMode::Direct, ALL, &Tuning::default()).unwrap();
+        let c = choose(CacheMode::Direct, ALL, &Tuning::default(), opens).unwrap();
         assert_eq!((c.read, c.write), (ReadMech::Direct, WriteMech::Direct));
     }
 

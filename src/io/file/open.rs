@@ -54,8 +54,8 @@ fn probe_cachestat(fd: BorrowedFd<'_>, path: &Path, notes: &mut Vec<String>) -> 
     }
 }
 
-/// An O_DIRECT descriptor on the file: the probe of whether O_DIRECT works here, kept if a
-/// mechanism uses it.
+/// An O_DIRECT descriptor on the file: the probe of whether O_DIRECT works here, made only
+/// when a mechanism chosen wants it ([`choose`]).
 fn open_direct(path: &Path, opts: OpenOptions) -> io::Result<File> {
     std::fs::OpenOptions::new().read(true).write(opts.write).custom_flags(libc::O_DIRECT).open(path)
 }
@@ -99,14 +99,16 @@ impl PolicyFile {
         let (dontcache, note) = shared.dontcache_probe.get_or_init(|| probe_dontcache(fd)).clone();
         notes.extend(note);
         let cachestat = probe_cachestat(fd, path, &mut notes);
-        let direct = open_direct(path, opts);
-        let refused = |e: &io::Error| e.raw_os_error().unwrap_or(libc::EIO);
-        let probe =
-            Probe { is_block, dontcache, cachestat, direct: direct.as_ref().map(drop).map_err(refused) };
-        let Choice { read, write, fadvise, direct: keep_direct, notes: chosen } =
-            choose(mode, probe, tuning).map_err(|e| e.path(path))?;
+        let mut direct = None;
+        let open_direct = || {
+            let f = open_direct(path, opts).map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+            direct = Some(f);
+            Ok(())
+        };
+        let probe = Probe { is_block, dontcache, cachestat };
+        let Choice { read, write, fadvise, notes: chosen, .. } =
+            choose(mode, probe, tuning, open_direct).map_err(|e| e.path(path))?;
         notes.extend(chosen);
-        let direct = direct.ok().filter(|_| keep_direct);
         let align = direct
             .as_ref()
             .and_then(|f| sys::dio_alignment(f.as_fd()))
