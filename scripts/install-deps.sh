@@ -6,7 +6,9 @@
 # nbdkit's S3 plugin, and systemd-analyze and systemd-socket-activate (Debian's systemd:
 # tests/recipes.rs verifies the example units and runs their command; qemu-nbd and qemu-io,
 # which its recipes also run, come with qemu-utils). SeaweedFS, the store tests/s3.rs starts,
-# is built from Go by scripts/build-seaweedfs.sh (`make test` runs it).
+# is built from Go by scripts/build-seaweedfs.sh (`make test` runs it). The Linux guest of
+# tests/guest.rs and bench/guest.sh boots under qemu-system-x86 from busybox-static and an
+# initramfs cpio makes (kmod's depmod lists its modules' dependencies); its kernel is fetched by scripts/guest/build.sh (apt-get download).
 # Does nothing when all are present.
 set -euo pipefail
 need=()
@@ -25,6 +27,10 @@ command -v gcc       >/dev/null || need+=(gcc)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v mkfs.btrfs >/dev/null || need+=(btrfs-progs)   # a file system without DONTCACHE
 [ -x /usr/bin/time ] || need+=(time)
+command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
+dpkg-query -W -f '${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
+command -v cpio      >/dev/null || need+=(cpio)
+command -v depmod    >/dev/null || need+=(kmod)   # the guest kernel's modules.dep
 command -v losetup   >/dev/null || need+=(mount)
 command -v setpriv   >/dev/null || need+=(util-linux)
 command -v openssl   >/dev/null || need+=(openssl)

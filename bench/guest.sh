@@ -1,0 +1,354 @@
+#!/usr/bin/env bash
+# guest.sh: how fast does a virtual machine run on an NBD server's disk, and what does the
+# server read from storage and leave in the page cache for it?
+#
+# Boots the Linux guest of scripts/guest/ (QEMU, TCG) with one NBD export as its disk and runs
+# one workload in it, per server and round, the servers alternating within each round. The
+# read workloads run on an ext4 image made once from /usr trees; the write workloads on a fresh
+# empty ext4 image each run.
+#
+#   workload    what the guest does (scripts/guest/jobs/)
+#   scan        tar of the whole file system to /dev/null (a backup)
+#   random      RANDOM_FILES whole small files (≤ 64 KiB) in a random order
+#   walk        ls -lR of everything, then the 8 largest files
+#   boot        the directories of bin/ and python3/ listed, then their files (≤ 2 MiB) in path
+#               order
+#   untar       a tar archive of TAR_TREE (on a second disk, served warm by nbdkit for every
+#               server alike) unpacked into the empty file system, then sync
+#   smallwrite  1024 4 KiB writes at random offsets of a 64 MiB file, every 32nd with
+#               conv=fsync, then sync
+#
+#   server             command line (every one on a Unix socket, writable)
+#   lightfoot          lightfoot serve $LIGHTFOOT_ARGS IMG
+#   lightfoot-prefetch lightfoot serve --prefetch $LIGHTFOOT_ARGS IMG
+#   nbdkit             nbdkit file IMG (the host page cache and its readahead)
+#   nbdkit-readahead   nbdkit --filter=readahead file IMG
+#   qemu-wb            qemu-nbd --cache=writeback IMG
+#   qemu-none          qemu-nbd --cache=none IMG (O_DIRECT)
+#   cached             nbdkit file of a copy of IMG in /dev/shm (memory: nothing to read from
+#                      storage): the reference for the read workloads' I/O part (not run for
+#                      the write workloads)
+#
+# The guest's own CPU time under TCG is a large part of every figure, so for read workloads
+# the table gives the **I/O part**: the guest's time minus the `cached` run's time in the same
+# round. The guest's time is its job's timed part by its own clock (jobs/lib: `timed`), not
+# the boot.
+#
+# Usage (as root: it drops caches and bind-mounts the trees to build the image):
+#     bench/guest.sh [DIR]
+#     ROUNDS=1 WORKLOADS=scan CONFIGS="lightfoot cached" bench/guest.sh    # smoke test
+#
+# Environment:
+#     ROUNDS        rounds (default 5)
+#     WORKLOADS     default "scan random walk boot untar smallwrite"
+#     CONFIGS       default "lightfoot lightfoot-prefetch nbdkit nbdkit-readahead qemu-wb
+#                   qemu-none cached" (`cached` is only run for read workloads)
+#     TREES         directories copied into the read image, each under its own name (default
+#                   "/usr/bin /usr/lib/python3 /usr/share/doc /usr/share/man": about 600 MiB
+#                   in 15,000 files here)
+#     TAR_TREE      what untar unpacks (default /usr/include: about 110 MiB in small files)
+#     RANDOM_FILES  files the random workload reads (default 2000)
+#     LIGHTFOOT     the binary (default ../target/release/lightfoot beside this script)
+#     LIGHTFOOT_ARGS  extra arguments for every lightfoot server
+#     GUEST_MEM     the guest's memory, MiB (default 512); GUEST_SMP its CPUs (default 1)
+#     TIMEOUT       seconds a guest may take, boot included (default 900): a run past it failed
+#     DIR           work directory (default: the first argument, else /work/tmp/bench-guest)
+#
+# Each run: sync and drop the host's caches; start the
+# server; boot the guest (scripts/guest/boot.sh: cache=none, discard=unmap); when it powers
+# off, read right away the page cache the image holds (`lightfoot cache stat`), the server's
+# bytes read from storage (/proc/PID/io read_bytes: the storage reads it caused, its
+# readahead included) and peak RSS; stop the server (SIGTERM). The guest prints its disk's
+# statistics at the end (/sys/block/vda/stat): its requests and the bytes it read.
+#
+# Output: tables per workload on stdout and in DIR/table.md (bench/summarize_guest.py DIR
+# redoes them), every run in DIR/results.csv, consoles and server logs in DIR/logs/. Only
+# ratios within one run mean anything on these VMs.
+set -euo pipefail
+export LC_ALL=C
+
+die() { echo "guest.sh: $*" >&2; exit 1; }
+say() { echo "== $*" >&2; }
+
+HERE=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)
+GUEST=$HERE/../scripts/guest
+
+[[ $EUID -eq 0 ]] || die "run as root (it drops caches and bind-mounts the trees)"
+(($# <= 1)) || die "usage: guest.sh [DIR]"
+
+ROUNDS=${ROUNDS:-5}
+WORKLOADS=${WORKLOADS:-scan random walk boot untar smallwrite}
+CONFIGS=${CONFIGS:-lightfoot lightfoot-prefetch nbdkit nbdkit-readahead qemu-wb qemu-none cached}
+TREES=${TREES:-/usr/bin /usr/lib/python3 /usr/share/doc /usr/share/man}
+TAR_TREE=${TAR_TREE:-/usr/include}
+RANDOM_FILES=${RANDOM_FILES:-2000}
+LIGHTFOOT=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
+LIGHTFOOT_ARGS=${LIGHTFOOT_ARGS:-}
+TIMEOUT=${TIMEOUT:-900}
+DIR=${1:-${DIR:-/work/tmp/bench-guest}}
+export GUEST_MEM=${GUEST_MEM:-512} GUEST_SMP=${GUEST_SMP:-1}
+
+[[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "ROUNDS=$ROUNDS: not a positive integer"
+[[ -x $LIGHTFOOT ]] || die "no lightfoot binary at $LIGHTFOOT: cargo build --release, or set LIGHTFOOT="
+LIGHTFOOT=$(realpath -- "$LIGHTFOOT")
+for t in qemu-system-x86_64 nbdkit qemu-nbd mkfs.ext4 python3; do
+	command -v "$t" >/dev/null || die "$t is missing (scripts/install-deps.sh installs it)"
+done
+"$GUEST/build.sh" >/dev/null || die "scripts/guest/build.sh failed"
+
+mkdir -p -- "$DIR/logs"
+DIR=$(realpath -- "$DIR")
+exec 9>"$DIR/.lock"
+flock -n 9 || die "another guest.sh is running in $DIR"
+SOCK=$DIR/nbd.sock
+TARSOCK=$DIR/tar.sock
+PIDF=$DIR/server.pid
+CSV=$DIR/results.csv
+((${#SOCK} < 100)) || die "$SOCK: too long for a Unix socket path; choose a shorter DIR"
+
+read -r -a WORKLOAD_KEYS <<<"${WORKLOADS//,/ }"
+read -r -a CONFIG_KEYS <<<"${CONFIGS//,/ }"
+for w in "${WORKLOAD_KEYS[@]}"; do
+	[[ -f $GUEST/jobs/$w && $w != lib && $w != check && $w != write ]] || die "WORKLOADS: unknown $w"
+done
+is_read() { [[ $1 == scan || $1 == random || $1 == walk || $1 == boot ]]; }
+
+config_name() {
+	case $1 in
+	lightfoot) echo "lightfoot${LIGHTFOOT_ARGS:+ $LIGHTFOOT_ARGS}" ;;
+	lightfoot-prefetch) echo "lightfoot --prefetch${LIGHTFOOT_ARGS:+ $LIGHTFOOT_ARGS}" ;;
+	nbdkit) echo "nbdkit file" ;;
+	nbdkit-readahead) echo "nbdkit --filter=readahead file" ;;
+	qemu-wb) echo "qemu-nbd --cache=writeback" ;;
+	qemu-none) echo "qemu-nbd --cache=none" ;;
+	cached) echo "cached (nbdkit file, image in the page cache)" ;;
+	*) return 1 ;;
+	esac
+}
+for c in "${CONFIG_KEYS[@]}"; do config_name "$c" >/dev/null || die "CONFIGS: unknown $c"; done
+
+# --- the images ----------------------------------------------------------------------------
+
+IMG=$DIR/read.img   # the read workloads' file system, made once
+TAR=$DIR/tree.tar   # untar's archive, made once
+WIMG=$DIR/write.img # the write workloads' target, made afresh each run
+
+STAGE=$DIR/stage
+cleanup_stage() {
+	local m
+	for m in "$STAGE"/*/; do mountpoint -q "$m" && umount "$m"; done
+	rm -rf -- "$STAGE"
+}
+
+LAYOUT="trees=$TREES random=$RANDOM_FILES v2"
+if [[ -f $IMG && -f $IMG.layout && $(<"$IMG.layout") == "$LAYOUT" ]]; then
+	say "reusing $IMG ($LAYOUT)"
+else
+	say "making $IMG from $TREES"
+	rm -f -- "$IMG" "$IMG.layout"
+	trap cleanup_stage EXIT
+	mkdir -p -- "$STAGE/.lf"
+	for t in $TREES; do
+		[[ -d $t ]] || die "TREES: $t is not a directory"
+		mkdir -p -- "$STAGE/$(basename "$t")"
+		mount --bind -o ro "$t" "$STAGE/$(basename "$t")"
+	done
+	# Names the guest's xargs can take as they are: no blanks, quotes or backslashes.
+	plain() { grep -v "[[:space:]\"'\\\\]" || true; }
+	(
+		cd "$STAGE"
+		# The lists the jobs read (so that no walk of the tree comes before the timed part).
+		find . -path ./.lf -prune -o -type f -size -65k -print | sed 's,^\./,,' | plain |
+			shuf -n "$RANDOM_FILES" --random-source=<(yes) >.lf/random.list
+		find . -path ./.lf -prune -o -type f -printf '%s %P\n' | plain | sort -rn | sed -n 1,8p | cut -d' ' -f2- >.lf/large.list
+		find ./bin ./python3 -type f -size -2049k 2>/dev/null | sed 's,^\./,,' | sort | plain >.lf/boot.list
+	)
+	bytes=$(du -sb --apparent-size "$STAGE" | cut -f1)
+	size=$(((bytes * 13 / 10 / 1048576 + 256) / 64 * 64))M
+	mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 -d "$STAGE" "$IMG" "$size"
+	cleanup_stage
+	trap - EXIT
+	echo "$LAYOUT" >"$IMG.layout"
+fi
+if [[ " ${WORKLOAD_KEYS[*]} " == *" untar "* && ! -f $TAR ]]; then
+	say "making $TAR from $TAR_TREE"
+	tar cf "$TAR.tmp" -C "$(dirname "$TAR_TREE")" "$(basename "$TAR_TREE")"
+	truncate -s "%1M" "$TAR.tmp" # a whole number of sectors for the disk
+	mv "$TAR.tmp" "$TAR"
+fi
+IMG_BYTES=$(stat -c %s "$IMG")
+SHM=/dev/shm/lightfoot-bench-guest-$$.img
+if [[ " ${CONFIG_KEYS[*]} " == *" cached "* ]]; then
+	avail=$(($(stat -f -c '%a * %S' /dev/shm)))
+	((avail > IMG_BYTES + (1 << 30))) || die "/dev/shm: $((avail >> 20)) MiB free, the cached reference needs $((IMG_BYTES >> 20)) MiB"
+	cp -- "$IMG" "$SHM"
+fi
+WIMG_SIZE=${WIMG_SIZE:-2G}
+
+# --- servers -------------------------------------------------------------------------------
+
+SERVER_PID=""
+TAR_PID=""
+stop_all() {
+	local p
+	for p in $SERVER_PID $TAR_PID; do kill -KILL "$p" 2>/dev/null || true; done
+	wait 2>/dev/null || true
+	rm -f -- "$SHM"
+}
+trap stop_all EXIT
+
+# start_server KEY FILE LOG: the server on $SOCK; waits for its pid file.
+start_server() {
+	local lf=("$LIGHTFOOT" serve --unix "$SOCK" --pid-file "$PIDF" --stats --json)
+	local nk=(nbdkit -f -U "$SOCK" -P "$PIDF")
+	local qn=(qemu-nbd -f raw -t -k "$SOCK" --pid-file="$PIDF")
+	local cmd
+	case $1 in
+	lightfoot) cmd=("${lf[@]}" $LIGHTFOOT_ARGS "$2") ;;
+	lightfoot-prefetch) cmd=("${lf[@]}" --prefetch $LIGHTFOOT_ARGS "$2") ;;
+	nbdkit | cached) cmd=("${nk[@]}" file "$2") ;;
+	nbdkit-readahead) cmd=("${nk[@]}" --filter=readahead file "$2") ;;
+	qemu-wb) cmd=("${qn[@]}" --cache=writeback "$2") ;;
+	qemu-none) cmd=("${qn[@]}" --cache=none "$2") ;;
+	esac
+	rm -f -- "$SOCK" "$PIDF"
+	echo "+ ${cmd[*]}" >"$3"
+	"${cmd[@]}" >>"$3" 2>&1 &
+	SERVER_PID=$!
+	local i
+	for ((i = 0; i < 200; i++)); do
+		[[ -S $SOCK && -s $PIDF ]] && return 0
+		kill -0 "$SERVER_PID" 2>/dev/null || return 1
+		sleep 0.05
+	done
+	return 1
+}
+
+# stop_server: SIGTERM, 60 s, then SIGKILL; sets SERVER_RC.
+stop_server() {
+	kill -TERM "$SERVER_PID" 2>/dev/null || true
+	local i
+	for ((i = 0; i < 600; i++)); do
+		kill -0 "$SERVER_PID" 2>/dev/null || break
+		sleep 0.1
+	done
+	kill -KILL "$SERVER_PID" 2>/dev/null && SERVER_RC=killed || SERVER_RC=0
+	local rc=0
+	wait "$SERVER_PID" 2>/dev/null || rc=$?
+	[[ $SERVER_RC == killed ]] || SERVER_RC=$rc
+	SERVER_PID=""
+}
+
+# The archive's disk: nbdkit, read-only, its file read into the page cache first, so that
+# untar's source costs every server under test the same.
+start_tar_server() {
+	cat "$TAR" >/dev/null
+	rm -f -- "$TARSOCK"
+	nbdkit -f -r -U "$TARSOCK" file "$TAR" >"$DIR/logs/tar-server.log" 2>&1 &
+	TAR_PID=$!
+	local i
+	for ((i = 0; i < 200; i++)); do
+		[[ -S $TARSOCK ]] && return 0
+		sleep 0.05
+	done
+	die "nbdkit serving $TAR did not start"
+}
+
+# "read_bytes peak_rss_kib" of a running process, "- -" if it is gone.
+server_usage() {
+	local rb hwm
+	rb=$(awk '/^read_bytes:/ { print $2 }' "/proc/$1/io" 2>/dev/null) || true
+	hwm=$(awk '/^VmHWM:/ { print $2 }' "/proc/$1/status" 2>/dev/null) || true
+	echo "${rb:--} ${hwm:--}"
+}
+
+# Bytes of file $1 in the page cache.
+cached_bytes() {
+	"$LIGHTFOOT" cache stat --json "$1" 2>/dev/null |
+		python3 -c 'import json,sys; print(json.load(sys.stdin)[0].get("cached_bytes","-"))' 2>/dev/null || echo -
+}
+
+# --- runs ----------------------------------------------------------------------------------
+
+[[ -f $CSV ]] || echo "round,workload,config,status,guest_s,job_s,wall_s,guest_reads,guest_read_bytes,guest_writes,guest_write_bytes,guest_discards,guest_flushes,server_read_bytes,cache_left_bytes,server_rss_kib,server_rc" >"$CSV"
+
+# run ROUND WORKLOAD CONFIG: one boot; appends a line to $CSV.
+run() {
+	local round=$1 w=$2 c=$3 file disks=() log console status=ok
+	log=$DIR/logs/r$round-$w-$c
+	if is_read "$w"; then
+		file=$IMG
+	else
+		file=$WIMG
+		rm -f -- "$WIMG"
+		mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$WIMG" "$WIMG_SIZE"
+	fi
+	sync
+	echo 3 >/proc/sys/vm/drop_caches
+	# The reference serves a copy in tmpfs: file cache idle for ~30 s is paged out on these
+	# VMs, and a reference that loses half its cache mid-run is no reference.
+	[[ $c == cached ]] && file=$SHM
+	disks=("$SOCK")
+	if [[ $w == untar ]]; then
+		start_tar_server
+		disks+=("ro:$TARSOCK")
+	fi
+	start_server "$c" "$file" "$log.server" || { status=server-failed; }
+	local t0 t1 usage="- -" left=- rc=0
+	t0=$EPOCHREALTIME
+	if [[ $status == ok ]]; then
+		timeout -k 10 "$TIMEOUT" "$GUEST/boot.sh" "$w" "" "${disks[@]}" >"$log.console" 2>&1 || rc=$?
+		t1=$EPOCHREALTIME
+		usage=$(server_usage "$SERVER_PID")
+		left=$(cached_bytes "$file")
+		stop_server
+		((rc == 0)) || status=guest-failed-$rc
+		[[ $SERVER_RC == 0 ]] || status=server-rc-$SERVER_RC
+	else
+		t1=$EPOCHREALTIME
+	fi
+	if [[ -n $TAR_PID ]]; then
+		kill "$TAR_PID" 2>/dev/null || true
+		wait "$TAR_PID" 2>/dev/null || true
+		TAR_PID=""
+	fi
+	python3 - "$log.console" "$round" "$w" "$c" "$status" "$t0" "$t1" $usage "$left" "${SERVER_RC:--}" >>"$CSV" <<'EOF'
+import re, sys
+log, rnd, w, c, status, t0, t1, rbytes, rss, left, src = sys.argv[1:]
+text = open(log, errors="replace").read().replace("\r", "") if status != "server-failed" else ""
+timed = re.findall(r"^lf: timed ([0-9.]+)", text, re.M)
+end = re.search(r"^lf: end \S+ rc=(\d+) seconds=([0-9.]+)", text, re.M)
+stat = re.search(r"^lf: stat vda\s+([\d ]+)$", text, re.M)
+if status == "ok" and (not end or end.group(1) != "0" or not timed):
+    status = "job-failed"
+f = [int(x) for x in stat.group(1).split()] if stat else []
+g = lambda i: str(f[i]) if len(f) > i else "-"
+b = lambda i: str(f[i] * 512) if len(f) > i else "-"
+print(",".join([rnd, w, c, status, timed[-1] if timed else "-", end.group(2) if end else "-",
+                f"{float(t1) - float(t0):.2f}", g(0), b(2), g(4), b(6), g(11), g(15),
+                rbytes, left, rss, src]))
+EOF
+	tail -1 "$CSV" | awk -F, '{ printf "   %-10s %-20s %8s s (job %s s, boot+job %s s)  %s\n", $2, $3, $5, $6, $7, $4 }' >&2
+}
+
+say "$ROUNDS round(s): workloads ${WORKLOAD_KEYS[*]}; servers ${CONFIG_KEYS[*]}; image $IMG ($((IMG_BYTES >> 20)) MiB)"
+for ((r = 1; r <= ROUNDS; r++)); do
+	say "round $r/$ROUNDS"
+	# The servers' order turns by one each round, so none always runs first after a drop.
+	n=${#CONFIG_KEYS[@]}
+	order=()
+	for ((i = 0; i < n; i++)); do order+=("${CONFIG_KEYS[$(((i + r - 1) % n))]}"); done
+	for w in "${WORKLOAD_KEYS[@]}"; do
+		for c in "${order[@]}"; do
+			[[ $c == cached ]] && ! is_read "$w" && continue
+			run "$r" "$w" "$c"
+		done
+	done
+done
+
+{
+	echo "guest.sh: ROUNDS=$ROUNDS GUEST_MEM=$GUEST_MEM GUEST_SMP=$GUEST_SMP, image $((IMG_BYTES >> 20)) MiB from $TREES"
+	echo "lightfoot: $LIGHTFOOT${LIGHTFOOT_ARGS:+ (LIGHTFOOT_ARGS=$LIGHTFOOT_ARGS)}; $(uname -r); $(date -u '+%F %H:%M') UTC"
+	echo
+	python3 "$HERE/summarize_guest.py" "$CSV" "$(for c in "${CONFIG_KEYS[@]}"; do printf '%s=%s;' "$c" "$(config_name "$c")"; done)"
+} | tee "$DIR/table.md"

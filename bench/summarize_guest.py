@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Tables of bench/guest.sh's results.csv: per workload, per server, medians over the rounds.
+
+    bench/summarize_guest.py DIR/results.csv ["key=name;key=name;..."]
+
+Read workloads: the guest's time, its I/O part (guest time minus the `cached` run's in the
+same round, then the median over rounds), the I/O part relative to nbdkit file's and to
+qemu-nbd --cache=none's (ratio of the medians: below 1 is faster), the server's bytes read from
+storage per byte the guest read, the guest's read requests, the page cache the image held
+right after, and the server's peak RSS. Write workloads: the guest's time and its ratio to
+nbdkit file's, the guest's flushes and discards, the cache left.
+"""
+import csv
+import statistics
+import sys
+from collections import defaultdict
+
+MiB = 1 << 20
+
+
+def num(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def fmt(v, spec=".2f", none="-"):
+    return none if v is None else format(v, spec)
+
+
+def main():
+    path = sys.argv[1]
+    names = {}
+    if len(sys.argv) > 2:
+        for item in sys.argv[2].split(";"):
+            if "=" in item:
+                k, v = item.split("=", 1)
+                names[k] = v
+    rows = list(csv.DictReader(open(path)))
+    workloads, configs = [], []
+    for r in rows:
+        if r["workload"] not in workloads:
+            workloads.append(r["workload"])
+        if r["config"] not in configs:
+            configs.append(r["config"])
+    by = defaultdict(list)
+    for r in rows:
+        by[(r["workload"], r["config"])].append(r)
+    failed = [r for r in rows if r["status"] != "ok"]
+    read = {"scan", "random", "walk", "boot"}
+    for w in workloads:
+        ok = {c: [r for r in by[(w, c)] if r["status"] == "ok"] for c in configs}
+        ref = {r["round"]: num(r["guest_s"]) for r in ok.get("cached", [])}
+        stats = {}
+        for c in configs:
+            rs = ok[c]
+            if not by[(w, c)]:
+                continue
+            guest = med(num(r["guest_s"]) for r in rs)
+            io = med(num(r["guest_s"]) - ref[r["round"]] for r in rs
+                     if r["round"] in ref and num(r["guest_s"]) is not None and ref[r["round"]] is not None)
+            amp = med(num(r["server_read_bytes"]) / num(r["guest_read_bytes"]) for r in rs
+                      if num(r["server_read_bytes"]) is not None and num(r["guest_read_bytes"]))
+            stats[c] = dict(
+                n=f"{len(rs)}/{len(by[(w, c)])}", guest=guest, io=io, amp=amp,
+                reads=med(num(r["guest_reads"]) for r in rs),
+                gread=med(num(r["guest_read_bytes"]) for r in rs),
+                sread=med(num(r["server_read_bytes"]) for r in rs),
+                left=med(num(r["cache_left_bytes"]) for r in rs),
+                rss=med(num(r["server_rss_kib"]) for r in rs),
+                flushes=med(num(r["guest_flushes"]) for r in rs),
+                discards=med(num(r["guest_discards"]) for r in rs),
+            )
+        print(f"### {w}\n")
+        if w in read:
+            base_n = stats.get("nbdkit", {}).get("io")
+            base_q = stats.get("qemu-none", {}).get("io")
+            print("| server | runs ok | guest s | I/O part s | I/O rel. nbdkit file | I/O rel. qemu-nbd none "
+                  "| guest read MiB | server read / guest read | guest requests | cache left MiB | server RSS MiB |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|")
+            for c, s in stats.items():
+                rel = lambda b: fmt(s["io"] / b if s["io"] is not None and b else None, ".2f")
+                left = None if c == "cached" or s["left"] is None else s["left"] / MiB
+                print(f"| {names.get(c, c)} | {s['n']} | {fmt(s['guest'])} | {fmt(s['io'])} | "
+                      f"{rel(base_n) if c != 'cached' else '-'} | {rel(base_q) if c != 'cached' else '-'} | "
+                      f"{fmt(s['gread'] / MiB if s['gread'] is not None else None, '.0f')} | "
+                      f"{fmt(s['amp'])} | {fmt(s['reads'], '.0f')} | {fmt(left, '.1f')} | "
+                      f"{fmt(s['rss'] / 1024 if s['rss'] is not None else None, '.0f')} |")
+        else:
+            base = stats.get("nbdkit", {}).get("guest")
+            print("| server | runs ok | guest s | rel. nbdkit file | guest flushes | guest discards "
+                  "| cache left MiB | server RSS MiB |")
+            print("|---|---|---|---|---|---|---|---|")
+            for c, s in stats.items():
+                rel = fmt(s["guest"] / base if s["guest"] is not None and base else None)
+                print(f"| {names.get(c, c)} | {s['n']} | {fmt(s['guest'])} | {rel} | {fmt(s['flushes'], '.0f')} | "
+                      f"{fmt(s['discards'], '.0f')} | "
+                      f"{fmt(s['left'] / MiB if s['left'] is not None else None, '.1f')} | "
+                      f"{fmt(s['rss'] / 1024 if s['rss'] is not None else None, '.0f')} |")
+        print()
+    print("Medians over the rounds' good runs. I/O part: the guest's time minus the `cached` run's "
+          "in the same round; its ratios are of the medians (below 1: faster than the peer). "
+          "Server read: /proc/PID/io read_bytes (storage reads the server caused).")
+    if failed:
+        print("\n**Failed runs**: " + "; ".join(f"r{r['round']} {r['workload']} {r['config']}: {r['status']}"
+                                               for r in failed))
+
+
+if __name__ == "__main__":
+    main()
