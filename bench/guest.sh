@@ -140,7 +140,7 @@ cleanup_stage() {
 	rm -rf -- "$STAGE"
 }
 
-LAYOUT="trees=$TREES random=$RANDOM_FILES v2"
+LAYOUT="trees=$TREES random=$RANDOM_FILES v3"
 if [[ -f $IMG && -f $IMG.layout && $(<"$IMG.layout") == "$LAYOUT" ]]; then
 	say "reusing $IMG ($LAYOUT)"
 else
@@ -160,9 +160,11 @@ else
 		# The lists the jobs read (so that no walk of the tree comes before the timed part).
 		find . -path ./.lf -prune -o -type f -size -65k -print | sed 's,^\./,,' | plain |
 			shuf -n "$RANDOM_FILES" --random-source=<(yes) >.lf/random.list
-		find . -path ./.lf -prune -o -type f -printf '%s %P\n' | plain | sort -rn | sed -n 1,8p | cut -d' ' -f2- >.lf/large.list
+		find . -path ./.lf -prune -o -type f -printf '%P\n' | plain | xargs -d '\n' stat -c '%s %n' |
+			sort -rn | sed -n 1,8p | cut -d' ' -f2- >.lf/large.list
 		find ./bin ./python3 -type f -size -2049k 2>/dev/null | sed 's,^\./,,' | sort | plain >.lf/boot.list
 	)
+	for l in random large boot; do [[ -s $STAGE/.lf/$l.list ]] || die "no files for .lf/$l.list in $TREES"; done
 	bytes=$(du -sb --apparent-size "$STAGE" | cut -f1)
 	size=$(((bytes * 13 / 10 / 1048576 + 256) / 64 * 64))M
 	mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 -d "$STAGE" "$IMG" "$size"

@@ -81,6 +81,9 @@ pub struct BufferStats {
     pub prefetched: u64,
     /// Bytes read ahead and evicted or invalidated before a client read them.
     pub wasted: u64,
+    /// Bytes of read-ahead not read at all: their stream had stopped by the time their turn
+    /// came.
+    pub dropped: u64,
 }
 
 pub struct Buffer {

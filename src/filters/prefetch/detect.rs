@@ -6,12 +6,16 @@
 //! and no further than `slack` past its end: exactly at the end for a client reading in order,
 //! a little past it when requests in flight are answered out of order (queue depth > 1), or
 //! inside it when a later request overtook an earlier one. Continuations form chains; a chain
-//! whose frontier (the furthest byte read) has advanced `links` times, and has come at least
-//! `min_run` bytes from where the chain began, is a stream. The byte bound is what keeps short
+//! whose frontier (the furthest byte read) has advanced `links` times, has come at least
+//! `min_run` bytes from where the chain began, and has read most of the bytes in between
+//! (`min_dense` per cent), is a stream, and stays one while it continues. The byte bound is what keeps short
 //! runs among random reads from being taken for streams: with 4 KiB reads of which 30 %
 //! continue the previous one, three links happen every few dozen reads, and each false stream
 //! costs two 256 KiB chunks of read-ahead (a 2 s benchmark run wasted ~1 GiB that way);
-//! sixteen 4 KiB links in a row practically never happen by chance.
+//! sixteen 4 KiB links in a row practically never happen by chance. The density bound is what
+//! keeps a guest's scattered reads from being taken for streams: a file system's metadata, or
+//! small files a few hundred KiB apart, continue each other within the slack, but read-ahead
+//! over them would mostly fetch the gaps.
 //!
 //! What it does not do, on purpose: descending reads never continue anything (prefetching
 //! ahead of a reader going backwards would only waste reads), and an isolated random read
@@ -39,11 +43,21 @@ pub struct DetectConfig {
     /// this and `slack_reads` times the new read's length.
     pub slack_min: u64,
     pub slack_reads: u64,
+    /// Per cent of the bytes between a chain's start and its frontier that its reads must
+    /// have covered for it to be a stream.
+    pub min_dense: u64,
 }
 
 impl Default for DetectConfig {
     fn default() -> Self {
-        DetectConfig { history: 64, links: 3, min_run: 64 << 10, slack_min: 64 << 10, slack_reads: 8 }
+        DetectConfig {
+            history: 64,
+            links: 3,
+            min_run: 64 << 10,
+            slack_min: 64 << 10,
+            slack_reads: 8,
+            min_dense: 75,
+        }
     }
 }
 
@@ -59,6 +73,9 @@ pub struct Observation {
     pub stream: bool,
     /// The furthest byte the chain has read (exclusive end).
     pub frontier: u64,
+    /// Bytes the chain's reads covered (at most its frontier less its start): what the
+    /// stream has consumed.
+    pub covered: u64,
     /// This read made the chain a stream.
     pub became_stream: bool,
 }
@@ -75,6 +92,11 @@ struct Chain {
     /// Where its first read started.
     start: u64,
     frontier: u64,
+    /// Bytes its reads covered, counted once per read and capped at `frontier - start`.
+    covered: u64,
+    /// It met the bounds once: a stream stays one while it continues (a reader that skips
+    /// a gap later, as tar does between files, keeps its read-ahead).
+    stream: bool,
     /// Its reads still in the history, oldest first; when none are left the chain is
     /// forgotten.
     members: VecDeque<(u64, u64)>,
@@ -82,7 +104,9 @@ struct Chain {
 
 impl Chain {
     fn is_stream(&self, cfg: &DetectConfig) -> bool {
-        self.links >= cfg.links && self.frontier - self.start >= cfg.min_run
+        let run = self.frontier - self.start;
+        self.stream
+            || (self.links >= cfg.links && run >= cfg.min_run && self.covered * 100 >= run * cfg.min_dense)
     }
 }
 
@@ -147,13 +171,23 @@ impl Detector {
                     c.frontier = end;
                     c.links = c.links.saturating_add(1);
                 }
-                (id, !was_stream && c.is_stream(&cfg))
+                c.covered = (c.covered + len).min(c.frontier - c.start);
+                c.stream = c.is_stream(&cfg);
+                (id, !was_stream && c.stream)
             }
             None => {
                 let id = self.next_chain;
                 self.next_chain += 1;
-                let c = Chain { links: 1, start: offset, frontier: end, members: VecDeque::new() };
-                let stream = c.is_stream(&self.cfg);
+                let mut c = Chain {
+                    links: 1,
+                    start: offset,
+                    frontier: end,
+                    covered: len,
+                    stream: false,
+                    members: VecDeque::new(),
+                };
+                c.stream = c.is_stream(&self.cfg);
+                let stream = c.stream;
                 self.chains.insert(id, c);
                 (id, stream)
             }
@@ -182,6 +216,7 @@ impl Detector {
             chain: ChainId(id),
             stream: c.is_stream(&self.cfg),
             frontier: c.frontier,
+            covered: c.covered,
             became_stream,
         }
     }
@@ -380,12 +415,39 @@ mod tests {
 
     #[test]
     fn larger_reads_get_proportionally_more_slack() {
-        // 1 MiB reads with a 2 MiB gap (a reader skipping a hole) still continue.
+        // 1 MiB reads with a 256 KiB gap (a reader skipping a hole) still continue, and are
+        // dense enough for a stream.
         let mut d = detector();
-        let v: Vec<_> = (0..4u64).map(|i| d.observe(i * (3 << 20), 1 << 20)).collect();
-        assert!(v[3].stream);
+        let v: Vec<_> = (0..4u64).map(|i| d.observe(i * (5 << 18), 1 << 20)).collect();
+        assert!(v[3].stream && v[3].chain == v[0].chain);
+        assert_eq!(v[3].covered, 4 << 20);
+        // With 2 MiB gaps they continue one chain but read a third of it: no stream.
+        let mut d = detector();
+        let v: Vec<_> = (0..8u64).map(|i| d.observe(i * (3 << 20), 1 << 20)).collect();
+        assert!(v.iter().all(|o| o.chain == v[0].chain && !o.stream), "{v:?}");
         // 4 KiB reads 1 MiB apart are separate.
         let mut d = detector();
         assert!((0..10u64).all(|i| !d.observe(i * (1 << 20), K4).stream));
+    }
+
+    #[test]
+    fn scattered_reads_within_the_slack_are_not_a_stream() {
+        // A guest's metadata walk: 4 KiB reads 16-48 KiB apart, ascending. They continue each
+        // other (within the 64 KiB slack) but cover a sixth of the range.
+        let found = |cfg: DetectConfig| {
+            let mut d = Detector::new(cfg);
+            let (mut at, mut rng) = (0, Rng::new(3));
+            for _ in 0..200 {
+                d.observe(at, K4);
+                at += (4 + rng.below(9)) * K4;
+            }
+            d.streams_found()
+        };
+        assert_eq!(
+            found(DetectConfig { min_dense: 0, ..DetectConfig::default() }),
+            1,
+            "links and bytes alone"
+        );
+        assert_eq!(found(DetectConfig::default()), 0);
     }
 }

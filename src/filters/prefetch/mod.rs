@@ -277,6 +277,12 @@ impl ReadAhead {
         // waited changed nothing it will read).
         let (spare, since) = {
             let mut st = self.state.lock().unwrap();
+            // A stream that stopped while its read-ahead waited in the queue gets none of it.
+            if job.owner.is_some_and(|c| !st.detector.is_live(c)) {
+                st.in_flight.remove(&job.start);
+                st.buffer.stats.dropped += job.len;
+                return;
+            }
             (st.buffer.spare(), st.generation)
         };
         let mut data = buffer::Data::new(spare, job.len as usize);
@@ -664,7 +670,8 @@ mod tests {
         p.read(&mut buf, CHUNK + 2 * K4).unwrap();
         assert_eq!(buf, new, "a read after the write returned the read-ahead's stale bytes");
 
-        // Chunk 2 was buffered before its write: the write drops it.
+        // Chunk 2, buffered (by a CACHE request) before its write: the write drops it.
+        p.cache(2 * CHUNK, CHUNK).unwrap();
         wait_until("chunk 2", || p.shared.state.lock().unwrap().buffer.contains(2 * CHUNK));
         p.zero(2 * CHUNK + K4, K4, ZeroFlags::default()).unwrap();
         p.read(&mut buf, 2 * CHUNK + K4).unwrap();
