@@ -42,6 +42,21 @@ fn can_boot() -> bool {
     true
 }
 
+/// This test's turn to boot a guest (held until the guard drops), or `None` when no guest can
+/// boot here (skipped).
+fn guest_turn() -> Option<std::sync::MutexGuard<'static, ()>> {
+    let turn = ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner());
+    can_boot().then_some(turn)
+}
+
+/// [`tree`] in `dir`/tree, and an ext4 image of it, `dir`/fs.img.
+fn tree_image(dir: &Path) -> (PathBuf, PathBuf) {
+    let (root, img) = (dir.join("tree"), dir.join("fs.img"));
+    tree(&root);
+    ext4(&img, "96M", Some(&root));
+    (root, img)
+}
+
 /// A booted guest: QEMU itself (boot.sh execs it), its console going to `log`.
 struct Guest {
     child: Child,
@@ -199,15 +214,9 @@ fn sum_in_image(img: &Path, path: &str, scratch: &Path) -> String {
 /// match the host's; the server leaves the image uncached.
 #[test]
 fn guest_reads_every_file_as_written() {
-    let _one = ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner());
-    if !can_boot() {
-        return;
-    }
+    let Some(_one) = guest_turn() else { return };
     let dir = scratch();
-    let root = dir.path().join("tree");
-    tree(&root);
-    let img = dir.path().join("fs.img");
-    ext4(&img, "96M", Some(&root));
+    let (root, img) = tree_image(dir.path());
     evict(&img);
     let server = Served::start(&img, &[]);
     let console = Guest::boot(dir.path(), "check", "", &[&server.sock], &[]).finish("check", 180);
@@ -227,10 +236,7 @@ fn guest_reads_every_file_as_written() {
 /// after the journal replay and every synced file has the contents the guest checksummed.
 #[test]
 fn synced_guest_writes_survive_a_kill() {
-    let _one = ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner());
-    if !can_boot() {
-        return;
-    }
+    let Some(_one) = guest_turn() else { return };
     let dir = scratch();
     let plain = dir.path().join("plain.img");
     let coalesce = dir.path().join("coalesce.img");
@@ -278,15 +284,9 @@ fn synced_guest_writes_survive_a_kill() {
 /// checks.
 #[test]
 fn guest_carries_on_when_its_server_restarts() {
-    let _one = ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner());
-    if !can_boot() {
-        return;
-    }
+    let Some(_one) = guest_turn() else { return };
     let dir = scratch();
-    let root = dir.path().join("tree");
-    tree(&root);
-    let img = dir.path().join("fs.img");
-    ext4(&img, "96M", Some(&root));
+    let (root, img) = tree_image(dir.path());
     let server = Served::start(&img, &[]);
     let guest = Guest::boot(dir.path(), "check", "", &[&server.sock], &[("GUEST_RECONNECT", "20")]);
     // A few files in: most of the tree is still to be read when the server goes.
