@@ -85,21 +85,21 @@ impl Guest {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Whether the console has a line starting with `prefix`.
+    fn has_line(&self, prefix: &str) -> bool {
+        self.console().lines().any(|l| l.starts_with(prefix))
+    }
+
     /// Waits until the console shows a line starting with `prefix`; fails the test (with the
     /// console) if the guest ends first or `secs` pass.
     fn wait_line(&mut self, prefix: &str, secs: u64) {
         let mut ended = false;
-        let seen = within(secs, || {
+        within(secs, || {
             ended = !matches!(self.child.try_wait(), Ok(None));
-            self.console().lines().any(|l| l.starts_with(prefix)) || ended
+            ended || self.has_line(prefix)
         });
-        let shown = self.console().lines().any(|l| l.starts_with(prefix));
-        assert!(
-            shown,
-            "no console line {prefix:?} (guest ended: {ended}, timed out: {}):\n{}",
-            !seen,
-            self.console()
-        );
+        let why = if ended { "the guest ended" } else { "timed out" };
+        assert!(self.has_line(prefix), "no console line {prefix:?} ({why}):\n{}", self.console());
     }
 
     /// Waits for the guest to power off (within `secs`) and asserts its job succeeded;
@@ -113,8 +113,7 @@ impl Guest {
         let console = self.console();
         assert!(ended, "the guest did not power off within {secs} s:\n{console}");
         assert!(status.success(), "qemu: {status}:\n{console}");
-        let end = format!("lf: end {job} rc=0 ");
-        assert!(console.lines().any(|l| l.starts_with(&end)), "job {job} failed:\n{console}");
+        assert!(self.has_line(&format!("lf: end {job} rc=0 ")), "job {job} failed:\n{console}");
         console
     }
 

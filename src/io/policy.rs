@@ -356,23 +356,22 @@ mod tests {
     /// else the open fails; where O_DIRECT was asked for, it fails; keep mode never needs it.
     #[test]
     fn without_o_direct_neutral_reads_fall_back_in_one_place() {
-        let no_direct = ALL;
         let many = Tuning { many_in_flight: true, ..Tuning::default() };
-        let c = choose(CacheMode::Neutral, no_direct, &many, refuses).unwrap();
+        let c = choose(CacheMode::Neutral, ALL, &many, refuses).unwrap();
         assert_eq!((c.read, c.direct), (ReadMech::DontCache, false));
-        let c = choose(CacheMode::Neutral, Probe { dontcache: false, ..no_direct }, &many, refuses).unwrap();
+        let c = choose(CacheMode::Neutral, Probe { dontcache: false, ..ALL }, &many, refuses).unwrap();
         assert_eq!(
             (c.read, c.write, c.fadvise),
             (ReadMech::EvictBehind, WriteMech::WriteBehind, Fadvise::Random)
         );
-        let bare = Probe { dontcache: false, cachestat: false, ..no_direct };
+        let bare = Probe { dontcache: false, cachestat: false, ..ALL };
         let e = choose(CacheMode::Neutral, bare, &many, refuses).unwrap_err();
         assert!(e.to_string().contains("--cache drop or --cache keep"), "{e}");
-        assert!(choose(CacheMode::Direct, no_direct, &Tuning::default(), refuses).is_err());
+        assert!(choose(CacheMode::Direct, ALL, &Tuning::default(), refuses).is_err());
         let forced = Tuning { read: Some(ReadMech::Direct), ..Tuning::default() };
-        assert!(choose(CacheMode::Neutral, no_direct, &forced, refuses).is_err());
+        assert!(choose(CacheMode::Neutral, ALL, &forced, refuses).is_err());
         let probed = |what| move || -> std::result::Result<(), i32> { panic!("{what} opened O_DIRECT") };
-        let c = choose(CacheMode::Keep, no_direct, &Tuning::default(), probed("keep mode")).unwrap();
+        let c = choose(CacheMode::Keep, ALL, &Tuning::default(), probed("keep mode")).unwrap();
         assert_eq!((c.read, c.direct), (ReadMech::Buffered, false));
         // DONTCACHE reads keep O_DIRECT as their fallback where it opens.
         assert!(choose(CacheMode::Neutral, ALL, &Tuning::default(), opens).unwrap().direct);

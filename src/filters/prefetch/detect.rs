@@ -8,11 +8,11 @@
 //! inside it when a later request overtook an earlier one. Continuations form chains; a chain
 //! whose frontier (the furthest byte read) has advanced `links` times, has come at least
 //! `min_run` bytes from where the chain began, and has read most of the bytes in between
-//! (`min_dense` per cent), is a stream, and stays one while it continues. The byte bound is what keeps short
-//! runs among random reads from being taken for streams: with 4 KiB reads of which 30 %
-//! continue the previous one, three links happen every few dozen reads, and each false stream
-//! costs two 256 KiB chunks of read-ahead (a 2 s benchmark run wasted ~1 GiB that way);
-//! sixteen 4 KiB links in a row practically never happen by chance. The density bound is what
+//! (`min_dense` per cent), is a stream, and stays one while it continues. The byte bound is
+//! what keeps short runs among random reads from being taken for streams: with 4 KiB reads of
+//! which 30 % continue the previous one, three links happen every few dozen reads, and each
+//! false stream costs two 256 KiB chunks of read-ahead (a 2 s benchmark run wasted ~1 GiB that
+//! way); sixteen 4 KiB links in a row practically never happen by chance. The density bound
 //! keeps a guest's scattered reads from being taken for streams: a file system's metadata, or
 //! small files a few hundred KiB apart, continue each other within the slack, but read-ahead
 //! over them would mostly fetch the gaps.
@@ -73,9 +73,6 @@ pub struct Observation {
     pub stream: bool,
     /// The furthest byte the chain has read (exclusive end).
     pub frontier: u64,
-    /// Bytes the chain's reads covered (at most its frontier less its start): what the
-    /// stream has consumed.
-    pub covered: u64,
     /// This read made the chain a stream.
     pub became_stream: bool,
 }
@@ -212,13 +209,7 @@ impl Detector {
             self.order.retain(|k| live.contains_key(k));
         }
         let c = &self.chains[&id];
-        Observation {
-            chain: ChainId(id),
-            stream: c.is_stream(&self.cfg),
-            frontier: c.frontier,
-            covered: c.covered,
-            became_stream,
-        }
+        Observation { chain: ChainId(id), stream: c.stream, frontier: c.frontier, became_stream }
     }
 
     /// Drops the oldest read still in the history (and its chain, if it was the last).
@@ -420,7 +411,7 @@ mod tests {
         let mut d = detector();
         let v: Vec<_> = (0..4u64).map(|i| d.observe(i * (5 << 18), 1 << 20)).collect();
         assert!(v[3].stream && v[3].chain == v[0].chain);
-        assert_eq!(v[3].covered, 4 << 20);
+        assert_eq!(d.chains[&v[3].chain.0].covered, 4 << 20);
         // With 2 MiB gaps they continue one chain but read a third of it: no stream.
         let mut d = detector();
         let v: Vec<_> = (0..8u64).map(|i| d.observe(i * (3 << 20), 1 << 20)).collect();
