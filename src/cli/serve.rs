@@ -510,12 +510,14 @@ fn print_stats(server: &Server, stack: &Stack, json: bool) {
     }
     if let Some(p) = pstats {
         t += &format!(
-            "prefetch: {} streams, {} hits, {} misses, {} read ahead, {} of it unread, {} held\n",
+            "prefetch: {} streams, {} hits ({} waited for read-ahead on its way), {} misses, {} read ahead, {} of it unread, {} dropped unread (stream stopped), {} held\n",
             p.streams_found,
             p.buffer.hits,
+            p.buffer.joined,
             p.buffer.misses,
             super::human::bytes(p.buffer.prefetched),
             super::human::bytes(p.buffer.wasted),
+            super::human::bytes(p.buffer.dropped),
             super::human::bytes(p.held)
         );
     }

@@ -5,8 +5,8 @@
 //! covers its last byte, so 512-byte readers count too) and goes when all have: read from the
 //! buffer, or read from below by a read the buffer could not serve whole (one that ran into a
 //! chunk still being read ahead), or read by its stream before the chunk arrived. To make room,
-//! chunks nobody has started on go first, least recently filled first; then partly read
-//! chunks, least recently used first, so a stream that went quiet cannot pin the buffer.
+//! the least recently filled or read chunk goes first, so a stream that went quiet cannot pin
+//! the buffer. [`Buffer::keeping`] keeps chunks once read through, first to go for room.
 
 use std::collections::BTreeMap;
 
@@ -84,10 +84,15 @@ pub struct BufferStats {
     /// Bytes of read-ahead not read at all: their stream had stopped by the time their turn
     /// came.
     pub dropped: u64,
+    /// Reads that met their chunks on the way (read ahead, not yet landed) and were served
+    /// from them once they landed, instead of reading the bytes again from below.
+    pub joined: u64,
 }
 
 pub struct Buffer {
     chunks: BTreeMap<u64, Chunk>,
+    /// Chunks read through stay (first to go when room is needed): see [`Buffer::keeping`].
+    keep: bool,
     spares: Vec<AlignedBuf>,
     /// Owners of chunks evicted for room before anyone read them (see [`Buffer::take_unread`]).
     unread: Vec<u64>,
@@ -101,6 +106,7 @@ impl Buffer {
     pub fn new(limit: u64) -> Buffer {
         Buffer {
             chunks: BTreeMap::new(),
+            keep: false,
             spares: Vec::new(),
             unread: Vec::new(),
             bytes: 0,
@@ -108,6 +114,12 @@ impl Buffer {
             tick: 0,
             stats: Default::default(),
         }
+    }
+
+    /// Keeps chunks once read through, for reads that come back (metadata, over object
+    /// storage, where each miss is a round trip); they are the first to go for room.
+    pub fn keeping(self) -> Buffer {
+        Buffer { keep: true, ..self }
     }
 
     pub fn bytes(&self) -> u64 {
@@ -188,7 +200,7 @@ impl Buffer {
         let c = self.chunks.get_mut(&start).expect("a held chunk");
         c.read |= pieces_ending_in(from as u64, (from + n) as u64, c.data.len() as u64);
         c.last_use = self.tick;
-        if c.done() {
+        if c.done() && !self.keep {
             let c = self.chunks.remove(&start).expect("just used");
             self.bytes -= c.data.len() as u64;
             self.recycle(c.data);
@@ -196,19 +208,18 @@ impl Buffer {
     }
 
     /// Adds a chunk read ahead (`start` is chunk-aligned) for `owner`, evicting others to make
-    /// room. `read_to`: where its stream has read up to already (it read the bytes before
-    /// that from below while the chunk was on its way): those pieces count as read, and a
-    /// chunk the stream has read all of is not kept (counted as wasted).
-    pub fn insert(&mut self, start: u64, data: Data, owner: Option<u64>, read_to: u64) {
+    /// room. `read`: the pieces clients already have (they read them from below before or
+    /// while the chunk was on its way: see [`pieces_read`]): they count as read, and a chunk
+    /// read all of is not kept (counted as wasted).
+    pub fn insert(&mut self, start: u64, data: Data, owner: Option<u64>, read: u64) {
         debug_assert_eq!(start % CHUNK, 0);
         let len = data.len() as u64;
         if let Some(old) = self.chunks.remove(&start) {
             self.bytes -= old.data.len() as u64;
             self.recycle(old.data);
         }
-        let read = pieces_ending_in(0, read_to.saturating_sub(start).min(len), len);
         let chunk = Chunk { data, owner, read, last_use: 0 };
-        if chunk.done() {
+        if chunk.done() && !self.keep {
             self.stats.prefetched += len;
             self.stats.wasted += len;
             self.recycle(chunk.data);
@@ -226,9 +237,12 @@ impl Buffer {
     }
 
     fn evict_one(&mut self) {
-        // Untouched chunks first, oldest first; then partly read ones, least recently used.
+        // Chunks read through (kept only when keeping) first; then the least recently filled
+        // or read. Partly read chunks do not outrank fresh read-ahead: a stream that moved on
+        // leaves behind chunks it read part of (the rest is another file's), which would
+        // otherwise fill the buffer and have each new chunk evicted as it lands.
         let victim =
-            self.chunks.iter().min_by_key(|(_, c)| (c.read != 0, c.last_use)).map(|(&s, c)| (s, c.read == 0));
+            self.chunks.iter().min_by_key(|(_, c)| (!c.done(), c.last_use)).map(|(&s, c)| (s, c.read == 0));
         if let Some((s, untouched)) = victim {
             let c = self.chunks.remove(&s).unwrap();
             self.bytes -= c.data.len() as u64;
@@ -259,6 +273,16 @@ impl Buffer {
             self.recycle(c.data);
         }
     }
+}
+
+/// The pieces of chunk `start` (of `len` bytes) that a client read of `[offset, end)` counts
+/// as read, as a mask for [`Buffer::insert`].
+pub fn pieces_read(start: u64, len: u64, offset: u64, end: u64) -> u64 {
+    let (from, to) = (offset.clamp(start, start + len), end.clamp(start, start + len));
+    if from >= to {
+        return 0;
+    }
+    pieces_ending_in(from - start, to - start, len)
 }
 
 /// The pieces of a chunk of `len` bytes whose last byte lies in `[from, to)`, as a mask.
@@ -367,22 +391,36 @@ mod tests {
         assert_eq!(b.stats.misses, 1);
     }
 
+    /// The least recently filled or read chunk goes first, partly read or not: a stream that
+    /// moved on must not leave its half-read chunks to crowd out new read-ahead.
     #[test]
-    fn untouched_chunks_are_evicted_before_partly_read_ones() {
+    fn the_least_recently_used_chunk_goes_first() {
         let mut b = Buffer::new(2 * CHUNK);
         b.insert(0, chunk(1), None, 0);
         let mut buf = [0u8; 4096];
         assert!(b.serve(&mut buf, 0));
         b.insert(CHUNK, chunk(2), None, 0);
         b.insert(2 * CHUNK, chunk(3), None, 0);
-        assert!(b.contains(0), "the partly read chunk stays");
-        assert!(!b.contains(CHUNK));
-        assert_eq!(b.stats.wasted, CHUNK);
-        // With only partly read chunks left, the least recently used goes.
-        assert!(b.serve(&mut buf, 2 * CHUNK));
+        assert!(!b.contains(0), "the partly read chunk, used longest ago, stays");
+        assert_eq!(b.stats.wasted, 0, "it was read from");
+        assert!(b.serve(&mut buf, CHUNK));
         b.insert(3 * CHUNK, chunk(4), None, 0);
-        assert!(!b.contains(0) && b.contains(2 * CHUNK) && b.contains(3 * CHUNK));
+        assert!(b.contains(CHUNK) && !b.contains(2 * CHUNK) && b.contains(3 * CHUNK));
+        assert_eq!(b.stats.wasted, CHUNK, "chunk 2 went unread");
         assert!(b.bytes() <= 2 * CHUNK);
+    }
+
+    /// Keeping, chunks read through stay, and are the first to go for room.
+    #[test]
+    fn kept_chunks_read_through_go_first() {
+        let mut b = Buffer::new(2 * CHUNK).keeping();
+        b.insert(0, chunk(1), None, 0);
+        b.insert(CHUNK, chunk(2), None, 0);
+        let mut buf = vec![0u8; CHUNK as usize];
+        assert!(b.serve(&mut buf, CHUNK));
+        assert!(b.serve(&mut buf, CHUNK), "read through, and still held");
+        b.insert(2 * CHUNK, chunk(3), None, 0);
+        assert!(b.contains(0) && !b.contains(CHUNK) && b.contains(2 * CHUNK));
     }
 
     #[test]
@@ -426,7 +464,7 @@ mod tests {
         assert!(!b.contains(0), "read through (its last piece from below) but kept");
 
         // Arriving after its stream read half of it: only the other half is left to read.
-        b.insert(CHUNK, chunk(2), Some(3), CHUNK + CHUNK / 2);
+        b.insert(CHUNK, chunk(2), Some(3), pieces_read(CHUNK, CHUNK, 0, CHUNK + CHUNK / 2));
         for i in 0..(CHUNK / 2 / 4096) {
             assert!(b.serve(&mut piece, CHUNK + CHUNK / 2 + i * 4096));
         }
@@ -434,7 +472,7 @@ mod tests {
         assert_eq!(b.stats.wasted, 0);
 
         // Arriving after its stream read all of it: not kept, read ahead in vain.
-        b.insert(2 * CHUNK, chunk(3), Some(3), 3 * CHUNK + 4096);
+        b.insert(2 * CHUNK, chunk(3), Some(3), pieces_read(2 * CHUNK, CHUNK, 0, 3 * CHUNK + 4096));
         assert!(!b.contains(2 * CHUNK));
         assert_eq!((b.bytes(), b.stats.wasted), (0, CHUNK));
     }

@@ -73,6 +73,8 @@ pub struct Observation {
     pub stream: bool,
     /// The furthest byte the chain has read (exclusive end).
     pub frontier: u64,
+    /// Bytes the chain's reads have covered: what it has consumed so far.
+    pub covered: u64,
     /// This read made the chain a stream.
     pub became_stream: bool,
 }
@@ -209,7 +211,13 @@ impl Detector {
             self.order.retain(|k| live.contains_key(k));
         }
         let c = &self.chains[&id];
-        Observation { chain: ChainId(id), stream: c.stream, frontier: c.frontier, became_stream }
+        Observation {
+            chain: ChainId(id),
+            stream: c.stream,
+            frontier: c.frontier,
+            covered: c.covered,
+            became_stream,
+        }
     }
 
     /// Drops the oldest read still in the history (and its chain, if it was the last).

@@ -14,9 +14,10 @@
 //! when the buffer holds all of it, from the layer below otherwise. A read of a stream queues
 //! read-ahead of the chunks from its frontier on for background threads; the stream's window
 //! starts at 2 chunks, doubles (to 16) each time the stream is served from the buffer, and
-//! halves (to 1) each time a chunk read ahead for it is evicted before it was read. A stream
-//! that stops reading stops getting read-ahead; its chain ages out of the detector. The
-//! client's own read never waits for read-ahead.
+//! halves (to 1) each time a chunk read ahead for it is evicted before it was read, and never
+//! reaches further ahead than the stream has read. A stream that stops reading stops getting
+//! read-ahead; its chain ages out of the detector. A read whose chunks are on their way waits
+//! for them (or reads a queued one itself) rather than read the bytes a second time.
 //!
 //! Coherence: a write, zero or trim goes to the layer below and then drops the chunks it
 //! overlaps, bumps a generation counter and logs its range; read-ahead that started before it
@@ -35,9 +36,9 @@ pub mod detect;
 
 pub use detect::{DetectConfig, Detector, Observation};
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use super::Filter;
 use crate::backend::{Backend, Caps, Extent, ZeroFlags};
@@ -57,14 +58,18 @@ pub struct PrefetchConfig {
     pub window_max: u32,
     /// Background threads doing the read-ahead.
     pub threads: usize,
+    /// Small reads that miss read their whole chunks into the buffer, and chunks stay once
+    /// read through (the first to go for room): a chunk cache, for backends where a round
+    /// trip costs far more than the bytes it carries.
+    pub whole_chunks: bool,
     pub detect: DetectConfig,
 }
 
 impl PrefetchConfig {
     /// For a backend where every read is a network round trip of milliseconds (object
-    /// storage): 16 fills in flight rather than 2. Two threads each fetching a 256 KiB chunk
-    /// per round trip cap a stream at 2 chunks a round trip (about 50 MB/s at 10 ms); a local
-    /// device needs no more than two to stay busy.
+    /// storage): 16 fills in flight rather than 2 (two threads each fetching a 256 KiB chunk
+    /// per round trip cap a stream at 2 chunks a round trip, about 50 MB/s at 10 ms; a local
+    /// device needs no more than two to stay busy).
     pub fn for_round_trips(self) -> PrefetchConfig {
         PrefetchConfig { threads: 16, ..self }
     }
@@ -78,6 +83,7 @@ impl Default for PrefetchConfig {
             window_min: 2,
             window_max: 16,
             threads: 2,
+            whole_chunks: false,
             detect: DetectConfig::default(),
         }
     }
@@ -99,11 +105,26 @@ struct Window {
     next: u64,
 }
 
+/// A chunk queued or being read ahead. Its `ticket` names the job that reads it: a client
+/// read that meets the chunk still queued takes the job over (reads the chunk itself, under
+/// a new ticket), and the queued job, finding another ticket, is skipped.
+#[derive(Clone, Copy)]
+struct Flight {
+    ticket: u64,
+    started: bool,
+    owner: Option<ChainId>,
+    /// Pieces clients have read from below already ([`buffer::pieces_read`]).
+    read: u64,
+    /// Pieces client reads waiting for the chunk want: never counted as read when it lands.
+    wanted: u64,
+}
+
 struct State {
     detector: Detector,
     windows: HashMap<ChainId, Window>,
     buffer: Buffer,
-    in_flight: HashSet<u64>,
+    in_flight: HashMap<u64, Flight>,
+    tickets: u64,
     /// Bumped by every write, zero and trim.
     generation: u64,
     /// The latest writes' (generation, offset, length), at most [`WRITE_LOG`]: read-ahead that
@@ -134,6 +155,7 @@ struct Job {
     len: u64,
     /// The stream it reads ahead for (none for CACHE requests).
     owner: Option<ChainId>,
+    ticket: u64,
 }
 
 struct ReadAhead {
@@ -143,6 +165,9 @@ struct ReadAhead {
     cfg: PrefetchConfig,
     size: u64,
     state: Mutex<State>,
+    /// Signalled whenever a chunk's read ends (landed, discarded or failed): client reads
+    /// waiting for it look again.
+    landed: Condvar,
 }
 
 /// The prefetch filter: a [`Filter`] over a [`Backend`] of its own, for read-ahead.
@@ -158,14 +183,21 @@ impl Prefetch {
         let state = State {
             detector: Detector::new(cfg.detect),
             windows: HashMap::new(),
-            buffer: Buffer::new(cfg.size),
-            in_flight: HashSet::new(),
+            buffer: if cfg.whole_chunks { Buffer::new(cfg.size).keeping() } else { Buffer::new(cfg.size) },
+            in_flight: HashMap::new(),
+            tickets: 0,
             generation: 0,
             writes: VecDeque::new(),
             cache_jobs: 0,
         };
-        let shared =
-            Arc::new(ReadAhead { stopping: Default::default(), inner, cfg, size, state: Mutex::new(state) });
+        let shared = Arc::new(ReadAhead {
+            stopping: Default::default(),
+            inner,
+            cfg,
+            size,
+            state: Mutex::new(state),
+            landed: Condvar::new(),
+        });
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         let workers = (0..cfg.threads.max(1))
@@ -174,7 +206,7 @@ impl Prefetch {
                 std::thread::spawn(move || loop {
                     let job = rx.lock().unwrap().recv();
                     match job {
-                        Ok(job) => shared.fill(job),
+                        Ok(job) => shared.run_job(job),
                         Err(_) => return,
                     }
                 })
@@ -218,7 +250,8 @@ impl Prefetch {
 
 impl ReadAhead {
     /// The read-ahead a read of a stream calls for.
-    fn plan(&self, st: &mut State, chain: ChainId, frontier: u64, hit: bool) -> Vec<Job> {
+    fn plan(&self, st: &mut State, v: &Observation, hit: bool) -> Vec<Job> {
+        let (chain, frontier) = (v.chain, v.frontier);
         let cfg = &self.cfg;
         // From the chunk the frontier is in, not the next one: the stream's next reads are in
         // it. Over a round trip of milliseconds, leaving it out made each of the up to 63 reads
@@ -230,7 +263,10 @@ impl ReadAhead {
             // The stream reads what was read ahead: look further.
             w.chunks = (w.chunks * 2).min(cfg.window_max);
         }
-        let until = frontier.saturating_add(u64::from(w.chunks) * CHUNK).min(self.size);
+        // No further ahead than the stream has read so far (a chunk at least): the files a
+        // guest reads end, and read-ahead past their ends is read in vain.
+        let ahead = (u64::from(w.chunks) * CHUNK).min(v.covered.max(CHUNK));
+        let until = frontier.saturating_add(ahead).min(self.size);
         let from = w.next.max(first);
         let (jobs, s) = self.queue(st, from, until, usize::MAX, Some(chain));
         let w = st.windows.get_mut(&chain).unwrap();
@@ -255,49 +291,70 @@ impl ReadAhead {
         let mut jobs = Vec::new();
         let mut s = from;
         while s < until && jobs.len() < limit {
-            if !st.buffer.contains(s) && st.in_flight.insert(s) {
-                jobs.push(Job { start: s, len: CHUNK.min(self.size - s), owner });
+            if !st.buffer.contains(s) && !st.in_flight.contains_key(&s) {
+                st.tickets += 1;
+                let len = CHUNK.min(self.size - s);
+                st.in_flight
+                    .insert(s, Flight { ticket: st.tickets, started: false, owner, read: 0, wanted: 0 });
+                jobs.push(Job { start: s, len, owner, ticket: st.tickets });
             }
             s += CHUNK;
         }
         (jobs, s)
     }
 
-    /// Runs one read-ahead job (on a background thread).
-    fn fill(&self, job: Job) {
-        if self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
+    /// Runs one queued read-ahead job (on a background thread), unless a client read took it
+    /// over meanwhile.
+    fn run_job(&self, job: Job) {
+        {
             let mut st = self.state.lock().unwrap();
-            st.in_flight.remove(&job.start);
             if job.owner.is_none() {
                 st.cache_jobs -= 1;
             }
-            return;
+            let ours = st.in_flight.get(&job.start).is_some_and(|f| f.ticket == job.ticket);
+            if !ours {
+                return;
+            }
+            let gone = self.stopping.load(std::sync::atomic::Ordering::Relaxed);
+            // A stream that stopped while its read-ahead waited in the queue gets none of it.
+            let stale = job.owner.is_some_and(|c| !st.detector.is_live(c));
+            if gone || stale {
+                st.in_flight.remove(&job.start);
+                if stale && !gone {
+                    st.buffer.stats.dropped += job.len;
+                }
+                drop(st);
+                self.landed.notify_all();
+                return;
+            }
+            st.in_flight.get_mut(&job.start).expect("checked above").started = true;
         }
+        self.fill(&job);
+    }
+
+    /// Reads one chunk (marked started in `in_flight` under `job.ticket`) into the buffer, on
+    /// whichever thread: a read-ahead worker, or a client read that took the job over.
+    fn fill(&self, job: &Job) {
         // The generation when the read starts (not when it was queued: a write while it
         // waited changed nothing it will read).
         let (spare, since) = {
             let mut st = self.state.lock().unwrap();
-            // A stream that stopped while its read-ahead waited in the queue gets none of it.
-            if job.owner.is_some_and(|c| !st.detector.is_live(c)) {
-                st.in_flight.remove(&job.start);
-                st.buffer.stats.dropped += job.len;
-                return;
-            }
             (st.buffer.spare(), st.generation)
         };
         let mut data = buffer::Data::new(spare, job.len as usize);
         let read = crate::backend::read_exact(&*self.inner, &mut data, job.start);
         let mut st = self.state.lock().unwrap();
-        st.in_flight.remove(&job.start);
-        if job.owner.is_none() {
-            st.cache_jobs -= 1;
-        }
+        let flight = st.in_flight.remove(&job.start);
         match read {
             // Data read while a write over it completed may be stale: drop it.
             Ok(()) if !st.written_since(since, job.start, job.len) => {
-                // Its stream may have read part or all of it from below meanwhile.
-                let read_to = job.owner.and_then(|c| st.detector.frontier(c)).unwrap_or(0);
-                st.buffer.insert(job.start, data, job.owner.map(|c| c.0), read_to);
+                // What clients have of it already: what its stream has read past (from below,
+                // or before it was queued) and what other reads took from below meanwhile;
+                // but not what reads waiting for it want.
+                let passed = job.owner.and_then(|c| st.detector.frontier(c)).unwrap_or(0);
+                let (read, wanted) = flight.map_or((0, 0), |f| (f.read, f.wanted));
+                let done = (buffer::pieces_read(job.start, job.len, 0, passed) | read) & !wanted;
+                st.buffer.insert(job.start, data, job.owner.map(|c| c.0), done);
                 // Streams whose read-ahead was evicted unread read more slowly than they are
                 // read ahead for: halve their windows.
                 for owner in st.buffer.take_unread() {
@@ -313,7 +370,15 @@ impl ReadAhead {
                 tracing::debug!("prefetch: {e}")
             }
         }
+        drop(st);
+        self.landed.notify_all();
     }
+}
+
+/// See [`Prefetch::on_the_way`].
+enum OnTheWay {
+    Take(u64),
+    Reading,
 }
 
 impl Prefetch {
@@ -325,18 +390,111 @@ impl Prefetch {
     /// Shows a small read to the detector, queues the read-ahead its stream calls for, and
     /// serves it from the buffer if the buffer holds all of it. With `only_hits`, a read the
     /// buffer cannot serve is left alone, unrecorded (it comes again through `read`).
+    ///
+    /// A read whose chunks are all held or on their way is served from the buffer: it waits
+    /// for chunks being read, and reads a chunk still queued itself (taking its job over).
+    /// Reading those bytes again from below would double the device's work for them, and
+    /// with guest reads overtaking read-ahead that was most of the over-read.
     fn serve(&self, buf: &mut [u8], offset: u64, only_hits: bool) -> bool {
         let len = buf.len() as u64;
-        let mut st = self.shared.state.lock().unwrap();
+        let shared = &self.shared;
+        let mut st = shared.state.lock().unwrap();
         if only_hits && !st.buffer.covers(offset, len) {
             return false;
         }
         let v = st.detector.observe(offset, len);
+        let (mut joined, mut fetched) = (false, false);
+        if !only_hits {
+            while let Some(next) = Self::on_the_way(&st, offset, len, shared.cfg.whole_chunks) {
+                match next {
+                    OnTheWay::Take(start) => {
+                        st.tickets += 1;
+                        let ticket = st.tickets;
+                        let fresh = !st.in_flight.contains_key(&start);
+                        (fetched, joined) = (fetched | fresh, joined | !fresh);
+                        let f = st.in_flight.entry(start).or_insert(Flight {
+                            ticket,
+                            started: true,
+                            owner: None,
+                            read: 0,
+                            wanted: 0,
+                        });
+                        (f.ticket, f.started) = (ticket, true);
+                        f.wanted |=
+                            buffer::pieces_read(start, CHUNK.min(shared.size - start), offset, offset + len);
+                        let job = Job { start, len: CHUNK.min(shared.size - start), owner: f.owner, ticket };
+                        drop(st);
+                        shared.fill(&job);
+                        st = shared.state.lock().unwrap();
+                    }
+                    OnTheWay::Reading => {
+                        joined = true;
+                        Self::want(&mut st, offset, len, shared.size);
+                        st = shared.landed.wait(st).unwrap();
+                    }
+                }
+            }
+        }
         let hit = st.buffer.serve(buf, offset);
-        let jobs = if v.stream { self.shared.plan(&mut st, v.chain, v.frontier, hit) } else { Vec::new() };
+        if hit && fetched {
+            // Served, but after reading from below: a miss for the statistics.
+            st.buffer.stats.hits -= 1;
+            st.buffer.stats.misses += 1;
+        } else if hit && joined {
+            st.buffer.stats.joined += 1;
+        }
+        if !hit {
+            // The read goes below: the pieces it covers of chunks on their way count as read.
+            let mut c = offset / CHUNK * CHUNK;
+            while c < offset + len {
+                let clen = CHUNK.min(shared.size - c);
+                if let Some(f) = st.in_flight.get_mut(&c) {
+                    f.read |= buffer::pieces_read(c, clen, offset, offset + len);
+                }
+                c += CHUNK;
+            }
+        }
+        let jobs = if v.stream { shared.plan(&mut st, &v, hit) } else { Vec::new() };
         drop(st);
         self.submit(jobs);
         hit
+    }
+
+    /// Marks `[offset, offset+len)` as wanted in the chunks of it on their way.
+    fn want(st: &mut State, offset: u64, len: u64, size: u64) {
+        let mut c = offset / CHUNK * CHUNK;
+        while c < offset + len {
+            if let Some(f) = st.in_flight.get_mut(&c) {
+                f.wanted |= buffer::pieces_read(c, CHUNK.min(size - c), offset, offset + len);
+            }
+            c += CHUNK;
+        }
+    }
+
+    /// What stands between a read and a hit: a chunk to read now (one still queued, which the
+    /// read takes over, or with `whole` one neither held nor on its way), else one being read
+    /// (to wait for). `None`: the buffer covers the read, or (without `whole`) some chunk of it
+    /// is neither held nor on its way, and the read goes below.
+    fn on_the_way(st: &State, offset: u64, len: u64, whole: bool) -> Option<OnTheWay> {
+        let mut reading = false;
+        let mut take = None;
+        let mut c = offset / CHUNK * CHUNK;
+        while c < offset + len {
+            if !st.buffer.contains(c) {
+                match st.in_flight.get(&c) {
+                    None if !whole => return None,
+                    Some(f) if f.started => reading = true,
+                    _ => {
+                        take.get_or_insert(c);
+                    }
+                }
+            }
+            c += CHUNK;
+        }
+        match take {
+            Some(start) => Some(OnTheWay::Take(start)),
+            None => reading.then_some(OnTheWay::Reading),
+        }
     }
 
     /// Stops read-ahead: the workers end when the queue closes.
@@ -498,6 +656,27 @@ mod tests {
         p.finish().unwrap();
     }
 
+    /// A stream is read ahead no further than it has read: a new one (64 KiB read) gets the
+    /// chunk it is in and the next, however large its window; one that has read 1 MiB, more.
+    #[test]
+    fn read_ahead_reaches_no_further_than_the_stream_has_read() {
+        let cfg = PrefetchConfig { window_min: 16, ..Default::default() };
+        let p = Front::whole(Prefetch::new(patterned(16 * MIB), cfg));
+        let idle = || p.shared.state.lock().unwrap().in_flight.is_empty();
+        let mut buf = [0u8; 4096];
+        for i in 0..STREAM {
+            p.read(&mut buf, i * K4).unwrap();
+        }
+        wait_until("read-ahead", idle);
+        let held = |c: u64| p.shared.state.lock().unwrap().buffer.contains(c * CHUNK);
+        assert!(held(0) && held(1) && !held(2), "{:?}", p.stats());
+        for i in STREAM..MIB / K4 {
+            p.read(&mut buf, i * K4).unwrap();
+        }
+        wait_until("read-ahead", idle);
+        assert!(held(4) && held(7) && !held(9), "{:?}", p.stats());
+    }
+
     #[test]
     fn reads_at_hand_are_hits_only_and_misses_leave_no_trace() {
         let inner = patterned(8 * MIB);
@@ -514,8 +693,8 @@ mod tests {
         }
         wait_until("read-ahead", || p.shared.state.lock().unwrap().in_flight.is_empty());
         // Read-ahead starts at the chunk the stream's frontier is in: the very next read is
-        // a hit, and so is every one up to the window's end.
-        for i in STREAM..3 * CHUNK / K4 {
+        // a hit, and so is every one up to the end of the next chunk (a new stream's reach).
+        for i in STREAM..2 * CHUNK / K4 {
             let n = p.read_at_hand(&mut got, i * K4).expect("a hit").unwrap();
             inner.read(&mut want, i * K4).unwrap();
             assert_eq!((n, got), (4096, want), "block {i}");
@@ -564,9 +743,9 @@ mod tests {
 
     #[test]
     fn a_stream_whose_read_ahead_goes_unread_gets_a_smaller_window() {
-        // Room for three chunks, what a new stream reads ahead (the chunk it is in and two
-        // more): stream B's read-ahead evicts stream A's, which A never read.
-        let cfg = PrefetchConfig { size: 3 * CHUNK, ..PrefetchConfig::default() };
+        // Room for two chunks, what a new stream reads ahead (the chunk it is in and the next):
+        // stream B's read-ahead evicts stream A's, the next of which A never read.
+        let cfg = PrefetchConfig { size: 2 * CHUNK, ..PrefetchConfig::default() };
         let p = Front::whole(Prefetch::new(patterned(8 * MIB), cfg));
         let idle = || p.shared.state.lock().unwrap().in_flight.is_empty();
         let window_below = |limit: u64| {
@@ -611,8 +790,37 @@ mod tests {
         }
         wait_until("chunk 1's read below", || faults.fired()[0] == 1);
         std::thread::sleep(Duration::from_millis(20));
-        assert!(p.shared.state.lock().unwrap().in_flight.contains(&CHUNK));
+        assert!(p.shared.state.lock().unwrap().in_flight.contains_key(&CHUNK));
         p
+    }
+
+    /// A read that meets its chunk on the way reads nothing from below: a chunk still queued
+    /// it reads itself (the queued job is then skipped), one being read it waits for.
+    #[test]
+    fn reads_meeting_read_ahead_on_its_way_join_it() {
+        // One read-ahead thread, held up 300 ms by chunk 0 (the read after the stream's own 16).
+        let count = |at: u64| Rule::new(Op::Read, Fault::Slow(Duration::ZERO)).at(at, CHUNK);
+        let slow =
+            Rule::new(Op::Read, Fault::Slow(Duration::from_millis(300))).at(0, CHUNK).every(1, 16).times(1);
+        let faults = Arc::new(FaultInjector::new(patterned(4 * MIB), vec![count(0), count(CHUNK), slow]));
+        let cfg = PrefetchConfig { threads: 1, ..Default::default() };
+        let p = Front::whole(Prefetch::new(faults.clone(), cfg));
+        let mut buf = [0u8; 4096];
+        for i in 0..STREAM {
+            p.read(&mut buf, i * K4).unwrap();
+        }
+        wait_until("chunk 0's read-ahead", || faults.fired()[2] == 1);
+        // Chunk 1 waits in the queue behind chunk 0: taken over.
+        p.read(&mut buf, CHUNK + K4).unwrap();
+        assert_eq!(buf, [((CHUNK + K4) / K4 % 251) as u8; 4096]);
+        assert!(p.shared.state.lock().unwrap().buffer.contains(CHUNK), "{:?}", p.stats());
+        // Chunk 0 is being read: waited for.
+        p.read(&mut buf, STREAM * K4).unwrap();
+        assert_eq!(buf, [(STREAM % 251) as u8; 4096]);
+        wait_until("the queue", || p.shared.state.lock().unwrap().in_flight.is_empty());
+        assert_eq!(faults.fired()[..2], [STREAM + 1, 1], "reads of chunks 0 and 1 below");
+        let s = p.stats();
+        assert_eq!((s.buffer.joined, s.buffer.hits), (2, 2), "{s:?}");
     }
 
     /// A write elsewhere while read-ahead is in flight leaves it alone: chunk 1 (answered
