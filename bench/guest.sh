@@ -29,6 +29,18 @@
 #                      storage): the reference for the read workloads' I/O part (not run for
 #                      the write workloads)
 #
+# Object storage (read workloads only; each runs once per latency in LATENCIES, as KEY@MS): IMG
+# is uploaded once as one object, s3://bench/guest.img, to a SeaweedFS started for the run
+# (bench/store.sh: loopback, Toxiproxy in front for added latency), and served read-only:
+#   lightfoot-s3       lightfoot serve -r $LIGHTFOOT_S3_ARGS s3://bench/guest.img
+#   nbdkit-s3          nbdkit -r S3 endpoint-url=… bucket=bench key=guest.img (nbdkit's S3
+#                      plugin, nbdkit-plugin-python + python3-boto3: a range GET per request)
+#   nbdkit-s3-filters  the same with --filter=readahead --filter=cache (readahead asks the
+#                      cache filter below it to fetch ahead; the cache keeps what was fetched,
+#                      in a temporary file)
+# Their table also gives the guest's time relative to lightfoot-prefetch's from the local file
+# in the same rounds, and the store's GET requests (SeaweedFS's counters, before and after).
+#
 # The guest's own CPU time under TCG is a large part of every figure, so for read workloads
 # the table gives the **I/O part**: the guest's time minus the `cached` run's time in the same
 # round. The guest's time is its job's timed part by its own clock (jobs/lib: `timed`), not
@@ -37,6 +49,8 @@
 # Usage (as root: it drops caches and bind-mounts the trees to build the image):
 #     bench/guest.sh [DIR]
 #     ROUNDS=1 WORKLOADS=scan CONFIGS="lightfoot cached" bench/guest.sh    # smoke test
+#     WORKLOADS=scan CONFIGS="lightfoot-prefetch lightfoot-s3 nbdkit-s3 nbdkit-s3-filters" \
+#         bench/guest.sh                                                   # object storage
 #
 # Environment:
 #     ROUNDS        rounds (default 5)
@@ -49,7 +63,10 @@
 #     TAR_TREE      what untar unpacks (default /usr/include: about 110 MiB in small files)
 #     RANDOM_FILES  files the random workload reads (default 2000)
 #     LIGHTFOOT     the binary (default ../target/release/lightfoot beside this script)
-#     LIGHTFOOT_ARGS  extra arguments for every lightfoot server
+#     LIGHTFOOT_ARGS  extra arguments for every local lightfoot server
+#     LIGHTFOOT_S3_ARGS  arguments of lightfoot-s3 (default --prefetch: the chunk cache)
+#     LATENCIES     added response latencies in ms for the object storage servers (default
+#                   "0 10"; 0: directly, no proxy)
 #     GUEST_MEM     the guest's memory, MiB (default 512); GUEST_SMP its CPUs (default 1)
 #     TIMEOUT       seconds a guest may take, boot included (default 900): a run past it failed
 #     DIR           work directory (default: the first argument, else /work/tmp/bench-guest)
@@ -84,6 +101,8 @@ TAR_TREE=${TAR_TREE:-/usr/include}
 RANDOM_FILES=${RANDOM_FILES:-2000}
 LIGHTFOOT=${LIGHTFOOT:-$HERE/../target/release/lightfoot}
 LIGHTFOOT_ARGS=${LIGHTFOOT_ARGS:-}
+LIGHTFOOT_S3_ARGS=${LIGHTFOOT_S3_ARGS---prefetch}
+LATENCIES=${LATENCIES:-0 10}
 TIMEOUT=${TIMEOUT:-900}
 DIR=${1:-${DIR:-/work/tmp/bench-guest}}
 export GUEST_MEM=${GUEST_MEM:-512} GUEST_SMP=${GUEST_SMP:-1}
@@ -108,6 +127,20 @@ CSV=$DIR/results.csv
 
 read -r -a WORKLOAD_KEYS <<<"${WORKLOADS//,/ }"
 read -r -a CONFIG_KEYS <<<"${CONFIGS//,/ }"
+is_s3() { [[ $1 == lightfoot-s3* || $1 == nbdkit-s3* ]]; }
+# Each object storage server once per latency: KEY@MS.
+keys=()
+for c in "${CONFIG_KEYS[@]}"; do
+	if is_s3 "$c"; then
+		for l in $LATENCIES; do
+			[[ $l =~ ^[0-9]+$ ]] || die "LATENCIES: $l is not a number of ms"
+			keys+=("$c@$l")
+		done
+	else
+		keys+=("$c")
+	fi
+done
+CONFIG_KEYS=("${keys[@]}")
 for w in "${WORKLOAD_KEYS[@]}"; do
 	[[ -f $GUEST/jobs/$w && $w != lib && $w != check && $w != write ]] || die "WORKLOADS: unknown $w"
 done
@@ -115,6 +148,10 @@ is_read() { [[ $1 == scan || $1 == random || $1 == walk || $1 == boot ]]; }
 
 config_name() {
 	case $1 in
+	*@*) echo "$(config_name "${1%@*}"), +${1#*@} ms" ;;
+	lightfoot-s3) echo "lightfoot s3${LIGHTFOOT_S3_ARGS:+ $LIGHTFOOT_S3_ARGS}" ;;
+	nbdkit-s3) echo "nbdkit S3" ;;
+	nbdkit-s3-filters) echo "nbdkit --filter=readahead --filter=cache S3" ;;
 	lightfoot) echo "lightfoot${LIGHTFOOT_ARGS:+ $LIGHTFOOT_ARGS}" ;;
 	lightfoot-prefetch) echo "lightfoot --prefetch${LIGHTFOOT_ARGS:+ $LIGHTFOOT_ARGS}" ;;
 	nbdkit) echo "nbdkit file" ;;
@@ -187,6 +224,24 @@ if [[ " ${CONFIG_KEYS[*]} " == *" cached "* ]]; then
 fi
 WIMG_SIZE=${WIMG_SIZE:-2G}
 
+# --- the object store ----------------------------------------------------------------------
+
+BUCKET=bench
+UTIL=(/usr/bin/python3 "$HERE/s3_util.py") # Debian's interpreter: boto3, as nbdkit's plugin
+STORE=0
+for c in "${CONFIG_KEYS[@]}"; do is_s3 "$c" && STORE=1; done
+if ((STORE)); then
+	nbdkit S3 --version >/dev/null 2>&1 || die "nbdkit's S3 plugin is needed (nbdkit-plugin-python, python3-boto3)"
+	# The S3 clients' environment: these keys and nothing of the user's (SeaweedFS with no
+	# identities configured takes any signature).
+	while read -r v; do unset "$v"; done < <(env | sed -n 's/^\(AWS_[A-Za-z0-9_]*\)=.*/\1/p')
+	export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench-secret AWS_REGION=us-east-1
+	export AWS_CONFIG_FILE=/dev/null AWS_SHARED_CREDENTIALS_FILE=/dev/null
+	export NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost
+	# shellcheck source=bench/store.sh
+	. "$HERE/store.sh"
+fi
+
 # --- servers -------------------------------------------------------------------------------
 
 SERVER_PID=""
@@ -194,18 +249,36 @@ TAR_PID=""
 stop_all() {
 	local p
 	for p in $SERVER_PID $TAR_PID; do kill -KILL "$p" 2>/dev/null || true; done
+	((STORE == 0)) || store_stop
 	wait 2>/dev/null || true
 	rm -f -- "$SHM"
 }
 trap stop_all EXIT
+if ((STORE)); then
+	need_proxy=0
+	for l in $LATENCIES; do [[ $l == 0 ]] || need_proxy=1; done
+	store_start "$need_proxy"
+	store_latency 0
+	say "uploading $IMG to s3://$BUCKET/guest.img"
+	"$LIGHTFOOT" copy "$IMG" "s3://$BUCKET/guest.img" >"$DIR/logs/upload.log" 2>&1 ||
+		die "upload failed (see $DIR/logs/upload.log)"
+fi
 
 # start_server KEY FILE LOG: the server on $SOCK; waits for its pid file.
 start_server() {
 	local lf=("$LIGHTFOOT" serve --unix "$SOCK" --pid-file "$PIDF" --stats --json)
 	local nk=(nbdkit -f -U "$SOCK" -P "$PIDF")
 	local qn=(qemu-nbd -f raw -t -k "$SOCK" --pid-file="$PIDF")
-	local cmd
+	local cmd s3=()
+	if is_s3 "$1"; then
+		store_latency "${1#*@}"
+		s3=(endpoint-url="$ENDPOINT" access-key="$AWS_ACCESS_KEY_ID" secret-key="$AWS_SECRET_ACCESS_KEY"
+			bucket="$BUCKET" key=guest.img)
+	fi
 	case $1 in
+	lightfoot-s3@*) cmd=("${lf[@]}" -r $LIGHTFOOT_S3_ARGS "s3://$BUCKET/guest.img") ;;
+	nbdkit-s3@*) cmd=("${nk[@]}" -r S3 "${s3[@]}") ;;
+	nbdkit-s3-filters@*) cmd=("${nk[@]}" -r --filter=readahead --filter=cache S3 "${s3[@]}") ;;
 	lightfoot) cmd=("${lf[@]}" $LIGHTFOOT_ARGS "$2") ;;
 	lightfoot-prefetch) cmd=("${lf[@]}" --prefetch $LIGHTFOOT_ARGS "$2") ;;
 	nbdkit | cached) cmd=("${nk[@]}" file "$2") ;;
@@ -272,7 +345,9 @@ cached_bytes() {
 
 # --- runs ----------------------------------------------------------------------------------
 
-[[ -f $CSV ]] || echo "round,workload,config,status,guest_s,job_s,wall_s,guest_reads,guest_read_bytes,guest_writes,guest_write_bytes,guest_discards,guest_flushes,server_read_bytes,cache_left_bytes,server_rss_kib,server_rc" >"$CSV"
+HEADER="round,workload,config,status,guest_s,job_s,wall_s,guest_reads,guest_read_bytes,guest_writes,guest_write_bytes,guest_discards,guest_flushes,server_read_bytes,cache_left_bytes,server_rss_kib,server_rc,store_gets"
+[[ -f $CSV ]] || echo "$HEADER" >"$CSV"
+[[ $(head -n 1 "$CSV") == "$HEADER" ]] || die "$CSV has other columns (an older guest.sh): move it away"
 
 # run ROUND WORKLOAD CONFIG: one boot; appends a line to $CSV.
 run() {
@@ -291,10 +366,13 @@ run() {
 	# VMs, and a reference that loses half its cache mid-run is no reference.
 	[[ $c == cached ]] && file=$SHM
 	disks=("$SOCK")
+	is_s3 "$c" && disks=("ro:$SOCK")
 	if [[ $w == untar ]]; then
 		start_tar_server
 		disks+=("ro:$TARSOCK")
 	fi
+	local m0="" gets=-
+	((STORE == 0)) || m0=$("${UTIL[@]}" metrics "$METRICS" "$BUCKET")
 	start_server "$c" "$file" "$log.server" || { status=server-failed; }
 	local t0 t1 usage="- -" left=- rc=0
 	t0=$EPOCHREALTIME
@@ -309,14 +387,18 @@ run() {
 	else
 		t1=$EPOCHREALTIME
 	fi
+	if is_s3 "$c"; then
+		[[ -z $SERVER_PID ]] || stop_server
+		gets=$("${UTIL[@]}" delta "$m0" "$("${UTIL[@]}" metrics "$METRICS" "$BUCKET")" | cut -d' ' -f1)
+	fi
 	if [[ -n $TAR_PID ]]; then
 		kill "$TAR_PID" 2>/dev/null || true
 		wait "$TAR_PID" 2>/dev/null || true
 		TAR_PID=""
 	fi
-	python3 - "$log.console" "$round" "$w" "$c" "$status" "$t0" "$t1" $usage "$left" "${SERVER_RC:--}" >>"$CSV" <<'EOF'
+	python3 - "$log.console" "$round" "$w" "$c" "$status" "$t0" "$t1" $usage "$left" "${SERVER_RC:--}" "$gets" >>"$CSV" <<'EOF'
 import re, sys
-log, rnd, w, c, status, t0, t1, rbytes, rss, left, src = sys.argv[1:]
+log, rnd, w, c, status, t0, t1, rbytes, rss, left, src, gets = sys.argv[1:]
 text = open(log, errors="replace").read().replace("\r", "") if status != "server-failed" else ""
 timed = re.findall(r"^lf: timed ([0-9.]+)", text, re.M)
 end = re.search(r"^lf: end \S+ rc=(\d+) seconds=([0-9.]+)", text, re.M)
@@ -328,7 +410,7 @@ g = lambda i: str(f[i]) if len(f) > i else "-"
 b = lambda i: str(f[i] * 512) if len(f) > i else "-"
 print(",".join([rnd, w, c, status, timed[-1] if timed else "-", end.group(2) if end else "-",
                 f"{float(t1) - float(t0):.2f}", g(0), b(2), g(4), b(6), g(11), g(15),
-                rbytes, left, rss, src]))
+                rbytes, left, rss, src, gets]))
 EOF
 	tail -1 "$CSV" | awk -F, '{ printf "   %-10s %-20s %8s s (job %s s, boot+job %s s)  %s\n", $2, $3, $5, $6, $7, $4 }' >&2
 }
@@ -342,7 +424,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
 	for ((i = 0; i < n; i++)); do order+=("${CONFIG_KEYS[$(((i + r - 1) % n))]}"); done
 	for w in "${WORKLOAD_KEYS[@]}"; do
 		for c in "${order[@]}"; do
-			[[ $c == cached ]] && ! is_read "$w" && continue
+			[[ $c == cached ]] || is_s3 "$c" && ! is_read "$w" && continue
 			run "$r" "$w" "$c"
 		done
 	done

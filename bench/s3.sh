@@ -193,14 +193,10 @@ command -v rclone >/dev/null || MISSING+=(rclone)
 for m in "${MISSING[@]}"; do say "MISSING: $m (its copy runs are skipped)"; done
 have() { [[ " ${MISSING[*]} " != *" $1 "* ]]; }
 
-WEED=$("$HERE/../scripts/build-seaweedfs.sh") || die "no SeaweedFS (scripts/build-seaweedfs.sh)"
-TOXI=""
-for l in "${LATENCY_LIST[@]}"; do
-	if [[ $l != 0 ]]; then
-		TOXI=$("$HERE/../scripts/build-toxiproxy.sh") || die "no Toxiproxy (scripts/build-toxiproxy.sh)"
-		break
-	fi
-done
+NEED_PROXY=0
+for l in "${LATENCY_LIST[@]}"; do [[ $l == 0 ]] || NEED_PROXY=1; done
+# shellcheck source=bench/store.sh
+. "$HERE/store.sh"
 
 mkdir -p -- "$DIR/logs"
 DIR=$(realpath -- "$DIR")
@@ -232,7 +228,7 @@ export RCLONE_CONFIG_S3BENCH_REGION=$AWS_REGION RCLONE_CONFIG_S3BENCH_FORCE_PATH
 
 # --- the store and the proxy ------------------------------------------------------------------
 
-WEED_PID="" TOXI_PID="" SERVER_PID="" REAL_PID=""
+SERVER_PID="" REAL_PID=""
 stop_pid() { # PID SECONDS: SIGTERM, then SIGKILL after SECONDS
 	local pid=$1 i
 	[[ -n $pid ]] || return 0
@@ -248,78 +244,17 @@ stop_pid() { # PID SECONDS: SIGTERM, then SIGKILL after SECONDS
 cleanup() {
 	[[ -z $REAL_PID ]] || kill -KILL "$REAL_PID" 2>/dev/null || true
 	[[ -z $SERVER_PID ]] || stop_pid "$SERVER_PID" 5
-	stop_pid "$TOXI_PID" 5
-	# SeaweedFS's SIGTERM shutdown can hang with half its parts gone: SIGKILL, as the tests do
-	# (its data is scratch).
-	if [[ -n $WEED_PID ]]; then
-		kill -KILL "$WEED_PID" 2>/dev/null || true
-		wait "$WEED_PID" 2>/dev/null || true
-	fi
-	rm -rf -- "$DIR/weed" "$SOCK" "$PIDF"
+	store_stop
+	rm -rf -- "$SOCK" "$PIDF"
 }
 trap cleanup EXIT
 
-read -r P_MASTER P_VOLUME P_FILER P_S3 P_METRICS P_TAPI P_PROXY <<<"$("${UTIL[@]}" ports 7)"
-DIRECT=http://127.0.0.1:$P_S3
-PROXIED=http://127.0.0.1:$P_PROXY
-TAPI=http://127.0.0.1:$P_TAPI
-METRICS=http://127.0.0.1:$P_METRICS/metrics
-
-rm -rf -- "$DIR/weed"
-mkdir -p -- "$DIR/weed"
-say "starting SeaweedFS on 127.0.0.1:$P_S3 (S3), data in $DIR/weed"
-# Without the clients' keys: SeaweedFS makes an identity of AWS_ACCESS_KEY_ID and
-# AWS_SECRET_ACCESS_KEY when they are set, and then refuses the anonymous requests of curl.
-# Volumes of 1 GiB (not 30): a vacuum compacts one at a time, so the garbage goes soon.
-env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY "$WEED" server -dir="$DIR/weed" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
-	-volume.max=64 -master.volumeSizeLimitMB=1024 -s3 \
-	-master.port="$P_MASTER" -volume.port="$P_VOLUME" -filer.port="$P_FILER" -s3.port="$P_S3" \
-	-metricsPort="$P_METRICS" >"$DIR/logs/weed.log" 2>&1 &
-WEED_PID=$!
-http() { curl -s -o /dev/null -w '%{http_code}' "$@" || true; }
-for ((i = 0; ; i++)); do
-	kill -0 "$WEED_PID" 2>/dev/null || die "SeaweedFS exited (see $DIR/logs/weed.log)"
-	[[ $(http "$DIRECT/") == 200 ]] && break
-	((i < 600)) || die "SeaweedFS did not answer within 60 s (see $DIR/logs/weed.log)"
-	sleep 0.1
-done
-[[ $(http -X PUT "$DIRECT/$BUCKET") == 200 ]] || die "could not create bucket $BUCKET"
-# The first volume is allocated on the first write: wait until one succeeds.
-for ((i = 0; ; i++)); do
-	[[ $(http -X PUT --data-binary x "$DIRECT/$BUCKET/probe") == 200 ]] && break
-	((i < 120)) || die "bucket $BUCKET takes no writes (see $DIR/logs/weed.log)"
-	sleep 0.5
-done
-[[ $(curl -s "$METRICS" | grep -c '^SeaweedFS_s3_request_total') -gt 0 ]] ||
-	die "SeaweedFS's metrics endpoint $METRICS counts no S3 requests"
-
-if [[ -n $TOXI ]]; then
-	say "starting Toxiproxy: 127.0.0.1:$P_PROXY -> 127.0.0.1:$P_S3"
-	"$TOXI" -host 127.0.0.1 -port "$P_TAPI" >"$DIR/logs/toxiproxy.log" 2>&1 &
-	TOXI_PID=$!
-	for ((i = 0; ; i++)); do
-		[[ $(http "$TAPI/version") == 200 ]] && break
-		((i < 100)) || die "Toxiproxy did not start (see $DIR/logs/toxiproxy.log)"
-		sleep 0.1
-	done
-	[[ $(http -X POST "$TAPI/proxies" -d "{\"name\":\"s3\",\"listen\":\"127.0.0.1:$P_PROXY\",\"upstream\":\"127.0.0.1:$P_S3\",\"enabled\":true}") == 201 ]] ||
-		die "Toxiproxy: could not create the proxy"
-fi
-
-ENDPOINT=$DIRECT
+store_start "$NEED_PROXY"
 set_latency() { # MS (0: directly; 0p: through the proxy, nothing added)
-	if [[ $1 == 0 ]]; then
-		ENDPOINT=$DIRECT
-	else
-		http -X DELETE "$TAPI/proxies/s3/toxics/latency" >/dev/null
-		if [[ $1 != 0p ]]; then
-			[[ $(http -X POST "$TAPI/proxies/s3/toxics" -d "{\"name\":\"latency\",\"type\":\"latency\",\"stream\":\"downstream\",\"toxicity\":1.0,\"attributes\":{\"latency\":$1,\"jitter\":0}}") == 200 ]] ||
-				die "Toxiproxy: could not set a latency of $1 ms"
-		fi
-		ENDPOINT=$PROXIED
-	fi
-	export AWS_ENDPOINT_URL=$ENDPOINT RCLONE_CONFIG_S3BENCH_ENDPOINT=$ENDPOINT
+	store_latency "$1"
+	export RCLONE_CONFIG_S3BENCH_ENDPOINT=$ENDPOINT
 }
+set_latency 0
 
 head_median() { # URL: median seconds of HEADS HEAD requests
 	local i t=()

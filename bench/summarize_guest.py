@@ -9,6 +9,11 @@ qemu-nbd --cache=none's (ratio of the medians: below 1 is faster), the server's 
 storage per byte the guest read, the guest's read requests, the page cache the image held
 right after, and the server's peak RSS. Write workloads: the guest's time and its ratio to
 nbdkit file's, the guest's flushes and discards, the cache left.
+
+Object storage servers (configs KEY@MS: lightfoot-s3, nbdkit-s3, nbdkit-s3-filters at MS ms
+added latency) get a table of their own per read workload: the guest's time, relative to
+lightfoot's from the local file (lightfoot-prefetch's, else lightfoot's) and to the faster of
+nbdkit's S3 configurations at the same latency, the store's GETs and the server's peak RSS.
 """
 import csv
 import statistics
@@ -76,7 +81,17 @@ def main():
                 rss=med(num(r["server_rss_kib"]) for r in rs),
                 flushes=med(num(r["guest_flushes"]) for r in rs),
                 discards=med(num(r["guest_discards"]) for r in rs),
+                gets=med(num(r.get("store_gets")) for r in rs),
             )
+        # A peer over object storage that hit guest.sh's TIMEOUT (timeout's status 124) counts
+        # at the limit: its wall time, marked ≥.
+        for c, st in stats.items():
+            cut = [r for r in by[(w, c)] if r["status"] == "guest-failed-124"]
+            if "@" in c and cut:
+                st["guest"] = med([num(r["guest_s"]) for r in ok[c]] + [num(r["wall_s"]) for r in cut])
+                st["n"] += f" ({len(cut)} at the time limit: ≥)"
+        remote = {c: s for c, s in stats.items() if "@" in c}
+        stats = {c: s for c, s in stats.items() if "@" not in c}
         print(f"### {w}\n")
         if w in read:
             base_n = stats.get("nbdkit", {}).get("io")
@@ -104,12 +119,31 @@ def main():
                       f"{fmt(s['left'] / MiB if s['left'] is not None else None, '.1f')} | "
                       f"{fmt(s['rss'] / 1024 if s['rss'] is not None else None, '.0f')} |")
         print()
+        if remote:
+            object_storage_table(w, remote, stats, names)
     print("Medians over the rounds' good runs. I/O part: the guest's time minus the `cached` run's "
           "in the same round; its ratios are of the medians (below 1: faster than the peer). "
           "Server read: /proc/PID/io read_bytes (storage reads the server caused).")
     if failed:
         print("\n**Failed runs**: " + "; ".join(f"r{r['round']} {r['workload']} {r['config']}: {r['status']}"
                                                for r in failed))
+
+
+def object_storage_table(w, remote, local, names):
+    local_ref = next((local[c]["guest"] for c in ("lightfoot-prefetch", "lightfoot") if c in local), None)
+    print(f"#### {w}, object storage\n")
+    print("| server | runs ok | guest s | rel. local lightfoot | rel. best nbdkit S3 | store GETs | server RSS MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for c, s in remote.items():
+        lat = c.split("@", 1)[1]
+        peers = [p["guest"] for k, p in remote.items()
+                 if k.startswith("nbdkit-s3") and k.split("@", 1)[1] == lat and p["guest"] is not None]
+        best = min(peers) if peers else None
+        rel = lambda b: fmt(s["guest"] / b if s["guest"] is not None and b else None)
+        print(f"| {names.get(c, c)} | {s['n']} | {fmt(s['guest'])} | {rel(local_ref)} | "
+              f"{rel(best) if not c.startswith('nbdkit') else '-'} | {fmt(s['gets'], '.0f')} | "
+              f"{fmt(s['rss'] / 1024 if s['rss'] is not None else None, '.0f')} |")
+    print()
 
 
 if __name__ == "__main__":

@@ -337,6 +337,41 @@ h.flush()
     }
 }
 
+/// `--prefetch` over object storage is a chunk cache: scattered 4 KiB reads (no stream) over
+/// two 256 KiB chunks, each read several times, cost one range GET per chunk, and return the
+/// object's bytes.
+#[test]
+fn prefetch_fetches_each_chunk_once() {
+    let w = Seaweed::start();
+    w.bucket("disks");
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    random_file(&src, 2 << 20);
+    ok(lf(&w, &["copy", src.to_str().unwrap(), "s3://disks/one"]));
+    let s = S3Served::start(&w, dir.path(), "s3://disks/one", &["-r", "--prefetch", "--stats", "--json"]);
+    let script = r#"
+import os, nbd
+h = nbd.NBD()
+h.connect_uri(os.environ["URI"])
+src = open(os.environ["SRC"], "rb").read()
+# Backwards in steps of 3 blocks over chunk 0 and chunk 5, three times: never a stream.
+for _ in range(3):
+    for base in (0, 5 * 262144):
+        for i in range(63, -1, -3):
+            off = base + i * 4096
+            assert h.pread(4096, off) == src[off:off + 4096], off
+"#;
+    let out = libnbd_command(120, script, &s.uri()).env("SRC", &src).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let err = s.stop();
+    let stats: serde_json::Value =
+        serde_json::from_str(err.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap();
+    // At open, a GET of the block layout's manifest (there is none), then one per chunk.
+    assert_eq!(stats["s3"]["get"].as_u64(), Some(1 + 2), "one GET per chunk: {}", stats["s3"]);
+    assert_eq!(stats["s3"]["bytes_got"].as_u64(), Some(2 * 256 * KIB), "{}", stats["s3"]);
+    assert_eq!(stats["prefetch"]["misses"].as_u64(), Some(2), "{}", stats["prefetch"]);
+}
+
 /// Writes are conditional on the version they build on: an object created behind the server's
 /// back (by a writer that ignores the lease, as nbdkit's plugin does) is read and patched,
 /// not replaced by zeroes around the server's bytes.

@@ -69,9 +69,10 @@ impl PrefetchConfig {
     /// For a backend where every read is a network round trip of milliseconds (object
     /// storage): 16 fills in flight rather than 2 (two threads each fetching a 256 KiB chunk
     /// per round trip cap a stream at 2 chunks a round trip, about 50 MB/s at 10 ms; a local
-    /// device needs no more than two to stay busy).
+    /// device needs no more than two to stay busy), and whole chunks: a guest's metadata
+    /// reads, 4 KiB each near one another, then cost a round trip a chunk, not one a read.
     pub fn for_round_trips(self) -> PrefetchConfig {
-        PrefetchConfig { threads: 16, ..self }
+        PrefetchConfig { threads: 16, whole_chunks: true, ..self }
     }
 }
 
@@ -306,30 +307,37 @@ impl ReadAhead {
     /// Runs one queued read-ahead job (on a background thread), unless a client read took it
     /// over meanwhile.
     fn run_job(&self, job: Job) {
-        {
-            let mut st = self.state.lock().unwrap();
-            if job.owner.is_none() {
-                st.cache_jobs -= 1;
-            }
-            let ours = st.in_flight.get(&job.start).is_some_and(|f| f.ticket == job.ticket);
-            if !ours {
-                return;
-            }
-            let gone = self.stopping.load(std::sync::atomic::Ordering::Relaxed);
-            // A stream that stopped while its read-ahead waited in the queue gets none of it.
-            let stale = job.owner.is_some_and(|c| !st.detector.is_live(c));
-            if gone || stale {
-                st.in_flight.remove(&job.start);
-                if stale && !gone {
-                    st.buffer.stats.dropped += job.len;
-                }
-                drop(st);
-                self.landed.notify_all();
-                return;
-            }
-            st.in_flight.get_mut(&job.start).expect("checked above").started = true;
+        if self.claim(&job) {
+            self.fill(&job);
         }
-        self.fill(&job);
+        // CACHE jobs count until done, so that all of them together stay within the buffer.
+        if job.owner.is_none() {
+            self.state.lock().unwrap().cache_jobs -= 1;
+        }
+    }
+
+    /// Marks a queued job's chunk as being read, unless a client read took it over or it is
+    /// not worth reading any more; false: skip it.
+    fn claim(&self, job: &Job) -> bool {
+        let mut st = self.state.lock().unwrap();
+        let ours = st.in_flight.get(&job.start).is_some_and(|f| f.ticket == job.ticket);
+        if !ours {
+            return false;
+        }
+        let gone = self.stopping.load(std::sync::atomic::Ordering::Relaxed);
+        // A stream that stopped while its read-ahead waited in the queue gets none of it.
+        let stale = job.owner.is_some_and(|c| !st.detector.is_live(c));
+        if gone || stale {
+            st.in_flight.remove(&job.start);
+            if stale && !gone {
+                st.buffer.stats.dropped += job.len;
+            }
+            drop(st);
+            self.landed.notify_all();
+            return false;
+        }
+        st.in_flight.get_mut(&job.start).expect("checked above").started = true;
+        true
     }
 
     /// Reads one chunk (marked started in `in_flight` under `job.ticket`) into the buffer, on
@@ -821,6 +829,31 @@ mod tests {
         assert_eq!(faults.fired()[..2], [STREAM + 1, 1], "reads of chunks 0 and 1 below");
         let s = p.stats();
         assert_eq!((s.buffer.joined, s.buffer.hits), (2, 2), "{s:?}");
+    }
+
+    /// With whole chunks (object storage), a small read that misses reads its whole chunk;
+    /// the next reads in it, and reads that come back after it was read through, are hits.
+    #[test]
+    fn whole_chunks_serve_reads_near_one_another_from_one_read_below() {
+        let count = Rule::new(Op::Read, Fault::Slow(Duration::ZERO));
+        let faults = Arc::new(FaultInjector::new(patterned(4 * MIB), vec![count]));
+        let cfg = PrefetchConfig { whole_chunks: true, ..Default::default() };
+        let p = Front::whole(Prefetch::new(faults.clone(), cfg));
+        let mut buf = [0u8; 4096];
+        // Scattered over one chunk, backwards (no stream: no read-ahead), then all of it
+        // backwards, then once more: one read below.
+        for i in (0..CHUNK / K4).rev().step_by(3).chain((0..CHUNK / K4).rev()).chain([0]) {
+            p.read(&mut buf, MIB + i * K4).unwrap();
+            assert!(buf == [((MIB + i * K4) / K4 % 251) as u8; 4096], "block {i}");
+        }
+        assert_eq!(faults.fired(), [1], "{:?}", p.stats());
+        let s = p.stats().buffer;
+        assert_eq!((s.misses, s.hits), (1, (CHUNK / K4).div_ceil(3) - 1 + CHUNK / K4 + 1), "{s:?}");
+        // A write drops it: the next read reads the chunk again, with the new bytes.
+        p.write(&[0xeeu8; 4096], MIB + K4, false).unwrap();
+        p.read(&mut buf, MIB + K4).unwrap();
+        assert!(buf == [0xeeu8; 4096]);
+        assert_eq!(faults.fired(), [2]);
     }
 
     /// A write elsewhere while read-ahead is in flight leaves it alone: chunk 1 (answered
