@@ -232,12 +232,6 @@ STORE=0
 for c in "${CONFIG_KEYS[@]}"; do is_s3 "$c" && STORE=1; done
 if ((STORE)); then
 	nbdkit S3 --version >/dev/null 2>&1 || die "nbdkit's S3 plugin is needed (nbdkit-plugin-python, python3-boto3)"
-	# The S3 clients' environment: these keys and nothing of the user's (SeaweedFS with no
-	# identities configured takes any signature).
-	while read -r v; do unset "$v"; done < <(env | sed -n 's/^\(AWS_[A-Za-z0-9_]*\)=.*/\1/p')
-	export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench-secret AWS_REGION=us-east-1
-	export AWS_CONFIG_FILE=/dev/null AWS_SHARED_CREDENTIALS_FILE=/dev/null
-	export NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost
 	# shellcheck source=bench/store.sh
 	. "$HERE/store.sh"
 fi

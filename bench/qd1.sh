@@ -69,10 +69,6 @@ cleanup() {
 }
 trap cleanup EXIT
 if ((STORE)); then
-	while read -r v; do unset "$v"; done < <(env | sed -n 's/^\(AWS_[A-Za-z0-9_]*\)=.*/\1/p')
-	export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench-secret AWS_REGION=us-east-1
-	export AWS_CONFIG_FILE=/dev/null AWS_SHARED_CREDENTIALS_FILE=/dev/null
-	export NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost
 	# shellcheck source=bench/store.sh
 	. "$HERE/store.sh"
 	store_start 0

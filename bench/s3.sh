@@ -214,13 +214,7 @@ need=$((12 * SIZE_BYTES))
 avail=$(($(df --output=avail -B1 -- "$DIR" | tail -n 1)))
 ((avail > need)) || die "$DIR: $((avail >> 20)) MiB free, needs about $((need >> 20)) MiB"
 
-# The S3 clients' environment: these keys and nothing of the user's (SeaweedFS with no
-# identities configured takes any signature). AWS_ENDPOINT_URL (lightfoot) and the rclone
-# remote's endpoint are set per latency.
-while read -r v; do unset "$v"; done < <(env | sed -n 's/^\(AWS_[A-Za-z0-9_]*\)=.*/\1/p')
-export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench-secret AWS_REGION=us-east-1
-export AWS_CONFIG_FILE=/dev/null AWS_SHARED_CREDENTIALS_FILE=/dev/null
-export NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost
+# rclone's remote (the AWS keys are store.sh's); its endpoint is set per latency.
 export RCLONE_CONFIG=/dev/null RCLONE_CONFIG_S3BENCH_TYPE=s3 RCLONE_CONFIG_S3BENCH_PROVIDER=Other
 export RCLONE_CONFIG_S3BENCH_ACCESS_KEY_ID=$AWS_ACCESS_KEY_ID
 export RCLONE_CONFIG_S3BENCH_SECRET_ACCESS_KEY=$AWS_SECRET_ACCESS_KEY

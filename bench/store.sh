@@ -17,8 +17,16 @@
 #   store_latency MS         ENDPOINT (and AWS_ENDPOINT_URL) for MS ms added (0: directly; 0p:
 #                            through the proxy with nothing added)
 #   store_stop               kills both; call it from the caller's EXIT trap
+#
+# Sourcing it also sets the S3 clients' environment: these keys and nothing of the user's
+# (SeaweedFS with no identities configured takes any signature); AWS_ENDPOINT_URL comes with
+# store_latency.
 
 WEED_PID="" TOXI_PID="" TOXI=""
+while read -r v; do unset "$v"; done < <(env | sed -n 's/^\(AWS_[A-Za-z0-9_]*\)=.*/\1/p')
+export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench-secret AWS_REGION=us-east-1
+export AWS_CONFIG_FILE=/dev/null AWS_SHARED_CREDENTIALS_FILE=/dev/null
+export NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost
 
 store_http() { curl -s -o /dev/null -w '%{http_code}' "$@" || true; }
 
