@@ -401,7 +401,7 @@ mod tests {
         assert!(b.serve(&mut buf, 0));
         b.insert(CHUNK, chunk(2), None, 0);
         b.insert(2 * CHUNK, chunk(3), None, 0);
-        assert!(!b.contains(0), "the partly read chunk, used longest ago, stays");
+        assert!(!b.contains(0), "the partly read chunk, used longest ago, goes");
         assert_eq!(b.stats.wasted, 0, "it was read from");
         assert!(b.serve(&mut buf, CHUNK));
         b.insert(3 * CHUNK, chunk(4), None, 0);

@@ -471,16 +471,15 @@ impl Prefetch {
                             wanted: 0,
                         });
                         (f.ticket, f.started) = (ticket, true);
-                        f.wanted |=
-                            buffer::pieces_read(start, CHUNK.min(shared.size - start), offset, offset + len);
                         let job = Job { start, len: CHUNK.min(shared.size - start), owner: f.owner, ticket };
+                        Self::mark_flights(&mut st, offset, len, shared.size, |f| &mut f.wanted);
                         drop(st);
                         shared.fill(std::slice::from_ref(&job));
                         st = shared.state.lock().unwrap();
                     }
                     OnTheWay::Reading => {
                         joined = true;
-                        Self::want(&mut st, offset, len, shared.size);
+                        Self::mark_flights(&mut st, offset, len, shared.size, |f| &mut f.wanted);
                         st = shared.landed.wait(st).unwrap();
                     }
                 }
@@ -496,14 +495,7 @@ impl Prefetch {
         }
         if !hit {
             // The read goes below: the pieces it covers of chunks on their way count as read.
-            let mut c = offset / CHUNK * CHUNK;
-            while c < offset + len {
-                let clen = CHUNK.min(shared.size - c);
-                if let Some(f) = st.in_flight.get_mut(&c) {
-                    f.read |= buffer::pieces_read(c, clen, offset, offset + len);
-                }
-                c += CHUNK;
-            }
+            Self::mark_flights(&mut st, offset, len, shared.size, |f| &mut f.read);
         }
         let jobs = if v.stream { shared.plan(&mut st, &v, hit) } else { Vec::new() };
         drop(st);
@@ -511,12 +503,13 @@ impl Prefetch {
         hit
     }
 
-    /// Marks `[offset, offset+len)` as wanted in the chunks of it on their way.
-    fn want(st: &mut State, offset: u64, len: u64, size: u64) {
+    /// Adds the pieces a read of `[offset, offset+len)` covers to `mask` (read, or wanted) of
+    /// each of its chunks on their way.
+    fn mark_flights(st: &mut State, offset: u64, len: u64, size: u64, mask: fn(&mut Flight) -> &mut u64) {
         let mut c = offset / CHUNK * CHUNK;
         while c < offset + len {
             if let Some(f) = st.in_flight.get_mut(&c) {
-                f.wanted |= buffer::pieces_read(c, CHUNK.min(size - c), offset, offset + len);
+                *mask(f) |= buffer::pieces_read(c, CHUNK.min(size - c), offset, offset + len);
             }
             c += CHUNK;
         }
