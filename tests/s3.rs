@@ -372,6 +372,62 @@ for _ in range(3):
     assert_eq!(stats["prefetch"]["misses"].as_u64(), Some(2), "{}", stats["prefetch"]);
 }
 
+/// Read-ahead over object storage fetches units of several chunks with one GET each, its body
+/// written straight into the chunks: a sequential read of either layout (an object, and block
+/// objects whose edges fall inside chunks, one of them never written) returns every byte
+/// right, and fetches none twice.
+#[test]
+fn prefetch_units_read_right_from_both_layouts() {
+    let w = Seaweed::start();
+    w.bucket("disks");
+    let dir = scratch();
+    let src = dir.path().join("src.img");
+    random_file(&src, 12 * 384 * KIB);
+    // Zeroes the block image stores no object for: its object 3.
+    let mut data = std::fs::read(&src).unwrap();
+    data[3 * 384 * KIB as usize..4 * 384 * KIB as usize].fill(0);
+    std::fs::write(&src, &data).unwrap();
+    ok(lf(&w, &["copy", src.to_str().unwrap(), "s3://disks/one"]));
+    let script = r#"
+import os, nbd
+h = nbd.NBD()
+h.connect_uri(os.environ["URI"])
+src = open(os.environ["SRC"], "rb").read()
+for off in range(0, len(src), 65536):
+    got = h.pread(65536, off)
+    assert got == src[off:off + 65536], off
+"#;
+    ok(lf(&w, &["copy", src.to_str().unwrap(), "s3://disks/blocks", "--object-size", "384K"]));
+    let present = blocks(&w, "disks", "blocks");
+    assert_eq!(
+        present,
+        (0..12).filter(|&b| b != 3).collect::<Vec<u64>>(),
+        "the zeroes' object is not stored"
+    );
+    // Every byte of the objects once: all of the one object; the 11 block objects and the
+    // manifest (under 4 KiB).
+    for (key, stored) in [("one", 12 * 384 * KIB), ("blocks", 11 * 384 * KIB)] {
+        let s = S3Served::start(
+            &w,
+            dir.path(),
+            &format!("s3://disks/{key}"),
+            &["-r", "--prefetch", "--stats", "--json"],
+        );
+        let out = libnbd_command(120, script, &s.uri()).env("SRC", &src).output().unwrap();
+        assert!(out.status.success(), "{key}: {}", text(&out));
+        let err = s.stop();
+        let stats: serde_json::Value =
+            serde_json::from_str(err.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap();
+        let got = stats["s3"]["bytes_got"].as_u64().unwrap();
+        assert!(
+            (stored..stored + 4096).contains(&got),
+            "{key}: {got} bytes fetched for {stored}: {}",
+            stats["s3"]
+        );
+        assert!(stats["prefetch"]["prefetched"].as_u64().unwrap() > 0, "{key}: {}", stats["prefetch"]);
+    }
+}
+
 /// Writes are conditional on the version they build on: an object created behind the server's
 /// back (by a writer that ignores the lease, as nbdkit's plugin does) is read and patched,
 /// not replaced by zeroes around the server's bytes.

@@ -211,6 +211,23 @@ pub trait Backend: Send + Sync {
     /// inside the request (a pipe at end of input, or a file that shrank).
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize>;
 
+    /// Reads `parts.len()` consecutive runs of bytes from `offset` into `parts` in turn, all of
+    /// them or an error. A backend whose reads are one request (object storage) makes one for
+    /// all; the others read into one buffer and copy.
+    fn read_parts(&self, mut parts: Vec<&mut [u8]>, offset: u64) -> Result<()> {
+        if let [one] = &mut parts[..] {
+            return read_into(self, one, offset);
+        }
+        let mut whole = crate::io::AlignedBuf::new(parts.iter().map(|p| p.len()).sum());
+        read_into(self, &mut whole, offset)?;
+        let mut at = 0;
+        for p in parts {
+            p.copy_from_slice(&whole[at..at + p.len()]);
+            at += p.len();
+        }
+        Ok(())
+    }
+
     /// Reads only if the bytes are at hand in memory (a prefetch-buffer hit, a memory
     /// backend): `None` means the read could wait for a device, so call [`Backend::read`]
     /// from a thread that may block. The server's reader thread answers hits itself this
@@ -278,6 +295,10 @@ pub trait Backend: Send + Sync {
 
 /// Reads exactly `buf.len()` bytes or fails with `UnexpectedEof`.
 pub fn read_exact(b: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<()> {
+    read_into(b, buf, offset)
+}
+
+fn read_into<B: Backend + ?Sized>(b: &B, buf: &mut [u8], offset: u64) -> Result<()> {
     let n = b.read(buf, offset)?;
     if n < buf.len() {
         return Err(Error::new(ErrorKind::UnexpectedEof, Op::Read)
@@ -286,6 +307,29 @@ pub fn read_exact(b: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<()> {
             .detail(format!("data ended after {n} bytes")));
     }
     Ok(())
+}
+
+/// `bufs` (one run of bytes in several slices) cut into consecutive runs of `lens` bytes, each
+/// run as the slices that hold it. The lengths must add up to at most the slices' total.
+pub fn carve<'a>(bufs: Vec<&'a mut [u8]>, lens: impl IntoIterator<Item = usize>) -> Vec<Vec<&'a mut [u8]>> {
+    let mut rest = bufs.into_iter();
+    let mut cur: &'a mut [u8] = &mut [];
+    let mut runs = Vec::new();
+    for len in lens {
+        let (mut need, mut run) = (len, Vec::new());
+        while need > 0 {
+            while cur.is_empty() {
+                cur = rest.next().expect("carve: runs longer than the slices");
+            }
+            let n = need.min(cur.len());
+            let (head, tail) = std::mem::take(&mut cur).split_at_mut(n);
+            need -= head.len();
+            run.push(head);
+            cur = tail;
+        }
+        runs.push(run);
+    }
+    runs
 }
 
 /// Zeroes `[offset, offset+len)` by writing zero buffers (the fallback for backends or
@@ -308,4 +352,30 @@ pub fn write_zeroes(b: &dyn Backend, offset: u64, len: u64, fua: bool) -> Result
 pub fn is_zero(buf: &[u8]) -> bool {
     let mut pieces = buf.chunks_exact(64);
     pieces.all(|p| p.iter().fold(0u8, |acc, &b| acc | b) == 0) && pieces.remainder().iter().all(|&b| b == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn carve_cuts_runs_across_slices() {
+        let (mut a, mut b, mut c) = ([0u8; 3], [0u8; 0], [0u8; 5]);
+        let runs = carve(vec![&mut a, &mut b, &mut c], [2, 4, 2]);
+        let lens: Vec<Vec<usize>> = runs.iter().map(|r| r.iter().map(|s| s.len()).collect()).collect();
+        assert_eq!(lens, vec![vec![2], vec![1, 3], vec![2]]);
+        for (i, run) in runs.into_iter().enumerate() {
+            run.into_iter().for_each(|s| s.fill(i as u8 + 1));
+        }
+        assert_eq!((a, c), ([1, 1, 2], [2, 2, 2, 3, 3]));
+    }
+
+    #[test]
+    fn read_parts_fills_each_part_in_turn() {
+        let m = crate::backend::memory::MemoryBackend::new(16);
+        m.write(&(0..16).collect::<Vec<u8>>(), 0, false).unwrap();
+        let (mut a, mut b) = ([0u8; 3], [0u8; 6]);
+        m.read_parts(vec![&mut a, &mut b], 5).unwrap();
+        assert_eq!((a, b), ([5, 6, 7], [8, 9, 10, 11, 12, 13]));
+    }
 }

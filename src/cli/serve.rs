@@ -120,7 +120,8 @@ pub struct ServeArgs {
     prefetch: bool,
 
     /// With --prefetch: the buffer's bound, at least one 256K chunk (K, M, G or T suffix),
-    /// buffers kept for reuse included. The two being filled (512K) come on top.
+    /// buffers kept for reuse included. Read-ahead in flight comes on top: 512K from a file
+    /// or device, 16M over s3://.
     #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_prefetch_size)]
     prefetch_size: u64,
 

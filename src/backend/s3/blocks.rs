@@ -14,14 +14,13 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 
 use super::lease::{self, Lease};
 use super::manifest::Geometry;
 use super::store::Store;
 use super::{Image, S3Options, IN_FLIGHT};
-use crate::backend::Extent;
+use crate::backend::{carve, Extent};
 use crate::error::{Error, ErrorKind, Op, Result};
 
 /// Stripes of the per-object write locks: 2^10.
@@ -146,58 +145,59 @@ impl Image for BlockImage {
     }
 
     /// One GET for each touched object that may exist, concurrently.
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+    fn read(&self, bufs: Vec<&mut [u8]>, offset: u64) -> Result<()> {
         let object_size = self.object_size;
-        let pieces = split(offset, buf.len() as u64, object_size);
-        let want: Vec<(u64, Range<u64>, usize)> = {
+        let len = bufs.iter().map(|b| b.len() as u64).sum();
+        let pieces = split(offset, len, object_size);
+        let parts = carve(bufs, pieces.iter().map(|(_, r)| (r.end - r.start) as usize));
+        let mut want = Vec::new();
+        {
             let p = self.present.lock().unwrap();
-            let mut at = 0usize;
-            let mut v = Vec::new();
-            for (b, r) in pieces {
-                let n = (r.end - r.start) as usize;
+            for ((b, r), mut part) in pieces.into_iter().zip(parts) {
                 if p.contains_key(&b) {
-                    v.push((b, r, at));
+                    want.push((b, r, part));
                 } else {
-                    buf[at..at + n].fill(0);
+                    part.iter_mut().for_each(|s| s.fill(0));
                 }
-                at += n;
-            }
-            v
-        };
-        let results: Vec<(Range<u64>, usize, Option<Bytes>)> = self.store.run(
-            futures::stream::iter(want.into_iter().map(|(b, r, at)| async move {
-                let key = self.block_key(b);
-                let whole = r.start == 0 && r.end == object_size;
-                let got = self
-                    .store
-                    .get(&key, (!whole).then(|| r.clone()), None)
-                    .await
-                    .map_err(|e| in_image(e, b, &r, object_size))?;
-                if let Some((_, meta)) = &got {
-                    if meta.size != object_size {
-                        return Err(wrong_size(&self.store.uri(&key), meta.size, object_size));
-                    }
-                }
-                Ok::<_, Error>((r, at, got.map(|g| g.0)))
-            }))
-            .buffer_unordered(IN_FLIGHT)
-            .try_collect(),
-        )?;
-        for (r, at, got) in results {
-            let n = (r.end - r.start) as usize;
-            match got {
-                Some(bytes) if bytes.len() == n => buf[at..at + n].copy_from_slice(&bytes),
-                Some(bytes) => {
-                    return Err(Error::new(ErrorKind::Io, Op::Read)
-                        .path(&self.name)
-                        .at(offset + at as u64, n as u64)
-                        .detail(format!("the store answered {} bytes for {n}", bytes.len())))
-                }
-                // Deleted since the LIST (by another writer): zeroes, as nbdkit reads it.
-                None => buf[at..at + n].fill(0),
             }
         }
-        Ok(())
+        self.store.run(
+            futures::stream::iter(want.into_iter().map(|(b, r, mut part)| async move {
+                let key = self.block_key(b);
+                let whole = r.start == 0 && r.end == object_size;
+                let n = r.end - r.start;
+                let at = b * object_size + r.start;
+                // The body goes into `part`, and its slices are wanted again for zeroes:
+                // hand the GET reborrows.
+                let got = self
+                    .store
+                    .get_into(
+                        &key,
+                        (!whole).then(|| r.clone()),
+                        None,
+                        part.iter_mut().map(|s| &mut **s).collect(),
+                    )
+                    .await
+                    .map_err(|e| in_image(e, b, &r, object_size))?;
+                match got {
+                    Some((_, meta)) if meta.size != object_size => {
+                        Err(wrong_size(&self.store.uri(&key), meta.size, object_size))
+                    }
+                    Some((got, _)) if got == n => Ok(()),
+                    Some((got, _)) => Err(Error::new(ErrorKind::Io, Op::Read)
+                        .path(&self.name)
+                        .at(at, n)
+                        .detail(format!("the store answered {got} bytes for {n}"))),
+                    // Deleted since the LIST (by another writer): zeroes, as nbdkit reads it.
+                    None => {
+                        part.iter_mut().for_each(|s| s.fill(0));
+                        Ok(())
+                    }
+                }
+            }))
+            .buffer_unordered(IN_FLIGHT)
+            .try_collect::<()>(),
+        )
     }
 
     fn change(&self, offset: u64, len: u64, data: Option<&[u8]>, partial: bool) -> Result<()> {

@@ -66,8 +66,9 @@ trait Image: Send + Sync {
 
     fn writable(&self) -> bool;
 
-    /// Reads all of `buf`, which lies inside the image.
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<()>;
+    /// Reads consecutive bytes from `offset` into `bufs` in turn, all of them, inside the
+    /// image (straight from the answers' bodies into `bufs`).
+    fn read(&self, bufs: Vec<&mut [u8]>, offset: u64) -> Result<()>;
 
     /// Writes `data` at `offset` (`None`: `len` zeroes), on a writable image. With `partial ==
     /// false` (TRIM), a block image leaves the objects the range covers only in part alone.
@@ -181,18 +182,26 @@ impl Backend for S3Backend {
     }
 
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        if buf.is_empty() {
-            return Ok(0);
+        let n = buf.len();
+        self.read_parts(vec![buf], offset)?;
+        Ok(n)
+    }
+
+    /// One range GET for all the parts of one object piece (the prefetcher's read-ahead
+    /// units), their bodies written straight into the parts.
+    fn read_parts(&self, parts: Vec<&mut [u8]>, offset: u64) -> Result<()> {
+        let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        if len == 0 {
+            return Ok(());
         }
         let size = self.image.size().unwrap_or(0);
-        if offset.checked_add(buf.len() as u64).is_none_or(|e| e > size) {
+        if offset.checked_add(len).is_none_or(|e| e > size) {
             return Err(Error::new(ErrorKind::InvalidInput, Op::Read)
                 .path(&self.name)
-                .at(offset, buf.len() as u64)
+                .at(offset, len)
                 .detail(format!("past the end of the image ({size} bytes)")));
         }
-        self.image.read(buf, offset)?;
-        Ok(buf.len())
+        self.image.read(parts, offset)
     }
 
     /// Every read is a round trip.

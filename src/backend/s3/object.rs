@@ -5,12 +5,12 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 
 use super::blocks::BlockImage;
 use super::store::Store;
 use super::{read_only, Image, IN_FLIGHT};
+use crate::backend::carve;
 use crate::error::{Error, ErrorKind, Op, Result};
 
 /// Largest piece of the object fetched by one range GET.
@@ -51,23 +51,30 @@ impl Image for ObjectImage {
         false
     }
 
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let pieces: Vec<(u64, usize)> =
-            (0..buf.len() as u64).step_by(PIECE as usize).map(|p| (offset + p, p as usize)).collect();
-        let total = buf.len() as u64;
+    fn read(&self, bufs: Vec<&mut [u8]>, offset: u64) -> Result<()> {
+        let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        let lens = (0..total).step_by(PIECE as usize).map(|p| PIECE.min(total - p) as usize);
+        let pieces = carve(bufs, lens);
         let etag = self.etag.as_deref();
-        let results: Vec<(usize, Bytes)> = self.store.run(
-            futures::stream::iter(pieces.into_iter().map(|(at, i)| async move {
-                let n = PIECE.min(total - i as u64);
-                match self.store.get(&self.key, Some(at..at + n), etag).await.map_err(|e| e.at(at, n))? {
-                    Some((b, _)) if b.len() as u64 == n => Ok((i, b)),
-                    Some((b, meta)) => {
-                        Err(Error::new(ErrorKind::Io, Op::Read).path(&self.name).at(at, n).detail(format!(
-                            "got {} bytes of {n} (the object is now {} bytes)",
-                            b.len(),
-                            meta.size
-                        )))
-                    }
+        let mut at = offset;
+        let pieces = pieces.into_iter().map(|piece| {
+            let n: u64 = piece.iter().map(|b| b.len() as u64).sum();
+            at += n;
+            (at - n, n, piece)
+        });
+        self.store.run(
+            futures::stream::iter(pieces.map(|(at, n, piece)| async move {
+                match self
+                    .store
+                    .get_into(&self.key, Some(at..at + n), etag, piece)
+                    .await
+                    .map_err(|e| e.at(at, n))?
+                {
+                    Some((got, _)) if got == n => Ok(()),
+                    Some((got, meta)) => Err(Error::new(ErrorKind::Io, Op::Read)
+                        .path(&self.name)
+                        .at(at, n)
+                        .detail(format!("got {got} bytes of {n} (the object is now {} bytes)", meta.size))),
                     None => Err(Error::new(ErrorKind::NotFound, Op::Read)
                         .path(&self.name)
                         .at(at, n)
@@ -75,12 +82,8 @@ impl Image for ObjectImage {
                 }
             }))
             .buffer_unordered(IN_FLIGHT)
-            .try_collect(),
-        )?;
-        for (i, b) in results {
-            buf[i..i + b.len()].copy_from_slice(&b);
-        }
-        Ok(())
+            .try_collect::<()>(),
+        )
     }
 
     /// Never called: [`super::S3Backend`] refuses writes to a read-only image.

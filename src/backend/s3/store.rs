@@ -222,6 +222,57 @@ impl Store {
         range: Option<Range<u64>>,
         if_match: Option<&str>,
     ) -> Result<Option<(Bytes, Meta)>> {
+        let Some((res, meta)) = self.start_get(key, range, if_match).await? else { return Ok(None) };
+        let bytes = res.bytes().await.map_err(|e| self.error(Op::Read, key, &e))?;
+        self.counters.bytes_got.fetch_add(bytes.len() as u64, Relaxed);
+        Ok(Some((bytes, meta)))
+    }
+
+    /// As [`Store::get`], the body written into `dst`'s slices in turn as it arrives, never
+    /// held whole (a collected body is one more copy of every read in memory). Returns the
+    /// bytes written: fewer than `dst` holds when the object ends early; a body longer than
+    /// `dst` is an error.
+    pub async fn get_into(
+        &self,
+        key: &str,
+        range: Option<Range<u64>>,
+        if_match: Option<&str>,
+        mut dst: Vec<&mut [u8]>,
+    ) -> Result<Option<(u64, Meta)>> {
+        let room: usize = dst.iter().map(|d| d.len()).sum();
+        let Some((res, meta)) = self.start_get(key, range, if_match).await? else { return Ok(None) };
+        dst.retain(|d| !d.is_empty());
+        let mut body = res.into_stream();
+        let (mut got, mut slot) = (0u64, 0usize);
+        let mut at = 0usize;
+        while let Some(piece) = body.next().await {
+            let piece = piece.map_err(|e| self.error(Op::Read, key, &e))?;
+            let mut piece = &piece[..];
+            while !piece.is_empty() {
+                let Some(d) = dst.get_mut(slot) else {
+                    return Err(Error::new(ErrorKind::Io, Op::Read)
+                        .path(self.uri(key))
+                        .detail(format!("the store answered more than the {room} bytes asked")));
+                };
+                let n = piece.len().min(d.len() - at);
+                d[at..at + n].copy_from_slice(&piece[..n]);
+                (piece, at, got) = (&piece[n..], at + n, got + n as u64);
+                if at == d.len() {
+                    (slot, at) = (slot + 1, 0);
+                }
+            }
+        }
+        self.counters.bytes_got.fetch_add(got, Relaxed);
+        Ok(Some((got, meta)))
+    }
+
+    /// Sends a GET and waits for its answer's head: the body is the caller's to read.
+    async fn start_get(
+        &self,
+        key: &str,
+        range: Option<Range<u64>>,
+        if_match: Option<&str>,
+    ) -> Result<Option<(object_store::GetResult, Meta)>> {
         self.counters.get.fetch_add(1, Relaxed);
         let opts = GetOptions {
             range: range.map(GetRange::Bounded),
@@ -244,9 +295,7 @@ impl Store {
             Err(e) => return Err(self.error(Op::Read, key, &e)),
         };
         let meta = Meta { size: res.meta.size, etag: res.meta.e_tag.clone() };
-        let bytes = res.bytes().await.map_err(|e| self.error(Op::Read, key, &e))?;
-        self.counters.bytes_got.fetch_add(bytes.len() as u64, Relaxed);
-        Ok(Some((bytes, meta)))
+        Ok(Some((res, meta)))
     }
 
     /// HEAD: the object's size and ETag, `None` when it does not exist.

@@ -264,7 +264,7 @@ impl Image for Upload {
         true
     }
 
-    fn read(&self, _buf: &mut [u8], _offset: u64) -> Result<()> {
+    fn read(&self, _bufs: Vec<&mut [u8]>, _offset: u64) -> Result<()> {
         Err(Error::new(ErrorKind::NotSupported, Op::Read)
             .path(self.store.uri(&self.key))
             .detail("an object being uploaded cannot be read"))

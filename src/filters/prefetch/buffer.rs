@@ -94,6 +94,8 @@ pub struct Buffer {
     /// Chunks read through stay (first to go when room is needed): see [`Buffer::keeping`].
     keep: bool,
     spares: Vec<AlignedBuf>,
+    /// Spares kept whatever the limit (see [`Buffer::spares_for`]).
+    in_flight: usize,
     /// Owners of chunks evicted for room before anyone read them (see [`Buffer::take_unread`]).
     unread: Vec<u64>,
     bytes: u64,
@@ -108,6 +110,7 @@ impl Buffer {
             chunks: BTreeMap::new(),
             keep: false,
             spares: Vec::new(),
+            in_flight: 0,
             unread: Vec::new(),
             bytes: 0,
             limit: limit.max(CHUNK),
@@ -126,17 +129,28 @@ impl Buffer {
         self.bytes
     }
 
+    /// Keeps up to `chunks` spares whatever the limit: as many as read-ahead has in flight at
+    /// most, which it holds anyway while reading. Once the buffer is full, each fill then
+    /// reuses the buffer of the chunk the last one evicted, instead of allocating one that
+    /// another thread frees: that churn of 256 KiB blocks through malloc's per-thread arenas
+    /// kept twice the buffer resident (bench runs in docs/benchmarks/runs/s3-memory.md).
+    pub fn spares_for(self, chunks: usize) -> Buffer {
+        Buffer { in_flight: chunks, ..self }
+    }
+
     /// A buffer from a chunk that was dropped, for the next read-ahead.
     pub fn spare(&mut self) -> Option<AlignedBuf> {
         self.spares.pop()
     }
 
-    /// Keeps a dropped chunk's buffer for reuse: up to [`SPARES`] of them, and only while the
-    /// chunks and the spares together stay within the limit (so a small `--prefetch-size`
-    /// is not 2 MiB of spares more).
+    /// Keeps a dropped chunk's buffer for reuse: as many as fills can have in flight (see
+    /// [`Buffer::spares_for`]), or up to [`SPARES`] while the chunks and the spares together
+    /// stay within the limit (so a small `--prefetch-size` is not 2 MiB of spares more).
     pub fn recycle(&mut self, data: Data) {
         let spares = self.spares.len() as u64 + 1;
-        if self.spares.len() < SPARES && self.bytes + spares * CHUNK <= self.limit {
+        if self.spares.len() < self.in_flight
+            || (self.spares.len() < SPARES && self.bytes + spares * CHUNK <= self.limit)
+        {
             self.spares.push(data.into_spare());
         }
     }
@@ -362,6 +376,18 @@ mod tests {
             assert!(b.bytes() + b.spares.len() as u64 * CHUNK <= 4 * CHUNK, "chunk {i}");
         }
         assert_eq!(b.spares.len(), 1);
+    }
+
+    #[test]
+    fn spares_for_fills_in_flight_are_kept_over_the_limit() {
+        let mut b = Buffer::new(2 * CHUNK).spares_for(3);
+        for i in 0..2 {
+            b.insert(i * CHUNK, chunk(1), None, 0);
+        }
+        for _ in 0..4 {
+            b.recycle(chunk(2));
+        }
+        assert_eq!(b.spares.len(), 3, "as many as fills in flight, the buffer being full");
     }
 
     #[test]

@@ -191,7 +191,14 @@ impl Prefetch {
         let state = State {
             detector: Detector::new(cfg.detect),
             windows: HashMap::new(),
-            buffer: if cfg.whole_chunks { Buffer::new(cfg.size).keeping() } else { Buffer::new(cfg.size) },
+            buffer: {
+                let b = Buffer::new(cfg.size).spares_for(cfg.threads * cfg.fill_chunks.max(1));
+                if cfg.whole_chunks {
+                    b.keeping()
+                } else {
+                    b
+                }
+            },
             in_flight: HashMap::new(),
             tickets: 0,
             generation: 0,
@@ -376,22 +383,8 @@ impl ReadAhead {
         };
         let mut datas: Vec<buffer::Data> =
             jobs.iter().zip(spares).map(|(j, spare)| buffer::Data::new(spare, j.len as usize)).collect();
-        let start = jobs[0].start;
-        let read = if let [data] = &mut datas[..] {
-            crate::backend::read_exact(&*self.inner, data, start)
-        } else {
-            // One read for all, then each chunk's bytes into its own buffer.
-            let len: usize = datas.iter().map(|d| d.len()).sum();
-            let mut whole = crate::io::AlignedBuf::new(len);
-            let r = crate::backend::read_exact(&*self.inner, &mut whole[..len], start);
-            let mut at = 0;
-            for d in &mut datas {
-                let n = d.len();
-                d.copy_from_slice(&whole[at..at + n]);
-                at += n;
-            }
-            r
-        };
+        // One read for all.
+        let read = self.inner.read_parts(datas.iter_mut().map(|d| &mut d[..]).collect(), jobs[0].start);
         let mut st = self.state.lock().unwrap();
         for (job, data) in jobs.iter().zip(datas) {
             let flight = st.in_flight.remove(&job.start);

@@ -6,6 +6,12 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 
 /// A heap buffer aligned for O_DIRECT (4 KiB covers every logical block size we meet).
 ///
+/// Buffers of [`MAP_BUF_MIN`] and more are mapped on their own, never taken from malloc:
+/// glibc raises its mmap threshold to the size of each mapped block freed, after which blocks
+/// of that size come from its per-thread arenas, and blocks allocated on one thread and freed
+/// on another (a prefetch chunk, a GET's body) left those arenas holding up to twice what was
+/// in use (docs/benchmarks/runs/s3-memory.md).
+///
 /// Buffers of [`HUGE_BUF_MIN`] and more are mapped on their own, 2 MiB aligned, and asked
 /// for transparent huge pages (`MADV_HUGEPAGE`; THP is commonly in `madvise` mode). An
 /// O_DIRECT read is split into device requests at the queue's segment limit, and each 4 KiB
@@ -26,6 +32,9 @@ unsafe impl Sync for AlignedBuf {}
 
 pub const BUF_ALIGN: usize = 4096;
 
+/// Smallest buffer mapped on its own: glibc's own initial mmap threshold.
+pub const MAP_BUF_MIN: usize = 128 << 10;
+
 /// Smallest buffer mapped with huge pages: one huge page.
 pub const HUGE_BUF_MIN: usize = 2 << 20;
 
@@ -37,12 +46,35 @@ impl AlignedBuf {
             if let Some(buf) = Self::map_huge(cap) {
                 return buf;
             }
+        } else if cap >= MAP_BUF_MIN {
+            if let Some(buf) = Self::map(cap) {
+                return buf;
+            }
         }
         let layout = std::alloc::Layout::from_size_align(cap, BUF_ALIGN).expect("buffer layout");
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = std::ptr::NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         AlignedBuf { ptr, len: cap, mapped: false }
+    }
+
+    /// `cap` bytes (a multiple of 4 KiB) of fresh anonymous memory (zeroed by the kernel).
+    fn map(cap: usize) -> Option<AlignedBuf> {
+        // SAFETY: a fresh private anonymous mapping owned by the returned buffer.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                cap,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return None;
+        }
+        Some(AlignedBuf { ptr: std::ptr::NonNull::new(base.cast())?, len: cap, mapped: true })
     }
 
     /// `cap` bytes (a multiple of 4 KiB) of fresh anonymous memory (zeroed by the kernel),
@@ -82,7 +114,7 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         if self.mapped {
-            // SAFETY: the window mapped in `map_huge`, owned by this buffer.
+            // SAFETY: the window mapped in `map` or `map_huge`, owned by this buffer.
             unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
             return;
         }
@@ -186,12 +218,23 @@ mod tests {
 
     #[test]
     fn aligned_buffers_are_zeroed_aligned_and_writable() {
-        for len in [1, 4096, 256 << 10, HUGE_BUF_MIN - 1, HUGE_BUF_MIN, 3 << 20, 4 << 20] {
+        for len in [
+            1,
+            4096,
+            MAP_BUF_MIN - 1,
+            MAP_BUF_MIN,
+            256 << 10,
+            HUGE_BUF_MIN - 1,
+            HUGE_BUF_MIN,
+            3 << 20,
+            4 << 20,
+        ] {
             let mut b = AlignedBuf::new(len);
             assert!(b.len() >= len && b.len().is_multiple_of(BUF_ALIGN), "{len}: {}", b.len());
             let align = if b.len() >= HUGE_BUF_MIN { HUGE_BUF_MIN } else { BUF_ALIGN };
             assert!((b.as_ptr() as usize).is_multiple_of(align), "{len}: {:p}", b.as_ptr());
             assert!(b.iter().all(|&x| x == 0), "{len}: not zeroed");
+            assert_eq!(b.mapped, b.len() >= MAP_BUF_MIN, "{len}");
             b.fill(0xa5);
             assert!(b[b.len() - 1] == 0xa5);
         }
