@@ -336,7 +336,11 @@ impl ReadAhead {
         while i < jobs.len() {
             let n = claimed[i..].iter().take_while(|&&c| c).count();
             if n > 0 {
-                self.fill(&jobs[i..i + n]);
+                // A failed read-ahead is nobody's error: the client's read of those bytes
+                // meets it again (and reports it).
+                if let Err(e) = self.fill(&jobs[i..i + n]) {
+                    tracing::debug!("prefetch: {e}")
+                }
             }
             i += n.max(1);
         }
@@ -373,8 +377,8 @@ impl ReadAhead {
 
     /// Reads consecutive chunks (each marked started in `in_flight` under its job's ticket)
     /// into the buffer with one read, on whichever thread: a read-ahead worker, or a client
-    /// read that took a job over.
-    fn fill(&self, jobs: &[Job]) {
+    /// read that took a job over. The read's error, if it failed.
+    fn fill(&self, jobs: &[Job]) -> Result<()> {
         // The generation when the read starts (not when it was queued: a write while it
         // waited changed nothing it will read).
         let (spares, since) = {
@@ -404,9 +408,7 @@ impl ReadAhead {
                 _ => st.buffer.recycle(data),
             }
         }
-        if let Err(e) = &read {
-            tracing::debug!("prefetch: {e}")
-        }
+
         // Streams whose read-ahead was evicted unread read more slowly than they are read
         // ahead for: halve their windows.
         for owner in st.buffer.take_unread() {
@@ -416,6 +418,7 @@ impl ReadAhead {
         }
         drop(st);
         self.landed.notify_all();
+        read
     }
 }
 
@@ -439,12 +442,15 @@ impl Prefetch {
     /// for chunks being read, and reads a chunk still queued itself (taking its job over).
     /// Reading those bytes again from below would double the device's work for them, and
     /// with guest reads overtaking read-ahead that was most of the over-read.
-    fn serve(&self, buf: &mut [u8], offset: u64, only_hits: bool) -> bool {
+    ///
+    /// `Err`: a chunk this read fetched itself could not be read (over object storage, after
+    /// the store's retries): that is the read's error, not a reason to fetch it again.
+    fn serve(&self, buf: &mut [u8], offset: u64, only_hits: bool) -> Result<bool> {
         let len = buf.len() as u64;
         let shared = &self.shared;
         let mut st = shared.state.lock().unwrap();
         if only_hits && !st.buffer.covers(offset, len) {
-            return false;
+            return Ok(false);
         }
         let v = st.detector.observe(offset, len);
         let (mut joined, mut fetched) = (false, false);
@@ -467,7 +473,7 @@ impl Prefetch {
                         let job = Job { start, len: CHUNK.min(shared.size - start), owner: f.owner, ticket };
                         Self::mark_flights(&mut st, offset, len, shared.size, |f| &mut f.wanted);
                         drop(st);
-                        shared.fill(std::slice::from_ref(&job));
+                        shared.fill(std::slice::from_ref(&job))?;
                         st = shared.state.lock().unwrap();
                     }
                     OnTheWay::Reading => {
@@ -493,7 +499,7 @@ impl Prefetch {
         let jobs = if v.stream { shared.plan(&mut st, &v, hit) } else { Vec::new() };
         drop(st);
         self.submit(jobs);
-        hit
+        Ok(hit)
     }
 
     /// Adds the pieces a read of `[offset, offset+len)` covers to `mask` (read, or wanted) of
@@ -553,7 +559,7 @@ impl Filter for Prefetch {
     }
 
     fn read(&self, below: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<usize> {
-        if self.small(buf.len() as u64) && self.serve(buf, offset, false) {
+        if self.small(buf.len() as u64) && self.serve(buf, offset, false)? {
             return Ok(buf.len());
         }
         below.read(buf, offset)
@@ -563,7 +569,8 @@ impl Filter for Prefetch {
         if !self.small(buf.len() as u64) {
             return below.read_at_hand(buf, offset);
         }
-        self.serve(buf, offset, true).then_some(Ok(buf.len()))
+        // Only a hit is served here: nothing is read from below, so nothing fails.
+        self.serve(buf, offset, true).ok()?.then_some(Ok(buf.len()))
     }
 
     fn write(&self, below: &dyn Backend, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
@@ -894,6 +901,25 @@ mod tests {
         p.read(&mut buf, MIB + K4).unwrap();
         assert!(buf == [0xeeu8; 4096]);
         assert_eq!(faults.fired(), [2]);
+    }
+
+    /// A chunk a read fetches itself (whole chunks) that cannot be read is that read's
+    /// error, after one read below: not fetched again and again (each retry, over object
+    /// storage, is the store's whole retry bound), and no hang. The next read tries anew.
+    #[test]
+    fn a_chunk_that_fails_is_the_reads_error() {
+        let fail = Rule::new(Op::Read, Fault::Fail(crate::error::ErrorKind::Io)).times(2);
+        let faults = Arc::new(FaultInjector::new(patterned(4 * MIB), vec![fail]));
+        let cfg = PrefetchConfig { whole_chunks: true, ..Default::default() };
+        let p = Front::whole(Prefetch::new(faults.clone(), cfg));
+        let mut buf = [0u8; 4096];
+        for n in 1..=2 {
+            let e = p.read(&mut buf, MIB + K4).unwrap_err();
+            assert_eq!(e.kind(), crate::error::ErrorKind::Io, "{e}");
+            assert_eq!(faults.fired(), [n]);
+        }
+        p.read(&mut buf, MIB + K4).unwrap();
+        assert!(buf == [((MIB + K4) / K4 % 251) as u8; 4096]);
     }
 
     /// With `fill_chunks`, a stream's read-ahead is queued in aligned units of that many
