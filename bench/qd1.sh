@@ -8,9 +8,11 @@
 # servers alternate within each round, in an order that turns by one each round.
 #
 #   config              server
-#   lightfoot           lightfoot serve FILE (neutral: O_DIRECT or DONTCACHE reads, no read-ahead
-#                       of its own)
+#   lightfoot           lightfoot serve FILE (neutral: O_DIRECT or DONTCACHE reads; its own
+#                       read-ahead on by default since issue 44, none before)
 #   lightfoot-prefetch  lightfoot serve --prefetch FILE
+#   lightfoot-plain     lightfoot serve --no-prefetch FILE (no read-ahead; a binary from before
+#                       issue 44 takes no such flag)
 #   nbdkit              nbdkit file FILE (the host page cache and its readahead)
 #   qemu-none           qemu-nbd --cache=none FILE (O_DIRECT)
 #   lightfoot-s3        lightfoot serve -r $LIGHTFOOT_S3_ARGS s3://bench/qd1.img (default
@@ -82,6 +84,7 @@ start() { # KEY LOG
 	case $1 in
 	lightfoot) cmd=("${lf[@]}" "$SRC") ;;
 	lightfoot-prefetch) cmd=("${lf[@]}" --prefetch "$SRC") ;;
+	lightfoot-plain) cmd=("${lf[@]}" --no-prefetch "$SRC") ;;
 	nbdkit) cmd=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$SRC") ;;
 	qemu-none) cmd=(qemu-nbd -f raw -t -k "$SOCK" --pid-file="$PIDF" --cache=none "$SRC") ;;
 	lightfoot-s3) cmd=("${lf[@]}" -r $LIGHTFOOT_S3_ARGS "s3://$BUCKET/qd1.img") ;;

@@ -26,12 +26,14 @@
 #     VERIFY     1 (default): after each sequential write, compare the file with what was sent
 #     CONFIGS    servers to run, by key (default: "lightfoot lightfoot-keep nbdkit nbdkit-none
 #                qemu-wb qemu-none control"; also lightfoot-drop, lightfoot-direct,
-#                lightfoot-prefetch, lightfoot-direct-prefetch, nbdkit-readahead, nbdkit-memory,
-#                device)
+#                lightfoot-prefetch, lightfoot-direct-prefetch, lightfoot-plain and
+#                lightfoot-direct-plain (--no-prefetch: prefetch is on by default since
+#                issue 44; a binary from before takes no such flag), nbdkit-readahead,
+#                nbdkit-memory, device)
 #     WORKLOADS  workloads to run, by key (default: "seqread seqwrite randread randwrite"; also
 #                seqread4k, interleave3, mixed)
-#     PRESET     prefetch: CONFIGS and WORKLOADS default to issue 5's matrix (lightfoot with and
-#                without --prefetch in both modes, nbdkit, nbdkit-readahead, qemu-none;
+#     PRESET     prefetch: CONFIGS and WORKLOADS default to issue 5's matrix (lightfoot with
+#                --prefetch and --no-prefetch in both modes, nbdkit, nbdkit-readahead, qemu-none;
 #                seqread4k interleave3 randread mixed); CONFIGS or WORKLOADS, if set, win
 #     INTERLEAVE the interleave3 client (default ../target/release/examples/interleave beside
 #                this script: cargo build --release --examples)
@@ -81,9 +83,9 @@ case $PRESET in
 	DEFAULT_WORKLOADS="seqread seqwrite randread randwrite"
 	;;
 prefetch)
-	# Issue 5: lightfoot with and without --prefetch in both modes, against nbdkit with the
+	# Issue 5: lightfoot with and without prefetch in both modes, against nbdkit with the
 	# page cache (the reference), nbdkit's readahead filter and qemu-nbd with O_DIRECT.
-	DEFAULT_CONFIGS="lightfoot lightfoot-prefetch lightfoot-direct lightfoot-direct-prefetch nbdkit nbdkit-readahead qemu-none"
+	DEFAULT_CONFIGS="lightfoot-plain lightfoot-prefetch lightfoot-direct-plain lightfoot-direct-prefetch nbdkit nbdkit-readahead qemu-none"
 	DEFAULT_WORKLOADS="seqread4k interleave3 randread mixed"
 	;;
 *) die "PRESET=$PRESET: unknown (prefetch, or unset)" ;;
@@ -194,6 +196,8 @@ config_name() {
 	lightfoot-direct) echo "lightfoot --cache=direct" ;;
 	lightfoot-prefetch) echo "lightfoot --prefetch" ;;
 	lightfoot-direct-prefetch) echo "lightfoot --cache=direct --prefetch" ;;
+	lightfoot-plain) echo "lightfoot --no-prefetch" ;;
+	lightfoot-direct-plain) echo "lightfoot --cache=direct --no-prefetch" ;;
 	nbdkit) echo "nbdkit file" ;;
 	nbdkit-none) echo "nbdkit file cache=none" ;;
 	nbdkit-readahead) echo "nbdkit --filter=readahead file" ;;
@@ -241,7 +245,7 @@ workload_tools() {
 
 for key in "${CONFIG_KEYS[@]}"; do
 	config_name "$key" >/dev/null ||
-		die "CONFIGS: unknown server $key (lightfoot lightfoot-keep lightfoot-drop lightfoot-direct lightfoot-prefetch lightfoot-direct-prefetch nbdkit nbdkit-none nbdkit-readahead nbdkit-memory qemu-wb qemu-none control device)"
+		die "CONFIGS: unknown server $key (lightfoot lightfoot-keep lightfoot-drop lightfoot-direct lightfoot-prefetch lightfoot-direct-prefetch lightfoot-plain lightfoot-direct-plain nbdkit nbdkit-none nbdkit-readahead nbdkit-memory qemu-wb qemu-none control device)"
 done
 for key in "${WORKLOAD_KEYS[@]}"; do
 	workload_name "$key" >/dev/null ||
@@ -289,6 +293,8 @@ server_cmd() {
 	lightfoot-direct) SCMD=("${lf[@]}" --cache=direct "$2") ;;
 	lightfoot-prefetch) SCMD=("${lf[@]}" --prefetch "$2") ;;
 	lightfoot-direct-prefetch) SCMD=("${lf[@]}" --cache=direct --prefetch "$2") ;;
+	lightfoot-plain) SCMD=("${lf[@]}" --no-prefetch "$2") ;;
+	lightfoot-direct-plain) SCMD=("${lf[@]}" --cache=direct --no-prefetch "$2") ;;
 	nbdkit) SCMD=("${nk[@]}" file "$2") ;;
 	nbdkit-none) SCMD=("${nk[@]}" file "$2" cache=none) ;;
 	nbdkit-readahead) SCMD=("${nk[@]}" --filter=readahead file "$2") ;;

@@ -93,9 +93,14 @@ def ratio_by_round(tput, workload, config, bases):
     return median(ratios)
 
 
-def without_prefetch(config):
-    """The server a --prefetch server is compared with (None for the others)."""
-    return config.replace(PREFETCH, "") if config.endswith(PREFETCH) else None
+def without_prefetch(config, configs=()):
+    """The server a --prefetch server is compared with (None for the others): the same with
+    --no-prefetch when the run has it (prefetch is on by default since issue 44), else the
+    same without the flag (a binary from before)."""
+    if not config.endswith(PREFETCH):
+        return None
+    plain = config.replace(PREFETCH, " --no-prefetch")
+    return plain if plain in configs else config.replace(PREFETCH, "")
 
 
 def footprint(r):
@@ -123,7 +128,7 @@ def table(rows, workload, tput):
     configs = list(dict.fromkeys(r["config"] for r in mine))  # order of first appearance
     ok_rows = [r for r in mine if r["status"] == "ok"]
     # The optional columns, when this table has something to put in them.
-    show_pf_ratio = any(without_prefetch(c) in configs for c in configs)
+    show_pf_ratio = any(without_prefetch(c, configs) in configs for c in configs)
     show_footprint = any(footprint(r) is not None for r in ok_rows)
     show_hits = any(hit_rate(r) is not None for r in ok_rows)
     show_device = DEVICE in configs
@@ -166,7 +171,7 @@ def table(rows, workload, tput):
             x_dev = None if control else ratio_by_round(tput, workload, config, (DEVICE,))
             cells.append(fmt(x_dev, 2))
         if show_pf_ratio:
-            base = without_prefetch(config)
+            base = without_prefetch(config, configs)
             x_pf = ratio_by_round(tput, workload, config, (base,)) if base else None
             cells.append(fmt(x_pf, 2))
         cells.append(fmt(beyond and beyond / MiB, 1))

@@ -940,6 +940,38 @@ print("ok")
     assert_eq!(cached(&img, 0, None), 0, "pages left cached");
 }
 
+/// Read-ahead is on unless told otherwise, and off with --cache=keep (the page cache reads
+/// ahead then) unless asked for; the last of --prefetch and --no-prefetch wins.
+#[test]
+fn prefetch_is_on_by_default_but_not_with_keep() {
+    let dir = scratch();
+    let file = dir.path().join("d.img");
+    random_file(&file, MIB);
+    let sock = dir.path().join("d.sock");
+    let cases: [(&[&str], bool); 6] = [
+        (&[], true),
+        (&["--no-prefetch"], false),
+        (&["--cache=keep"], false),
+        (&["--cache=keep", "--prefetch"], true),
+        (&["--prefetch", "--no-prefetch"], false),
+        (&["--no-prefetch", "--prefetch"], true),
+    ];
+    for (flags, on) in cases {
+        let out = Command::new(bin())
+            .args(["serve", "--stats", "--json", "--unix"])
+            .arg(&sock)
+            .args(flags)
+            .arg(&file)
+            .args(["--run", "true"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{flags:?}: {}", text(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stats: serde_json::Value = serde_json::from_str(stderr.lines().last().unwrap()).unwrap();
+        assert_eq!(stats.get("prefetch").is_some(), on, "{flags:?}: {stats}");
+    }
+}
+
 #[test]
 fn prefetch_serves_a_sequential_reader_from_its_buffer() {
     let dir = scratch();

@@ -115,17 +115,23 @@ pub struct ServeArgs {
     fadvise: Option<Fadvise>,
 
     /// Read ahead for sequential streams of small reads (several interleaved ones, on any
-    /// connection) into a bounded buffer of lightfoot's own, not the page cache.
-    #[arg(long)]
+    /// connection) into a bounded buffer of lightfoot's own, not the page cache. On by
+    /// default, except with --cache=keep (the page cache reads ahead then, and keeps what it
+    /// read); this flag turns it on there too.
+    #[arg(long, overrides_with = "no_prefetch")]
     prefetch: bool,
 
-    /// With --prefetch: the buffer's bound, at least one 256K chunk (K, M, G or T suffix),
+    /// No read-ahead: every read goes to FILE as it comes, at the client's size.
+    #[arg(long, overrides_with = "prefetch")]
+    no_prefetch: bool,
+
+    /// With prefetch on: the buffer's bound, at least one 256K chunk (K, M, G or T suffix),
     /// buffers kept for reuse included. Read-ahead in flight comes on top: 512K from a file
     /// or device, 16M over s3://.
     #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_prefetch_size)]
     prefetch_size: u64,
 
-    /// With --prefetch: reads larger than this pass straight through (K, M, G or T suffix; not
+    /// With prefetch on: reads larger than this pass straight through (K, M, G or T suffix; not
     /// 0).
     #[arg(long, value_name = "SIZE", default_value = "128K", value_parser = parse_nonzero_size)]
     prefetch_max_request: u64,
@@ -187,7 +193,7 @@ pub struct ServeArgs {
     run: Option<String>,
 
     /// Print request counts, bytes, errors, latency percentiles and the cache footprint at
-    /// exit and on SIGUSR1 (to stderr); with --prefetch or --coalesce, one more line each
+    /// exit and on SIGUSR1 (to stderr); with prefetch (on by default) or --coalesce, one more line each
     /// with the filter's counters (docs/serve.md).
     #[arg(long)]
     stats: bool,
@@ -279,7 +285,9 @@ pub fn run(a: ServeArgs) -> i32 {
     let remote = s3.is_some();
     let cfg = StackConfig {
         read_only: a.read_only,
-        prefetch: a.prefetch.then_some(prefetch).map(|p| if remote { p.for_round_trips() } else { p }),
+        prefetch: (a.prefetch || (!a.no_prefetch && a.cache != CacheMode::Keep))
+            .then_some(prefetch)
+            .map(|p| if remote { p.for_round_trips() } else { p }),
         coalesce: a.coalesce.then_some(coalesce).map(|c| if remote { c.for_round_trips() } else { c }),
     };
     let to_release = s3.clone();

@@ -90,9 +90,8 @@ impl PolicyFile {
             shared.holes.store(true, Ordering::Relaxed);
         }
         if !is_block && !meta.is_file() {
-            return Err(Error::new(ErrorKind::InvalidInput, Op::Open)
-                .path(path)
-                .detail("not a regular file or block device"));
+            let what = if meta.is_dir() { "is a directory" } else { "not a regular file or block device" };
+            return Err(Error::new(ErrorKind::InvalidInput, Op::Open).path(path).detail(what));
         }
         let fd = file.as_fd();
         let mut notes = Vec::new();
