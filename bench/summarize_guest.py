@@ -72,8 +72,13 @@ def main():
                      if r["round"] in ref and num(r["guest_s"]) is not None and ref[r["round"]] is not None)
             amp = med(num(r["server_read_bytes"]) / num(r["guest_read_bytes"]) for r in rs
                       if num(r["server_read_bytes"]) is not None and num(r["guest_read_bytes"]))
+            # The guest's time over nbdkit file's in the same round: robust where the I/O
+            # part is within the rounds' noise (nbdkit's scan here is about as fast as cached).
+            peer = {r["round"]: num(r["guest_s"]) for r in ok.get("nbdkit", [])}
+            vs_nbdkit = med(num(r["guest_s"]) / peer[r["round"]] for r in rs
+                            if peer.get(r["round"]) and num(r["guest_s"]) is not None)
             stats[c] = dict(
-                n=f"{len(rs)}/{len(by[(w, c)])}", guest=guest, io=io, amp=amp,
+                n=f"{len(rs)}/{len(by[(w, c)])}", guest=guest, io=io, amp=amp, vs_nbdkit=vs_nbdkit,
                 reads=med(num(r["guest_reads"]) for r in rs),
                 gread=med(num(r["guest_read_bytes"]) for r in rs),
                 sread=med(num(r["server_read_bytes"]) for r in rs),
@@ -96,13 +101,16 @@ def main():
         if w in read:
             base_n = stats.get("nbdkit", {}).get("io")
             base_q = stats.get("qemu-none", {}).get("io")
-            print("| server | runs ok | guest s | I/O part s | I/O rel. nbdkit file | I/O rel. qemu-nbd none "
-                  "| guest read MiB | server read / guest read | guest requests | cache left MiB | server RSS MiB |")
-            print("|---|---|---|---|---|---|---|---|---|---|---|")
+            print("| server | runs ok | guest s | guest rel. nbdkit file | I/O part s | I/O rel. nbdkit file "
+                  "| I/O rel. qemu-nbd none | guest read MiB | server read / guest read | guest requests "
+                  "| cache left MiB | server RSS MiB |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|")
             for c, s in stats.items():
-                rel = lambda b: fmt(s["io"] / b if s["io"] is not None and b else None, ".2f")
+                # A peer's I/O part at or below 0.1 s is noise: no ratio to it ("n/a").
+                rel = lambda b: ("n/a" if b is not None and b <= 0.1 else
+                                 fmt(s["io"] / b if s["io"] is not None and b else None, ".2f"))
                 left = None if c == "cached" or s["left"] is None else s["left"] / MiB
-                print(f"| {names.get(c, c)} | {s['n']} | {fmt(s['guest'])} | {fmt(s['io'])} | "
+                print(f"| {names.get(c, c)} | {s['n']} | {fmt(s['guest'])} | {fmt(s['vs_nbdkit'])} | {fmt(s['io'])} | "
                       f"{rel(base_n) if c != 'cached' else '-'} | {rel(base_q) if c != 'cached' else '-'} | "
                       f"{fmt(s['gread'] / MiB if s['gread'] is not None else None, '.0f')} | "
                       f"{fmt(s['amp'])} | {fmt(s['reads'], '.0f')} | {fmt(left, '.1f')} | "
@@ -121,8 +129,10 @@ def main():
         print()
         if remote:
             object_storage_table(w, remote, stats, names)
-    print("Medians over the rounds' good runs. I/O part: the guest's time minus the `cached` run's "
-          "in the same round; its ratios are of the medians (below 1: faster than the peer). "
+    print("Medians over the rounds' good runs. Guest rel. nbdkit file: median of the rounds' ratios. "
+          "I/O part: the guest's time minus the `cached` run's "
+          "in the same round; its ratios are of the medians (below 1: faster than the peer; n/a: the "
+          "peer's I/O part is 0.1 s or less, within the rounds' noise). "
           "Server read: /proc/PID/io read_bytes (storage reads the server caused).")
     if failed:
         print("\n**Failed runs**: " + "; ".join(f"r{r['round']} {r['workload']} {r['config']}: {r['status']}"
