@@ -176,13 +176,16 @@ impl Image for BlockImage {
                         (!whole).then(|| r.clone()),
                         None,
                         part.iter_mut().map(|s| &mut **s).collect(),
+                        |meta| match meta.size {
+                            size if size != object_size => {
+                                Err(wrong_size(&self.store.uri(&key), size, object_size))
+                            }
+                            _ => Ok(()),
+                        },
                     )
                     .await
                     .map_err(|e| in_image(e, b, &r, object_size))?;
                 match got {
-                    Some((_, meta)) if meta.size != object_size => {
-                        Err(wrong_size(&self.store.uri(&key), meta.size, object_size))
-                    }
                     Some((got, _)) if got == n => Ok(()),
                     Some((got, _)) => Err(Error::new(ErrorKind::Io, Op::Read)
                         .path(&self.name)

@@ -66,7 +66,7 @@ impl Image for ObjectImage {
             futures::stream::iter(pieces.map(|(at, n, piece)| async move {
                 match self
                     .store
-                    .get_into(&self.key, Some(at..at + n), etag, piece)
+                    .get_into(&self.key, Some(at..at + n), etag, piece, |_| Ok(()))
                     .await
                     .map_err(|e| e.at(at, n))?
                 {

@@ -229,7 +229,8 @@ impl Store {
     }
 
     /// As [`Store::get`], the body written into `dst`'s slices in turn as it arrives, never
-    /// held whole (a collected body is one more copy of every read in memory). Returns the
+    /// held whole (a collected body is one more copy of every read in memory). `check` sees
+    /// the object's size and ETag before the body is read, and may refuse it. Returns the
     /// bytes written: fewer than `dst` holds when the object ends early; a body longer than
     /// `dst` is an error.
     pub async fn get_into(
@@ -238,9 +239,11 @@ impl Store {
         range: Option<Range<u64>>,
         if_match: Option<&str>,
         mut dst: Vec<&mut [u8]>,
+        check: impl FnOnce(&Meta) -> Result<()>,
     ) -> Result<Option<(u64, Meta)>> {
         let room: usize = dst.iter().map(|d| d.len()).sum();
         let Some((res, meta)) = self.start_get(key, range, if_match).await? else { return Ok(None) };
+        check(&meta)?;
         dst.retain(|d| !d.is_empty());
         let mut body = res.into_stream();
         let (mut got, mut slot) = (0u64, 0usize);
