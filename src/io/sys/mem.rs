@@ -60,20 +60,7 @@ impl AlignedBuf {
 
     /// `cap` bytes (a multiple of 4 KiB) of fresh anonymous memory (zeroed by the kernel).
     fn map(cap: usize) -> Option<AlignedBuf> {
-        // SAFETY: a fresh private anonymous mapping owned by the returned buffer.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                cap,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return None;
-        }
+        let base = anonymous(cap)?;
         Some(AlignedBuf { ptr: std::ptr::NonNull::new(base.cast())?, len: cap, mapped: true })
     }
 
@@ -81,20 +68,10 @@ impl AlignedBuf {
     /// starting on a 2 MiB boundary, advised to use huge pages before anything touches it.
     fn map_huge(cap: usize) -> Option<AlignedBuf> {
         let span = cap + HUGE_BUF_MIN;
-        // SAFETY: a fresh private anonymous mapping; the parts outside the aligned window
-        // are unmapped at once and the window is owned by the returned buffer.
+        let base = anonymous(span)?;
+        // SAFETY: the parts of the fresh mapping outside the aligned window are unmapped at
+        // once, and the window is owned by the returned buffer.
         unsafe {
-            let base = libc::mmap(
-                std::ptr::null_mut(),
-                span,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            );
-            if base == libc::MAP_FAILED {
-                return None;
-            }
             let start = (base as usize).div_ceil(HUGE_BUF_MIN) * HUGE_BUF_MIN;
             let head = start - base as usize;
             if head > 0 {
@@ -109,6 +86,22 @@ impl AlignedBuf {
             Some(AlignedBuf { ptr: std::ptr::NonNull::new(start as *mut u8)?, len: cap, mapped: true })
         }
     }
+}
+
+/// A fresh private anonymous mapping of `len` bytes, `None` if the kernel refused it.
+fn anonymous(len: usize) -> Option<*mut libc::c_void> {
+    // SAFETY: a new mapping at an address the kernel chooses overlaps no memory of ours.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    (base != libc::MAP_FAILED).then_some(base)
 }
 
 impl Drop for AlignedBuf {
