@@ -216,10 +216,10 @@ pub trait Backend: Send + Sync {
     /// all; the others read into one buffer and copy.
     fn read_parts(&self, mut parts: Vec<&mut [u8]>, offset: u64) -> Result<()> {
         if let [one] = &mut parts[..] {
-            return read_into(self, one, offset);
+            return read_exact(self, one, offset);
         }
         let mut whole = crate::io::AlignedBuf::new(parts.iter().map(|p| p.len()).sum());
-        read_into(self, &mut whole, offset)?;
+        read_exact(self, &mut whole, offset)?;
         let mut at = 0;
         for p in parts {
             p.copy_from_slice(&whole[at..at + p.len()]);
@@ -294,11 +294,7 @@ pub trait Backend: Send + Sync {
 }
 
 /// Reads exactly `buf.len()` bytes or fails with `UnexpectedEof`.
-pub fn read_exact(b: &dyn Backend, buf: &mut [u8], offset: u64) -> Result<()> {
-    read_into(b, buf, offset)
-}
-
-fn read_into<B: Backend + ?Sized>(b: &B, buf: &mut [u8], offset: u64) -> Result<()> {
+pub fn read_exact<B: Backend + ?Sized>(b: &B, buf: &mut [u8], offset: u64) -> Result<()> {
     let n = b.read(buf, offset)?;
     if n < buf.len() {
         return Err(Error::new(ErrorKind::UnexpectedEof, Op::Read)

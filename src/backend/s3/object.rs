@@ -53,17 +53,12 @@ impl Image for ObjectImage {
 
     fn read(&self, bufs: Vec<&mut [u8]>, offset: u64) -> Result<()> {
         let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-        let lens = (0..total).step_by(PIECE as usize).map(|p| PIECE.min(total - p) as usize);
-        let pieces = carve(bufs, lens);
+        let starts = (0..total).step_by(PIECE as usize);
+        let pieces = carve(bufs, starts.clone().map(|p| PIECE.min(total - p) as usize));
         let etag = self.etag.as_deref();
-        let mut at = offset;
-        let pieces = pieces.into_iter().map(|piece| {
-            let n: u64 = piece.iter().map(|b| b.len() as u64).sum();
-            at += n;
-            (at - n, n, piece)
-        });
         self.store.run(
-            futures::stream::iter(pieces.map(|(at, n, piece)| async move {
+            futures::stream::iter(starts.zip(pieces).map(|(p, piece)| async move {
+                let (at, n) = (offset + p, PIECE.min(total - p));
                 match self
                     .store
                     .get_into(&self.key, Some(at..at + n), etag, piece, |_| Ok(()))

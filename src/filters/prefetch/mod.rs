@@ -408,7 +408,6 @@ impl ReadAhead {
                 _ => st.buffer.recycle(data),
             }
         }
-
         // Streams whose read-ahead was evicted unread read more slowly than they are read
         // ahead for: halve their windows.
         for owner in st.buffer.take_unread() {
