@@ -78,8 +78,9 @@
 # off, read right away the page cache the image holds (`lightfoot cache stat`), the server's
 # bytes read from storage (/proc/PID/io read_bytes: the storage reads it caused, its
 # readahead included, less what it had read by the time it listened: its own binary and
-# libraries, paged in again after the drop) and peak RSS; stop the server (SIGTERM). The guest prints its disk's
-# statistics at the end (/sys/block/vda/stat): its requests and the bytes it read.
+# libraries, paged in again after the drop), peak RSS and CPU time (user + system, from
+# listening on: on 2 cores the guest's emulation competes with it); stop the server
+# (SIGTERM). The guest prints its disk's statistics at the end (/sys/block/vda/stat): its requests and the bytes it read.
 #
 # Output: tables per workload on stdout and in DIR/table.md (bench/summarize_guest.py DIR
 # redoes them), every run in DIR/results.csv, consoles and server logs in DIR/logs/. Only
@@ -328,13 +329,16 @@ start_tar_server() {
 	die "nbdkit serving $TAR did not start"
 }
 
-# "read_bytes peak_rss_kib" of a running process, "- -" if it is gone.
+# "read_bytes peak_rss_kib cpu_ticks" of a running process, "- - -" if it is gone.
 server_usage() {
-	local rb hwm
+	local rb hwm cpu
 	rb=$(awk '/^read_bytes:/ { print $2 }' "/proc/$1/io" 2>/dev/null) || true
 	hwm=$(awk '/^VmHWM:/ { print $2 }' "/proc/$1/status" 2>/dev/null) || true
-	echo "${rb:--} ${hwm:--}"
+	# utime + stime, in clock ticks (fields 14 and 15; the name in parentheses may hold spaces).
+	cpu=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | awk '{ print $12 + $13 }') || true
+	echo "${rb:--} ${hwm:--} ${cpu:--}"
 }
+CLK_TCK=$(getconf CLK_TCK)
 
 # Bytes of file $1 in the page cache.
 cached_bytes() {
@@ -344,7 +348,7 @@ cached_bytes() {
 
 # --- runs ----------------------------------------------------------------------------------
 
-HEADER="round,workload,config,status,guest_s,job_s,wall_s,guest_reads,guest_read_bytes,guest_writes,guest_write_bytes,guest_discards,guest_flushes,server_read_bytes,cache_left_bytes,server_rss_kib,server_rc,store_gets"
+HEADER="round,workload,config,status,guest_s,job_s,wall_s,guest_reads,guest_read_bytes,guest_writes,guest_write_bytes,guest_discards,guest_flushes,server_read_bytes,cache_left_bytes,server_rss_kib,server_rc,store_gets,server_cpu_s"
 [[ -f $CSV ]] || echo "$HEADER" >"$CSV"
 [[ $(head -n 1 "$CSV") == "$HEADER" ]] || die "$CSV has other columns (an older guest.sh): move it away"
 
@@ -373,17 +377,19 @@ run() {
 	local m0="" gets=-
 	((STORE == 0)) || m0=$("${UTIL[@]}" metrics "$METRICS" "$BUCKET")
 	start_server "$c" "$file" "$log.server" || { status=server-failed; }
-	local t0 t1 usage="- -" left=- rc=0 rb0=- rb rss
+	local t0 t1 usage="- -" left=- rc=0 rb0=- rb rss cpu0=- cpu cpus=-
 	# What the server read from storage to start (its binary and libraries, paged in after
 	# the drop: 18 MB for lightfoot, 9.5 for nbdkit) is not the image's.
-	[[ $status == ok ]] && read -r rb0 _ <<<"$(server_usage "$SERVER_PID")"
+	[[ $status == ok ]] && read -r rb0 _ cpu0 <<<"$(server_usage "$SERVER_PID")"
 	t0=$EPOCHREALTIME
 	if [[ $status == ok ]]; then
 		timeout -k 10 "$TIMEOUT" "$GUEST/boot.sh" "$w" "" "${disks[@]}" >"$log.console" 2>&1 || rc=$?
 		t1=$EPOCHREALTIME
 		usage=$(server_usage "$SERVER_PID")
-		read -r rb rss <<<"$usage"
+		read -r rb rss cpu <<<"$usage"
+		usage="$rb $rss"
 		[[ $rb == - || $rb0 == - ]] || usage="$((rb - rb0)) $rss"
+		[[ $cpu == - || $cpu0 == - ]] || cpus=$(awk -v t=$((cpu - cpu0)) -v hz="$CLK_TCK" 'BEGIN { printf "%.2f", t / hz }')
 		left=$(cached_bytes "$file")
 		stop_server
 		((rc == 0)) || status=guest-failed-$rc
@@ -400,9 +406,9 @@ run() {
 		wait "$TAR_PID" 2>/dev/null || true
 		TAR_PID=""
 	fi
-	python3 - "$log.console" "$round" "$w" "$c" "$status" "$t0" "$t1" $usage "$left" "${SERVER_RC:--}" "$gets" >>"$CSV" <<'EOF'
+	python3 - "$log.console" "$round" "$w" "$c" "$status" "$t0" "$t1" $usage "$left" "${SERVER_RC:--}" "$gets" "$cpus" >>"$CSV" <<'EOF'
 import re, sys
-log, rnd, w, c, status, t0, t1, rbytes, rss, left, src, gets = sys.argv[1:]
+log, rnd, w, c, status, t0, t1, rbytes, rss, left, src, gets, cpus = sys.argv[1:]
 text = open(log, errors="replace").read().replace("\r", "") if status != "server-failed" else ""
 timed = re.findall(r"^lf: timed ([0-9.]+)", text, re.M)
 end = re.search(r"^lf: end \S+ rc=(\d+) seconds=([0-9.]+)", text, re.M)
@@ -414,7 +420,7 @@ g = lambda i: str(f[i]) if len(f) > i else "-"
 b = lambda i: str(f[i] * 512) if len(f) > i else "-"
 print(",".join([rnd, w, c, status, timed[-1] if timed else "-", end.group(2) if end else "-",
                 f"{float(t1) - float(t0):.2f}", g(0), b(2), g(4), b(6), g(11), g(15),
-                rbytes, left, rss, src, gets]))
+                rbytes, left, rss, src, gets, cpus]))
 EOF
 	tail -1 "$CSV" | awk -F, '{ printf "   %-10s %-20s %8s s (job %s s, boot+job %s s)  %s\n", $2, $3, $5, $6, $7, $4 }' >&2
 }

@@ -87,6 +87,7 @@ def main():
                 flushes=med(num(r["guest_flushes"]) for r in rs),
                 discards=med(num(r["guest_discards"]) for r in rs),
                 gets=med(num(r.get("store_gets")) for r in rs),
+                cpu=med(num(r.get("server_cpu_s")) for r in rs),
             )
         # A peer over object storage that hit guest.sh's TIMEOUT (timeout's status 124) counts
         # at the limit: its wall time, marked ≥.
@@ -103,8 +104,8 @@ def main():
             base_q = stats.get("qemu-none", {}).get("io")
             print("| server | runs ok | guest s | guest rel. nbdkit file | I/O part s | I/O rel. nbdkit file "
                   "| I/O rel. qemu-nbd none | guest read MiB | server read / guest read | guest requests "
-                  "| cache left MiB | server RSS MiB |")
-            print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                  "| cache left MiB | server RSS MiB | server CPU s |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
             for c, s in stats.items():
                 # A peer's I/O part at or below 0.1 s is noise: no ratio to it ("n/a").
                 rel = lambda b: ("n/a" if b is not None and b <= 0.1 else
@@ -114,18 +115,18 @@ def main():
                       f"{rel(base_n) if c != 'cached' else '-'} | {rel(base_q) if c != 'cached' else '-'} | "
                       f"{fmt(s['gread'] / MiB if s['gread'] is not None else None, '.0f')} | "
                       f"{fmt(s['amp'])} | {fmt(s['reads'], '.0f')} | {fmt(left, '.1f')} | "
-                      f"{fmt(s['rss'] / 1024 if s['rss'] is not None else None, '.0f')} |")
+                      f"{fmt(s['rss'] / 1024 if s['rss'] is not None else None, '.0f')} | {fmt(s['cpu'])} |")
         else:
             base = stats.get("nbdkit", {}).get("guest")
             print("| server | runs ok | guest s | rel. nbdkit file | guest flushes | guest discards "
-                  "| cache left MiB | server RSS MiB |")
-            print("|---|---|---|---|---|---|---|---|")
+                  "| cache left MiB | server RSS MiB | server CPU s |")
+            print("|---|---|---|---|---|---|---|---|---|")
             for c, s in stats.items():
                 rel = fmt(s["guest"] / base if s["guest"] is not None and base else None)
                 print(f"| {names.get(c, c)} | {s['n']} | {fmt(s['guest'])} | {rel} | {fmt(s['flushes'], '.0f')} | "
                       f"{fmt(s['discards'], '.0f')} | "
                       f"{fmt(s['left'] / MiB if s['left'] is not None else None, '.1f')} | "
-                      f"{fmt(s['rss'] / 1024 if s['rss'] is not None else None, '.0f')} |")
+                      f"{fmt(s['rss'] / 1024 if s['rss'] is not None else None, '.0f')} | {fmt(s['cpu'])} |")
         print()
         if remote:
             object_storage_table(w, remote, stats, names)

@@ -6,7 +6,8 @@
 //! buffer, or read from below by a read the buffer could not serve whole (one that ran into a
 //! chunk still being read ahead), or read by its stream before the chunk arrived. To make room,
 //! the least recently filled or read chunk goes first, so a stream that went quiet cannot pin
-//! the buffer. [`Buffer::keeping`] keeps chunks once read through, first to go for room.
+//! the buffer. [`Buffer::keeping`] keeps chunks once read through, first to go for room, as
+//! [`Buffer::insert_kept`] does for one chunk.
 
 use std::collections::BTreeMap;
 
@@ -58,6 +59,8 @@ struct Chunk {
     data: Data,
     /// The stream it was read ahead for (a tag the caller chooses), if any.
     owner: Option<u64>,
+    /// Stays once read through (first to go for room).
+    keep: bool,
     /// Pieces read by a client (bit i: bytes [i*PIECE, (i+1)*PIECE)).
     read: u64,
     last_use: u64,
@@ -214,7 +217,7 @@ impl Buffer {
         let c = self.chunks.get_mut(&start).expect("a held chunk");
         c.read |= pieces_ending_in(from as u64, (from + n) as u64, c.data.len() as u64);
         c.last_use = self.tick;
-        if c.done() && !self.keep {
+        if c.done() && !c.keep {
             let c = self.chunks.remove(&start).expect("just used");
             self.bytes -= c.data.len() as u64;
             self.recycle(c.data);
@@ -226,14 +229,28 @@ impl Buffer {
     /// while the chunk was on its way: see [`pieces_read`]): they count as read, and a chunk
     /// read all of is not kept (counted as wasted).
     pub fn insert(&mut self, start: u64, data: Data, owner: Option<u64>, read: u64) {
+        self.put(start, data, owner, read, self.keep)
+    }
+
+    /// Adds a chunk that stays once read through, as all do when [`Buffer::keeping`].
+    pub fn insert_kept(&mut self, start: u64, data: Data, read: u64) {
+        self.put(start, data, None, read, true)
+    }
+
+    /// Whether a chunk that stays once read through holds part of `[offset, offset+len)`.
+    pub fn kept(&self, offset: u64, len: u64) -> bool {
+        self.chunks.range(offset / CHUNK * CHUNK..offset.saturating_add(len)).any(|(_, c)| c.keep)
+    }
+
+    fn put(&mut self, start: u64, data: Data, owner: Option<u64>, read: u64, keep: bool) {
         debug_assert_eq!(start % CHUNK, 0);
         let len = data.len() as u64;
         if let Some(old) = self.chunks.remove(&start) {
             self.bytes -= old.data.len() as u64;
             self.recycle(old.data);
         }
-        let chunk = Chunk { data, owner, read, last_use: 0 };
-        if chunk.done() && !self.keep {
+        let chunk = Chunk { data, owner, keep, read, last_use: 0 };
+        if chunk.done() && !keep {
             self.stats.prefetched += len;
             self.stats.wasted += len;
             self.recycle(chunk.data);

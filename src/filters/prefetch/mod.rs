@@ -27,10 +27,14 @@
 //! write anywhere threw away every fill in flight (their chunks then missed for good: the
 //! streams' windows had moved past them).
 //!
+//! A small read that misses near recent reads reads its whole chunk while that pays
+//! ([`around`]).
+//!
 //! NBD CACHE requests fill the same buffer (up to its bound) instead of the page cache.
 //!
 //! Benchmark: bench/serve.sh `PRESET=prefetch` (docs/benchmarks.md).
 
+pub mod around;
 pub mod buffer;
 pub mod detect;
 
@@ -65,6 +69,9 @@ pub struct PrefetchConfig {
     /// read through (the first to go for room): a chunk cache, for backends where a round
     /// trip costs far more than the bytes it carries.
     pub whole_chunks: bool,
+    /// A small read that misses near recent reads reads its whole chunk, while that pays
+    /// ([`around`]); `whole_chunks` does it for every small read that misses.
+    pub read_around: bool,
     pub detect: DetectConfig,
 }
 
@@ -92,6 +99,7 @@ impl Default for PrefetchConfig {
             threads: 2,
             fill_chunks: 1,
             whole_chunks: false,
+            read_around: true,
             detect: DetectConfig::default(),
         }
     }
@@ -103,6 +111,8 @@ pub struct PrefetchStats {
     #[serde(flatten)]
     pub buffer: BufferStats,
     pub streams_found: u64,
+    /// Chunks read whole around a small read that missed ([`around`]).
+    pub read_around: u64,
     /// Bytes held now.
     pub held: u64,
 }
@@ -131,6 +141,7 @@ struct State {
     detector: Detector,
     windows: HashMap<ChainId, Window>,
     buffer: Buffer,
+    around: around::ReadAround,
     in_flight: HashMap<u64, Flight>,
     tickets: u64,
     /// Bumped by every write, zero and trim.
@@ -164,6 +175,8 @@ struct Job {
     /// The stream it reads ahead for (none for CACHE requests).
     owner: Option<ChainId>,
     ticket: u64,
+    /// Read around a miss: stays once read through.
+    keep: bool,
 }
 
 struct ReadAhead {
@@ -199,6 +212,7 @@ impl Prefetch {
                     b
                 }
             },
+            around: Default::default(),
             in_flight: HashMap::new(),
             tickets: 0,
             generation: 0,
@@ -235,6 +249,7 @@ impl Prefetch {
         PrefetchStats {
             buffer: st.buffer.stats,
             streams_found: st.detector.streams_found(),
+            read_around: st.around.chunks,
             held: st.buffer.bytes(),
         }
     }
@@ -321,7 +336,7 @@ impl ReadAhead {
                 let len = CHUNK.min(self.size - s);
                 st.in_flight
                     .insert(s, Flight { ticket: st.tickets, started: false, owner, read: 0, wanted: 0 });
-                jobs.push(Job { start: s, len, owner, ticket: st.tickets });
+                jobs.push(Job { start: s, len, owner, ticket: st.tickets, keep: false });
             }
             s += CHUNK;
         }
@@ -401,7 +416,11 @@ impl ReadAhead {
                     let passed = job.owner.and_then(|c| st.detector.frontier(c)).unwrap_or(0);
                     let (read, wanted) = flight.map_or((0, 0), |f| (f.read, f.wanted));
                     let done = (buffer::pieces_read(job.start, job.len, 0, passed) | read) & !wanted;
-                    st.buffer.insert(job.start, data, job.owner.map(|c| c.0), done);
+                    if job.keep {
+                        st.buffer.insert_kept(job.start, data, done);
+                    } else {
+                        st.buffer.insert(job.start, data, job.owner.map(|c| c.0), done);
+                    }
                 }
                 // Stale, or failed: the client's own read of this range will meet and report
                 // the error.
@@ -451,10 +470,17 @@ impl Prefetch {
         if only_hits && !st.buffer.covers(offset, len) {
             return Ok(false);
         }
+        // Decided before this read counts as touching its chunks.
+        let around = !only_hits
+            && shared.cfg.read_around
+            && !shared.cfg.whole_chunks
+            && !st.buffer.covers(offset, len)
+            && st.around.wants(offset, len);
+        st.around.touch(offset, len);
         let v = st.detector.observe(offset, len);
         let (mut joined, mut fetched) = (false, false);
         if !only_hits {
-            while let Some(next) = Self::on_the_way(&st, offset, len, shared.cfg.whole_chunks) {
+            while let Some(next) = Self::on_the_way(&st, offset, len, shared.cfg.whole_chunks || around) {
                 match next {
                     OnTheWay::Take(start) => {
                         st.tickets += 1;
@@ -469,7 +495,12 @@ impl Prefetch {
                             wanted: 0,
                         });
                         (f.ticket, f.started) = (ticket, true);
-                        let job = Job { start, len: CHUNK.min(shared.size - start), owner: f.owner, ticket };
+                        let job_len = CHUNK.min(shared.size - start);
+                        let job = Job { start, len: job_len, owner: f.owner, ticket, keep: around && fresh };
+                        if job.keep {
+                            let wanted = (offset + len).min(start + job_len) - offset.max(start);
+                            st.around.spend(job_len, wanted);
+                        }
                         Self::mark_flights(&mut st, offset, len, shared.size, |f| &mut f.wanted);
                         drop(st);
                         shared.fill(std::slice::from_ref(&job))?;
@@ -483,7 +514,11 @@ impl Prefetch {
                 }
             }
         }
+        let from_kept = shared.cfg.read_around && !shared.cfg.whole_chunks && st.buffer.kept(offset, len);
         let hit = st.buffer.serve(buf, offset);
+        if hit && from_kept && !fetched {
+            st.around.earn(len);
+        }
         if hit && fetched {
             // Served, but after reading from below: a miss for the statistics.
             st.buffer.stats.hits -= 1;
@@ -756,7 +791,38 @@ mod tests {
             p.read(&mut buf, rng.below((4 << 30) / K4) * K4).unwrap();
         }
         let s = p.stats();
-        assert_eq!((s.streams_found, s.buffer.prefetched), (0, 0), "{s:?}");
+        assert_eq!(s.streams_found, 0, "{s:?}");
+        // Now and then a read lands in a chunk another touched lately: read around until the
+        // starting credit is spent, and never again, since nothing reads those chunks.
+        assert!((1..=5).contains(&s.read_around), "{s:?}");
+        assert_eq!(s.buffer.prefetched, s.read_around * CHUNK, "{s:?}");
+    }
+
+    /// Scattered small reads that come back to the same chunks (a file system's metadata):
+    /// the second read in a chunk reads it whole, the rest are hits, and it stays once read.
+    #[test]
+    fn reads_near_recent_ones_read_their_chunk_whole() {
+        let inner = patterned(4 * MIB);
+        let count = Rule::new(Op::Read, Fault::Slow(Duration::ZERO));
+        let faults = Arc::new(FaultInjector::new(inner.clone(), vec![count]));
+        let p = Front::whole(Prefetch::new(faults.clone(), PrefetchConfig::default()));
+        let (mut got, mut want) = ([0u8; 4096], [0u8; 4096]);
+        // Descending, 8 KiB apart: never a stream. Chunks 0 and 2, alternating.
+        let blocks: Vec<u64> = (0..32).rev().flat_map(|i| [2 * i, 2 * CHUNK / K4 + 2 * i]).collect();
+        for pass in 0..2 {
+            for &b in &blocks {
+                p.read(&mut got, b * K4).unwrap();
+                inner.read(&mut want, b * K4).unwrap();
+                assert_eq!(got, want, "block {b}, pass {pass}");
+            }
+        }
+        let s = p.stats();
+        assert_eq!(s.read_around, 2, "{s:?}");
+        // The first read of each chunk, then each chunk whole: and nothing more, though the
+        // second pass came after the first had read every piece it asked for.
+        assert_eq!(faults.fired()[0], 4, "{s:?}");
+        assert_eq!(s.buffer.hits, 4 * 32 - 4, "{s:?}");
+        assert_eq!(s.streams_found, 0);
     }
 
     #[test]
@@ -788,7 +854,7 @@ mod tests {
     fn a_stream_whose_read_ahead_goes_unread_gets_a_smaller_window() {
         // Room for two chunks, what a new stream reads ahead (the chunk it is in and the next):
         // stream B's read-ahead evicts stream A's, the next of which A never read.
-        let cfg = PrefetchConfig { size: 2 * CHUNK, ..PrefetchConfig::default() };
+        let cfg = PrefetchConfig { size: 2 * CHUNK, read_around: false, ..PrefetchConfig::default() };
         let p = Front::whole(Prefetch::new(patterned(8 * MIB), cfg));
         let idle = || p.shared.state.lock().unwrap().in_flight.is_empty();
         let window_below = |limit: u64| {
@@ -860,7 +926,7 @@ mod tests {
         let slow =
             Rule::new(Op::Read, Fault::Slow(Duration::from_millis(300))).at(0, CHUNK).every(1, 16).times(1);
         let faults = Arc::new(FaultInjector::new(patterned(4 * MIB), vec![count(0), count(CHUNK), slow]));
-        let cfg = PrefetchConfig { threads: 1, ..Default::default() };
+        let cfg = PrefetchConfig { threads: 1, read_around: false, ..Default::default() };
         let p = Front::whole(Prefetch::new(faults.clone(), cfg));
         let mut buf = [0u8; 4096];
         for i in 0..STREAM {
