@@ -23,8 +23,13 @@
 #                      issue 44, none before)
 #   lightfoot-prefetch lightfoot serve --prefetch $LIGHTFOOT_ARGS IMG
 #   lightfoot-plain    lightfoot serve --no-prefetch $LIGHTFOOT_ARGS IMG
+#   lightfoot-old      lightfoot serve $LIGHTFOOT_ARGS IMG with the binary $LIGHTFOOT_OLD (an
+#                      A/B of two builds under guests)
 #   nbdkit             nbdkit file IMG (the host page cache and its readahead)
 #   nbdkit-readahead   nbdkit --filter=readahead file IMG
+#   nbdkit-trace       nbdkit --filter=log file IMG: records the guest's requests in
+#                      DIR/logs/rR-WORKLOAD-nbdkit-trace.trace for bench/replay.sh (the log
+#                      slows nbdkit down: not a peer)
 #   qemu-wb            qemu-nbd --cache=writeback IMG
 #   qemu-none          qemu-nbd --cache=none IMG (O_DIRECT)
 #   cached             nbdkit file of a copy of IMG in /dev/shm (memory: nothing to read from
@@ -65,6 +70,7 @@
 #     TAR_TREE      what untar unpacks (default /usr/include: about 110 MiB in small files)
 #     RANDOM_FILES  files the random workload reads (default 2000)
 #     LIGHTFOOT     the binary (default ../target/release/lightfoot beside this script)
+#     LIGHTFOOT_OLD the binary of lightfoot-old
 #     LIGHTFOOT_ARGS  extra arguments for every local lightfoot server
 #     LIGHTFOOT_S3_ARGS  arguments of lightfoot-s3 (default --prefetch: the chunk cache)
 #     LATENCIES     added response latencies in ms for the object storage servers (default
@@ -80,7 +86,9 @@
 # readahead included, less what it had read by the time it listened: its own binary and
 # libraries, paged in again after the drop), peak RSS and CPU time (user + system, from
 # listening on: on 2 cores the guest's emulation competes with it); stop the server
-# (SIGTERM). The guest prints its disk's statistics at the end (/sys/block/vda/stat): its requests and the bytes it read.
+# (SIGTERM). The guest prints its disk's statistics at the end (/sys/block/vda/stat): its
+# requests, the bytes it read, and the milliseconds its reads were outstanding (summed over
+# reads in flight together: the I/O as the guest saw it).
 #
 # Output: tables per workload on stdout and in DIR/table.md (bench/summarize_guest.py DIR
 # redoes them), every run in DIR/results.csv, consoles and server logs in DIR/logs/. Only
@@ -159,8 +167,10 @@ config_name() {
 	lightfoot) echo "lightfoot${LIGHTFOOT_ARGS:+ $LIGHTFOOT_ARGS}" ;;
 	lightfoot-prefetch) echo "lightfoot --prefetch${LIGHTFOOT_ARGS:+ $LIGHTFOOT_ARGS}" ;;
 	lightfoot-plain) echo "lightfoot --no-prefetch${LIGHTFOOT_ARGS:+ $LIGHTFOOT_ARGS}" ;;
+	lightfoot-old) echo "lightfoot $LIGHTFOOT_OLD${LIGHTFOOT_ARGS:+ $LIGHTFOOT_ARGS}" ;;
 	nbdkit) echo "nbdkit file" ;;
 	nbdkit-readahead) echo "nbdkit --filter=readahead file" ;;
+	nbdkit-trace) echo "nbdkit --filter=log file (recording)" ;;
 	qemu-wb) echo "qemu-nbd --cache=writeback" ;;
 	qemu-none) echo "qemu-nbd --cache=none" ;;
 	cached) echo "cached (nbdkit file, image in the page cache)" ;;
@@ -168,6 +178,8 @@ config_name() {
 	esac
 }
 for c in "${CONFIG_KEYS[@]}"; do config_name "$c" >/dev/null || die "CONFIGS: unknown $c"; done
+[[ " ${CONFIG_KEYS[*]} " != *" lightfoot-old "* || -x ${LIGHTFOOT_OLD:-} ]] ||
+	die "lightfoot-old needs LIGHTFOOT_OLD, a binary"
 
 # --- the images ----------------------------------------------------------------------------
 
@@ -281,8 +293,10 @@ start_server() {
 	lightfoot) cmd=("${lf[@]}" $LIGHTFOOT_ARGS "$2") ;;
 	lightfoot-prefetch) cmd=("${lf[@]}" --prefetch $LIGHTFOOT_ARGS "$2") ;;
 	lightfoot-plain) cmd=("${lf[@]}" --no-prefetch $LIGHTFOOT_ARGS "$2") ;;
+	lightfoot-old) cmd=("$LIGHTFOOT_OLD" "${lf[@]:1}" $LIGHTFOOT_ARGS "$2") ;;
 	nbdkit | cached) cmd=("${nk[@]}" file "$2") ;;
 	nbdkit-readahead) cmd=("${nk[@]}" --filter=readahead file "$2") ;;
+	nbdkit-trace) cmd=("${nk[@]}" --filter=log file "$2" logfile="${3%.server}.trace") ;;
 	qemu-wb) cmd=("${qn[@]}" --cache=writeback "$2") ;;
 	qemu-none) cmd=("${qn[@]}" --cache=none "$2") ;;
 	esac
@@ -348,7 +362,7 @@ cached_bytes() {
 
 # --- runs ----------------------------------------------------------------------------------
 
-HEADER="round,workload,config,status,guest_s,job_s,wall_s,guest_reads,guest_read_bytes,guest_writes,guest_write_bytes,guest_discards,guest_flushes,server_read_bytes,cache_left_bytes,server_rss_kib,server_rc,store_gets,server_cpu_s"
+HEADER="round,workload,config,status,guest_s,job_s,wall_s,guest_reads,guest_read_bytes,guest_writes,guest_write_bytes,guest_discards,guest_flushes,server_read_bytes,cache_left_bytes,server_rss_kib,server_rc,store_gets,server_cpu_s,guest_read_ms"
 [[ -f $CSV ]] || echo "$HEADER" >"$CSV"
 [[ $(head -n 1 "$CSV") == "$HEADER" ]] || die "$CSV has other columns (an older guest.sh): move it away"
 
@@ -420,7 +434,7 @@ g = lambda i: str(f[i]) if len(f) > i else "-"
 b = lambda i: str(f[i] * 512) if len(f) > i else "-"
 print(",".join([rnd, w, c, status, timed[-1] if timed else "-", end.group(2) if end else "-",
                 f"{float(t1) - float(t0):.2f}", g(0), b(2), g(4), b(6), g(11), g(15),
-                rbytes, left, rss, src, gets, cpus]))
+                rbytes, left, rss, src, gets, cpus, g(3)]))
 EOF
 	tail -1 "$CSV" | awk -F, '{ printf "   %-10s %-20s %8s s (job %s s, boot+job %s s)  %s\n", $2, $3, $5, $6, $7, $4 }' >&2
 }

@@ -88,6 +88,7 @@ def main():
                 discards=med(num(r["guest_discards"]) for r in rs),
                 gets=med(num(r.get("store_gets")) for r in rs),
                 cpu=med(num(r.get("server_cpu_s")) for r in rs),
+                rms=med(num(r.get("guest_read_ms")) for r in rs),
             )
         # A peer over object storage that hit guest.sh's TIMEOUT (timeout's status 124) counts
         # at the limit: its wall time, marked ≥.
@@ -104,8 +105,8 @@ def main():
             base_q = stats.get("qemu-none", {}).get("io")
             print("| server | runs ok | guest s | guest rel. nbdkit file | I/O part s | I/O rel. nbdkit file "
                   "| I/O rel. qemu-nbd none | guest read MiB | server read / guest read | guest requests "
-                  "| cache left MiB | server RSS MiB | server CPU s |")
-            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                  "| cache left MiB | server RSS MiB | server CPU s | guest read ms |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
             for c, s in stats.items():
                 # A peer's I/O part at or below 0.1 s is noise: no ratio to it ("n/a").
                 rel = lambda b: ("n/a" if b is not None and b <= 0.1 else
@@ -115,7 +116,8 @@ def main():
                       f"{rel(base_n) if c != 'cached' else '-'} | {rel(base_q) if c != 'cached' else '-'} | "
                       f"{fmt(s['gread'] / MiB if s['gread'] is not None else None, '.0f')} | "
                       f"{fmt(s['amp'])} | {fmt(s['reads'], '.0f')} | {fmt(left, '.1f')} | "
-                      f"{fmt(s['rss'] / 1024 if s['rss'] is not None else None, '.0f')} | {fmt(s['cpu'])} |")
+                      f"{fmt(s['rss'] / 1024 if s['rss'] is not None else None, '.0f')} | {fmt(s['cpu'])} | "
+                      f"{fmt(s['rms'], '.0f')} |")
         else:
             base = stats.get("nbdkit", {}).get("guest")
             print("| server | runs ok | guest s | rel. nbdkit file | guest flushes | guest discards "
@@ -134,7 +136,9 @@ def main():
           "I/O part: the guest's time minus the `cached` run's "
           "in the same round; its ratios are of the medians (below 1: faster than the peer; n/a: the "
           "peer's I/O part is 0.1 s or less, within the rounds' noise). "
-          "Server read: /proc/PID/io read_bytes (storage reads the server caused).")
+          "Server read: /proc/PID/io read_bytes (storage reads the server caused). "
+          "Guest read ms: /sys/block/vda/stat's read ticks, the time its reads were outstanding "
+          "(summed over reads in flight together).")
     if failed:
         print("\n**Failed runs**: " + "; ".join(f"r{r['round']} {r['workload']} {r['config']}: {r['status']}"
                                                for r in failed))

@@ -117,7 +117,9 @@ pub struct ServeArgs {
     /// Read ahead for sequential streams of small reads (several interleaved ones, on any
     /// connection) into a bounded buffer of lightfoot's own, not the page cache. On by
     /// default, except with --cache=keep (the page cache reads ahead then, and keeps what it
-    /// read); this flag turns it on there too.
+    /// read); this flag turns it on there too. A small read that misses near recent reads
+    /// reads its whole 256K chunk into the buffer, for as long as such chunks are read
+    /// (docs/serve.md, "Read-around").
     #[arg(long, overrides_with = "no_prefetch")]
     prefetch: bool,
 

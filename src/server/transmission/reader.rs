@@ -71,7 +71,7 @@ pub(super) fn read_requests(
         tx,
         closer,
         cork: Cork::new(conn),
-        at_hand: AlignedBuf::new(super::commands::HOLE_LOOKUP_MIN),
+        at_hand: AlignedBuf::new(super::commands::AT_HAND_MAX),
         own: AlignedBuf::new(0),
         held: None,
         pipelined: false,
