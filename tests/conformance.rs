@@ -277,8 +277,10 @@ impl Filters {
 /// and reads of a range asked for with CACHE are served from its buffer, with the bytes below.
 /// (Whether the suite's own reads hit depends on the backend's speed: they never wait for
 /// read-ahead, and the writes ahead of them drop what it read. On a loop device with O_DIRECT
-/// they all missed.)
-fn assert_prefetched(stack: &Stack, front: &dyn Backend, below: &dyn Backend, what: &str) {
+/// they all missed.) Where written bytes are unspecified (`null:` under `--coalesce`: the
+/// buffer may hold, read around before the flush, what `null:` forgot when it went down) only
+/// the hits are checked.
+fn assert_prefetched(stack: &Stack, front: &dyn Backend, below: &dyn Backend, expect: Expect, what: &str) {
     let Some(p) = stack.prefetch() else { return };
     let st = p.stats();
     assert!(st.streams_found >= 2 && st.buffer.prefetched > 0, "{what}: {st:?}");
@@ -294,7 +296,10 @@ fn assert_prefetched(stack: &Stack, front: &dyn Backend, below: &dyn Backend, wh
         for at in (off..off + len).step_by(4096) {
             front.read(&mut got, at).unwrap();
             below.read(&mut want, at).unwrap();
-            assert!(got == want, "{what}: a read at {at} after CACHE differs from the bytes below");
+            assert!(
+                expect == Expect::Unkept || got == want,
+                "{what}: a read at {at} after CACHE differs from the bytes below"
+            );
         }
         p.stats().buffer.hits > hits
     });
@@ -311,7 +316,7 @@ fn cell(kind: Kind, filters: Filters, seed: u64) {
     let stack = Stack::new(filters.config(true), move |w| open(w)).unwrap();
     let front = stack.open().unwrap();
     run(&*front, expect, seed).unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert_prefetched(&stack, &*front, &*below, &what);
+    assert_prefetched(&stack, &*front, &*below, expect, &what);
     front.finish().unwrap();
     stack.finish().unwrap();
 
@@ -329,7 +334,7 @@ fn cell(kind: Kind, filters: Filters, seed: u64) {
     let stack = Arc::new(Stack::new(filters.config(false), move |w| open(w)).unwrap());
     let nbd = over_nbd(stack.clone());
     run(&nbd, expect, seed + 2).unwrap_or_else(|e| panic!("{what}, over NBD: {e}"));
-    assert_prefetched(&stack, &nbd, &*below, &format!("{what}, over NBD"));
+    assert_prefetched(&stack, &nbd, &*below, expect, &format!("{what}, over NBD"));
     nbd.finish().unwrap();
 }
 
