@@ -275,6 +275,9 @@ if ((STORE)); then
 		die "upload failed (see $DIR/logs/upload.log)"
 fi
 
+# shellcheck source=bench/launch.sh
+. "$HERE/launch.sh"
+
 # start_server KEY FILE LOG: the server on $SOCK; waits for its pid file.
 start_server() {
 	local lf=("$LIGHTFOOT" serve --unix "$SOCK" --pid-file "$PIDF" --stats --json)
@@ -300,17 +303,7 @@ start_server() {
 	qemu-wb) cmd=("${qn[@]}" --cache=writeback "$2") ;;
 	qemu-none) cmd=("${qn[@]}" --cache=none "$2") ;;
 	esac
-	rm -f -- "$SOCK" "$PIDF"
-	echo "+ ${cmd[*]}" >"$3"
-	"${cmd[@]}" >>"$3" 2>&1 &
-	SERVER_PID=$!
-	local i
-	for ((i = 0; i < 200; i++)); do
-		[[ -S $SOCK && -s $PIDF ]] && return 0
-		kill -0 "$SERVER_PID" 2>/dev/null || return 1
-		sleep 0.05
-	done
-	return 1
+	launch "$3" "${cmd[@]}"
 }
 
 # stop_server: SIGTERM, 60 s, then SIGKILL; sets SERVER_RC.

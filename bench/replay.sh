@@ -84,6 +84,10 @@ fi
 # "read_bytes" of a running process.
 read_bytes() { awk '/^read_bytes:/ { print $2 }' "/proc/$1/io" 2>/dev/null || echo -; }
 
+# shellcheck source=bench/launch.sh
+. "$HERE/launch.sh"
+
+# start_server KEY LOG: the server on $SOCK; waits for its pid file.
 start_server() {
 	local cmd
 	case $1 in
@@ -93,17 +97,7 @@ start_server() {
 	cached) cmd=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$SHM") ;;
 	qemu-none) cmd=(qemu-nbd -f raw -t -k "$SOCK" --pid-file="$PIDF" --cache=none "$IMG") ;;
 	esac
-	rm -f -- "$SOCK" "$PIDF"
-	echo "+ ${cmd[*]}" >"$2"
-	"${cmd[@]}" >>"$2" 2>&1 &
-	SERVER_PID=$!
-	local i
-	for ((i = 0; i < 200; i++)); do
-		[[ -S $SOCK && -s $PIDF ]] && return 0
-		kill -0 "$SERVER_PID" 2>/dev/null || return 1
-		sleep 0.05
-	done
-	return 1
+	launch "$2" "${cmd[@]}"
 }
 
 HEADER="round,config,qd,status,seconds,reads,bytes,server_read_bytes,cache_left_bytes"
