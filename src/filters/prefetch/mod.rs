@@ -76,6 +76,12 @@ pub struct PrefetchConfig {
 }
 
 impl PrefetchConfig {
+    /// Whether misses near recent reads read their chunk whole by [`around`]'s rule (with
+    /// `whole_chunks` every small miss does, and every chunk stays).
+    fn reads_around(&self) -> bool {
+        self.read_around && !self.whole_chunks
+    }
+
     /// For a backend where every read is a network round trip of milliseconds (object
     /// storage): 16 fills in flight rather than 2 (two threads each fetching a 256 KiB chunk
     /// per round trip cap a stream at 2 chunks a round trip, about 50 MB/s at 10 ms; a local
@@ -470,13 +476,13 @@ impl Prefetch {
         if only_hits && !st.buffer.covers(offset, len) {
             return Ok(false);
         }
+        let reads_around = shared.cfg.reads_around();
         // Decided before this read counts as touching its chunks.
-        let around = !only_hits
-            && shared.cfg.read_around
-            && !shared.cfg.whole_chunks
-            && !st.buffer.covers(offset, len)
-            && st.around.wants(offset, len);
-        st.around.touch(offset, len);
+        let around =
+            reads_around && !only_hits && !st.buffer.covers(offset, len) && st.around.wants(offset, len);
+        if reads_around {
+            st.around.touch(offset, len);
+        }
         let v = st.detector.observe(offset, len);
         let (mut joined, mut fetched) = (false, false);
         if !only_hits {
@@ -514,7 +520,7 @@ impl Prefetch {
                 }
             }
         }
-        let from_kept = shared.cfg.read_around && !shared.cfg.whole_chunks && st.buffer.kept(offset, len);
+        let from_kept = reads_around && st.buffer.kept(offset, len);
         let hit = st.buffer.serve(buf, offset);
         if hit && from_kept && !fetched {
             st.around.earn(len);
