@@ -275,8 +275,8 @@ if ((STORE)); then
 		die "upload failed (see $DIR/logs/upload.log)"
 fi
 
-# shellcheck source=bench/launch.sh
-. "$HERE/launch.sh"
+# shellcheck source=bench/servers.sh
+. "$HERE/servers.sh"
 
 # start_server KEY FILE LOG: the server on $SOCK; waits for its pid file.
 start_server() {
@@ -334,23 +334,6 @@ start_tar_server() {
 		sleep 0.05
 	done
 	die "nbdkit serving $TAR did not start"
-}
-
-# "read_bytes peak_rss_kib cpu_ticks" of a running process, "- - -" if it is gone.
-server_usage() {
-	local rb hwm cpu
-	rb=$(awk '/^read_bytes:/ { print $2 }' "/proc/$1/io" 2>/dev/null) || true
-	hwm=$(awk '/^VmHWM:/ { print $2 }' "/proc/$1/status" 2>/dev/null) || true
-	# utime + stime, in clock ticks (fields 14 and 15; the name in parentheses may hold spaces).
-	cpu=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | awk '{ print $12 + $13 }') || true
-	echo "${rb:--} ${hwm:--} ${cpu:--}"
-}
-CLK_TCK=$(getconf CLK_TCK)
-
-# Bytes of file $1 in the page cache.
-cached_bytes() {
-	"$LIGHTFOOT" cache stat --json "$1" 2>/dev/null |
-		python3 -c 'import json,sys; print(json.load(sys.stdin)[0].get("cached_bytes","-"))' 2>/dev/null || echo -
 }
 
 # --- runs ----------------------------------------------------------------------------------

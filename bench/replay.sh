@@ -81,18 +81,18 @@ if [[ " ${KEYS[*]} " == *" cached "* ]]; then
 	cp -- "$IMG" "$SHM"
 fi
 
-# "read_bytes" of a running process.
-read_bytes() { awk '/^read_bytes:/ { print $2 }' "/proc/$1/io" 2>/dev/null || echo -; }
-
-# shellcheck source=bench/launch.sh
-. "$HERE/launch.sh"
+# shellcheck source=bench/servers.sh
+. "$HERE/servers.sh"
 
 # start_server KEY LOG: the server on $SOCK; waits for its pid file.
 start_server() {
 	local cmd
 	case $1 in
-	lightfoot) cmd=("$LIGHTFOOT" serve --unix "$SOCK" --pid-file "$PIDF" $LIGHTFOOT_ARGS "$IMG") ;;
-	lightfoot-old) cmd=("$LIGHTFOOT_OLD" serve --unix "$SOCK" --pid-file "$PIDF" $LIGHTFOOT_ARGS "$IMG") ;;
+	lightfoot | lightfoot-old)
+		local bin=$LIGHTFOOT
+		[[ $1 == lightfoot ]] || bin=$LIGHTFOOT_OLD
+		cmd=("$bin" serve --unix "$SOCK" --pid-file "$PIDF" $LIGHTFOOT_ARGS "$IMG")
+		;;
 	nbdkit) cmd=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$IMG") ;;
 	cached) cmd=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$SHM") ;;
 	qemu-none) cmd=(qemu-nbd -f raw -t -k "$SOCK" --pid-file="$PIDF" --cache=none "$IMG") ;;
@@ -114,12 +114,11 @@ for ((r = 1; r <= ROUNDS; r++)); do
 		log=$DIR/logs/r$r-$c
 		status=ok out="- - -" rb="-" left=-
 		if start_server "$c" "$log.server"; then
-			rb0=$(read_bytes "$SERVER_PID")
+			read -r rb0 _ <<<"$(server_usage "$SERVER_PID")"
 			out=$(/usr/bin/python3 "$HERE/replay.py" "$SOCK" "$TRACE" "$QD" 2>>"$log.server") || status=replay-failed
-			rb1=$(read_bytes "$SERVER_PID")
+			read -r rb1 _ <<<"$(server_usage "$SERVER_PID")"
 			[[ $rb0 == - || $rb1 == - ]] || rb=$((rb1 - rb0))
-			[[ $c == cached ]] || left=$("$LIGHTFOOT" cache stat --json "$IMG" 2>/dev/null |
-				python3 -c 'import json,sys; print(json.load(sys.stdin)[0].get("cached_bytes","-"))' 2>/dev/null || echo -)
+			[[ $c == cached ]] || left=$(cached_bytes "$IMG")
 			kill -TERM "$SERVER_PID" 2>/dev/null || true
 			wait "$SERVER_PID" 2>/dev/null || true
 		else
