@@ -263,8 +263,12 @@ impl Buffer {
         self.bytes += len;
         self.stats.prefetched += len;
         self.chunks.insert(start, Chunk { last_use: self.tick, ..chunk });
-        // Spares give way to chunks.
-        while self.bytes + self.spares.len() as u64 * CHUNK > self.limit && self.spares.pop().is_some() {}
+        // Spares give way to chunks, down to those kept for fills in flight: dropping those
+        // would have every fill of a full buffer fault in fresh pages.
+        while self.spares.len() > self.in_flight
+            && self.bytes + self.spares.len() as u64 * CHUNK > self.limit
+            && self.spares.pop().is_some()
+        {}
     }
 
     fn evict_one(&mut self) {
@@ -405,6 +409,9 @@ mod tests {
             b.recycle(chunk(2));
         }
         assert_eq!(b.spares.len(), 3, "as many as fills in flight, the buffer being full");
+        // A chunk landing in the full buffer evicts one and leaves the spares be.
+        b.insert(2 * CHUNK, chunk(3), None, 0);
+        assert_eq!((b.bytes(), b.spares.len()), (2 * CHUNK, 3));
     }
 
     #[test]
