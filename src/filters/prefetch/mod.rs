@@ -64,7 +64,11 @@ pub struct PrefetchConfig {
     pub threads: usize,
     /// Chunks one read-ahead read fetches at most, when a stream's next chunks are queued
     /// together: one request for several, where each request costs far more than its bytes.
+    /// Read-ahead threads read at most `threads × fill_chunks` chunks at once.
     pub fill_chunks: usize,
+    /// A long stream's read-ahead reads grow to this many chunks (see
+    /// [`PrefetchConfig::unit_for`]); at least `fill_chunks`.
+    pub fill_chunks_max: usize,
     /// Small reads that miss read their whole chunks into the buffer, and chunks stay once
     /// read through (the first to go for room): a chunk cache, for backends where a round
     /// trip costs far more than the bytes it carries.
@@ -82,16 +86,42 @@ impl PrefetchConfig {
         self.read_around && !self.whole_chunks
     }
 
+    /// Chunks read ahead at a time for a stream that has read `covered` bytes: `fill_chunks`,
+    /// doubled while that stays within a quarter of `covered` and `fill_chunks_max` (so
+    /// what a unit reads past a stream's end stays small beside what the stream read).
+    fn unit_for(&self, covered: u64) -> usize {
+        let (mut unit, max) = (self.fill_chunks.max(1), self.fill_chunks_max.min(self.budget()));
+        while unit * 2 <= max && (unit * 2) as u64 * CHUNK * 4 <= covered {
+            unit *= 2;
+        }
+        unit
+    }
+
+    /// Chunks read-ahead threads read at most at once (and spare buffers kept for them).
+    fn budget(&self) -> usize {
+        self.threads.max(1) * self.fill_chunks.max(1)
+    }
+
     /// For a backend where every read is a network round trip of milliseconds (object
     /// storage): 16 fills in flight rather than 2 (two threads each fetching a 256 KiB chunk
     /// per round trip cap a stream at 2 chunks a round trip, about 50 MB/s at 10 ms; a local
     /// device needs no more than two to stay busy); 4 chunks per read-ahead request and up to
     /// 32 ahead (SeaweedFS here answers about 520 range GETs of 256 KiB a second; bench/qd1.sh
     /// over s3:// went from 138 to 176 MiB/s; 8 per request reached 196-207 but reads up to
-    /// 2 MiB past each of a guest's streams' ends); and whole chunks: a guest's metadata
-    /// reads, 4 KiB each near one another, then cost a round trip a chunk, not one a read.
+    /// 2 MiB past each of a guest's streams' ends); units growing to 8 MiB on long streams
+    /// with up to 32 MiB ahead (SeaweedFS spends about 2.5 ms of CPU per GET whatever its
+    /// size: qd1 over s3:// from 273-317 to 462-483 MiB/s); and whole chunks: a guest's
+    /// metadata reads, 4 KiB each near one another, then cost a round trip a chunk, not one
+    /// a read.
     pub fn for_round_trips(self) -> PrefetchConfig {
-        PrefetchConfig { threads: 16, fill_chunks: 4, window_max: 32, whole_chunks: true, ..self }
+        PrefetchConfig {
+            threads: 16,
+            fill_chunks: 4,
+            fill_chunks_max: 32,
+            window_max: 128,
+            whole_chunks: true,
+            ..self
+        }
     }
 }
 
@@ -104,6 +134,7 @@ impl Default for PrefetchConfig {
             window_max: 16,
             threads: 2,
             fill_chunks: 1,
+            fill_chunks_max: 1,
             whole_chunks: false,
             read_around: true,
             detect: DetectConfig::default(),
@@ -158,6 +189,8 @@ struct State {
     /// Read-ahead queued or in flight for CACHE requests: at most the buffer's worth, however
     /// many requests ask.
     cache_jobs: usize,
+    /// Chunks read-ahead threads are reading: at most [`PrefetchConfig::budget`].
+    reading: usize,
 }
 
 /// Writes remembered for read-ahead in flight: far more than can complete during one 256 KiB
@@ -211,7 +244,7 @@ impl Prefetch {
             detector: Detector::new(cfg.detect),
             windows: HashMap::new(),
             buffer: {
-                let b = Buffer::new(cfg.size).spares_for(cfg.threads * cfg.fill_chunks.max(1));
+                let b = Buffer::new(cfg.size).spares_for(cfg.budget());
                 if cfg.whole_chunks {
                     b.keeping()
                 } else {
@@ -224,6 +257,7 @@ impl Prefetch {
             generation: 0,
             writes: VecDeque::new(),
             cache_jobs: 0,
+            reading: 0,
         };
         let shared = Arc::new(ReadAhead {
             stopping: Default::default(),
@@ -273,14 +307,15 @@ impl Prefetch {
     }
 
     /// Queues jobs for the read-ahead threads: runs of consecutive chunks for one owner go
-    /// together, up to `fill_chunks`, to be read with one request.
-    fn submit(&self, jobs: Vec<Job>) {
+    /// together, within aligned units of `unit` chunks, to be read with one request.
+    fn submit(&self, jobs: Vec<Job>, unit: usize) {
         let guard = self.jobs.lock().unwrap();
         let Some(tx) = guard.as_ref() else { return };
+        let unit_bytes = unit.max(1) as u64 * CHUNK;
         let mut run: Vec<Job> = Vec::new();
         for j in jobs {
             let follows = run.last().is_some_and(|l| l.start + l.len == j.start && l.owner == j.owner);
-            if !run.is_empty() && (!follows || run.len() >= self.shared.cfg.fill_chunks.max(1)) {
+            if !run.is_empty() && (!follows || j.start % unit_bytes == 0) {
                 let _ = tx.send(std::mem::take(&mut run));
             }
             run.push(j);
@@ -292,8 +327,8 @@ impl Prefetch {
 }
 
 impl ReadAhead {
-    /// The read-ahead a read of a stream calls for.
-    fn plan(&self, st: &mut State, v: &Observation, hit: bool) -> Vec<Job> {
+    /// The read-ahead a read of a stream calls for, and the chunks to read at a time.
+    fn plan(&self, st: &mut State, v: &Observation, hit: bool) -> (Vec<Job>, usize) {
         let (chain, frontier) = (v.chain, v.frontier);
         let cfg = &self.cfg;
         // From the chunk the frontier is in, not the next one: the stream's next reads are in
@@ -311,7 +346,8 @@ impl ReadAhead {
         let ahead = (u64::from(w.chunks) * CHUNK).min(v.covered.max(CHUNK));
         // Whole fill units (aligned), so that a stream's next chunks are queued, and read,
         // several at a time.
-        let unit = CHUNK * cfg.fill_chunks.max(1) as u64;
+        let chunks = cfg.unit_for(v.covered);
+        let unit = CHUNK * chunks as u64;
         let until = frontier.saturating_add(ahead).div_ceil(unit).saturating_mul(unit).min(self.size);
         let from = w.next.max(first);
         let (jobs, s) = self.queue(st, from, until, usize::MAX, Some(chain));
@@ -321,7 +357,7 @@ impl ReadAhead {
             let detector = &st.detector;
             st.windows.retain(|id, _| detector.is_live(*id));
         }
-        jobs
+        (jobs, chunks)
     }
 
     /// Read-ahead jobs for the chunks from `from` (chunk-aligned) below `until` that are neither
@@ -352,6 +388,14 @@ impl ReadAhead {
     /// Runs queued read-ahead jobs for consecutive chunks (on a background thread): those a
     /// client read did not take over meanwhile, each unbroken run of them with one read.
     fn run_jobs(&self, jobs: Vec<Job>) {
+        // Within the budget of chunks read at once (one run alone may exceed it).
+        {
+            let mut st = self.state.lock().unwrap();
+            while st.reading > 0 && st.reading + jobs.len() > self.cfg.budget() {
+                st = self.landed.wait(st).unwrap();
+            }
+            st.reading += jobs.len();
+        }
         let claimed: Vec<bool> = jobs.iter().map(|j| self.claim(j)).collect();
         let mut i = 0;
         while i < jobs.len() {
@@ -367,9 +411,11 @@ impl ReadAhead {
         }
         // CACHE jobs count until done, so that all of them together stay within the buffer.
         let cache = jobs.iter().filter(|j| j.owner.is_none()).count();
-        if cache > 0 {
-            self.state.lock().unwrap().cache_jobs -= cache;
-        }
+        let mut st = self.state.lock().unwrap();
+        st.cache_jobs -= cache;
+        st.reading -= jobs.len();
+        drop(st);
+        self.landed.notify_all();
     }
 
     /// Marks a queued job's chunk as being read, unless a client read took it over or it is
@@ -536,9 +582,9 @@ impl Prefetch {
             // The read goes below: the pieces it covers of chunks on their way count as read.
             Self::mark_flights(&mut st, offset, len, shared.size, |f| &mut f.read);
         }
-        let jobs = if v.stream { shared.plan(&mut st, &v, hit) } else { Vec::new() };
+        let (jobs, unit) = if v.stream { shared.plan(&mut st, &v, hit) } else { (Vec::new(), 1) };
         drop(st);
-        self.submit(jobs);
+        self.submit(jobs, unit);
         Ok(hit)
     }
 
@@ -665,7 +711,7 @@ impl Filter for Prefetch {
         let (jobs, _) = shared.queue(&mut st, offset / CHUNK * CHUNK, end, room, None);
         st.cache_jobs += jobs.len();
         drop(st);
-        self.submit(jobs);
+        self.submit(jobs, shared.cfg.fill_chunks);
         Ok(())
     }
 
@@ -1012,6 +1058,48 @@ mod tests {
         }
         assert_eq!(faults.fired(), [1], "the second MiB in one read: {:?}", p.stats());
         assert!(p.stats().buffer.hits >= (2 * MIB - 64 * K4) / K4, "{:?}", p.stats());
+    }
+
+    /// A long stream's read-ahead reads grow with it, up to `fill_chunks_max`: [24, 28) MiB
+    /// of a 28 MiB stream in four 1 MiB reads (sixteen of a chunk without growth).
+    #[test]
+    fn a_long_streams_read_ahead_reads_grow() {
+        for (max, want) in [(4, 4), (1, 16)] {
+            let count = Rule::new(Op::Read, Fault::Slow(Duration::ZERO)).at(24 * MIB, 4 * MIB);
+            let faults = Arc::new(FaultInjector::new(patterned(32 * MIB), vec![count]));
+            let cfg =
+                PrefetchConfig { threads: 4, fill_chunks_max: max, window_max: 32, ..Default::default() };
+            let p = Front::whole(Prefetch::new(faults.clone(), cfg));
+            let idle = || p.shared.state.lock().unwrap().in_flight.is_empty();
+            let mut buf = [0u8; 4096];
+            for i in 0..28 * MIB / K4 {
+                p.read(&mut buf, i * K4).unwrap();
+                assert!(buf == [(i % 251) as u8; 4096], "block {i}");
+                if i % 16 == 15 {
+                    // Never overtake read-ahead: each unit is then read by one request.
+                    wait_until("read-ahead", idle);
+                }
+            }
+            assert_eq!(faults.fired(), [want], "fill_chunks_max {max}: {:?}", p.stats());
+        }
+    }
+
+    /// Read-ahead threads read at most `threads × fill_chunks` chunks at once, whatever the
+    /// units: 4 threads with 8 units of 4 chunks queued read 4 chunks at a time, not 16.
+    #[test]
+    fn read_ahead_reads_within_its_budget() {
+        let slow = Rule::new(Op::Read, Fault::Slow(Duration::from_millis(5)));
+        let faults = Arc::new(FaultInjector::new(patterned(32 * MIB), vec![slow]));
+        let cfg = PrefetchConfig { threads: 4, fill_chunks_max: 4, window_max: 32, ..Default::default() };
+        let budget = cfg.budget();
+        let p = Front::whole(Prefetch::new(faults.clone(), cfg));
+        let (mut most, mut buf) = (0, [0u8; 4096]);
+        for i in 0..24 * MIB / K4 {
+            p.read(&mut buf, i * K4).unwrap();
+            assert!(buf == [(i % 251) as u8; 4096], "block {i}");
+            most = most.max(p.shared.state.lock().unwrap().reading);
+        }
+        assert!(most > 1 && most <= budget, "{most} chunks read at once, budget {budget}");
     }
 
     /// A write elsewhere while read-ahead is in flight leaves it alone: chunk 1 (answered
