@@ -199,7 +199,9 @@ def main(argv):
     check = argv[1:] == ["--check"]
     if argv[1:] and not check:
         sys.exit(__doc__.strip().splitlines()[0] + "\nusage: python3 bench/plot.py [--check]")
-    sources = sorted(DATA.glob("*.csv"))
+    # A plot's CSV starts with its '# key: value' lines; the runs' raw tables kept beside them
+    # (copied from bench logs, no header) are not plots.
+    sources = [p for p in sorted(DATA.glob("*.csv")) if p.read_text(encoding="utf-8").startswith("#")]
     if not sources:
         sys.exit(f"no data in {DATA}")
     stale = []
