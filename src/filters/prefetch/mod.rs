@@ -102,6 +102,12 @@ impl PrefetchConfig {
         self.threads.max(1) * self.fill_chunks.max(1)
     }
 
+    /// Whether units can outgrow `fill_chunks`: only then can the threads' reads together
+    /// exceed [`PrefetchConfig::budget`], and need counting.
+    fn units_grow(&self) -> bool {
+        self.unit_for(u64::MAX) > self.fill_chunks.max(1)
+    }
+
     /// For a backend where every read is a network round trip of milliseconds (object
     /// storage): 16 fills in flight rather than 2 (two threads each fetching a 256 KiB chunk
     /// per round trip cap a stream at 2 chunks a round trip, about 50 MB/s at 10 ms; a local
@@ -110,9 +116,9 @@ impl PrefetchConfig {
     /// over s3:// went from 138 to 176 MiB/s; 8 per request reached 196-207 but reads up to
     /// 2 MiB past each of a guest's streams' ends); units growing to 8 MiB on long streams
     /// with up to 32 MiB ahead (SeaweedFS spends about 2.5 ms of CPU per GET whatever its
-    /// size: qd1 over s3:// from 273-317 to 462-483 MiB/s); and whole chunks: a guest's
-    /// metadata reads, 4 KiB each near one another, then cost a round trip a chunk, not one
-    /// a read.
+    /// size: qd1 over s3:// from 273-317 to 361-447 MiB/s, docs/benchmarks/runs/s3-get-size.md);
+    /// and whole chunks: a guest's metadata reads, 4 KiB each near one another, then cost a
+    /// round trip a chunk, not one a read.
     pub fn for_round_trips(self) -> PrefetchConfig {
         PrefetchConfig {
             threads: 16,
@@ -388,13 +394,15 @@ impl ReadAhead {
     /// Runs queued read-ahead jobs for consecutive chunks (on a background thread): those a
     /// client read did not take over meanwhile, each unbroken run of them with one read.
     fn run_jobs(&self, jobs: Vec<Job>) {
-        // Within the budget of chunks read at once (one run alone may exceed it).
-        {
+        // Within the budget of chunks read at once (one run alone may exceed it). Without
+        // growing units, runs of at most `fill_chunks` on `threads` threads cannot exceed it.
+        let counted = if self.cfg.units_grow() { jobs.len() } else { 0 };
+        if counted > 0 {
             let mut st = self.state.lock().unwrap();
-            while st.reading > 0 && st.reading + jobs.len() > self.cfg.budget() {
+            while st.reading > 0 && st.reading + counted > self.cfg.budget() {
                 st = self.landed.wait(st).unwrap();
             }
-            st.reading += jobs.len();
+            st.reading += counted;
         }
         let claimed: Vec<bool> = jobs.iter().map(|j| self.claim(j)).collect();
         let mut i = 0;
@@ -411,11 +419,15 @@ impl ReadAhead {
         }
         // CACHE jobs count until done, so that all of them together stay within the buffer.
         let cache = jobs.iter().filter(|j| j.owner.is_none()).count();
-        let mut st = self.state.lock().unwrap();
-        st.cache_jobs -= cache;
-        st.reading -= jobs.len();
-        drop(st);
-        self.landed.notify_all();
+        if cache > 0 || counted > 0 {
+            let mut st = self.state.lock().unwrap();
+            st.cache_jobs -= cache;
+            st.reading -= counted;
+        }
+        if counted > 0 {
+            // Threads waiting for room in the budget look again.
+            self.landed.notify_all();
+        }
     }
 
     /// Marks a queued job's chunk as being read, unless a client read took it over or it is
@@ -757,6 +769,21 @@ mod tests {
         Arc::new(m)
     }
 
+    /// Reads blocks `0..blocks` of a [`patterned`] export in order, 4 KiB each, checking
+    /// them, and lets read-ahead finish every 16 blocks: never overtaken, each unit it
+    /// queues is read by one request.
+    fn read_behind_read_ahead(p: &Front<Prefetch>, blocks: u64) {
+        let idle = || p.shared.state.lock().unwrap().in_flight.is_empty();
+        let mut buf = [0u8; 4096];
+        for i in 0..blocks {
+            p.read(&mut buf, i * K4).unwrap();
+            assert!(buf == [(i % 251) as u8; 4096], "block {i}");
+            if i % 16 == 15 {
+                wait_until("read-ahead", idle);
+            }
+        }
+    }
+
     fn wait_until(what: &str, f: impl Fn() -> bool) {
         let deadline = Instant::now() + Duration::from_secs(10);
         while !f() {
@@ -1047,15 +1074,7 @@ mod tests {
         let faults = Arc::new(FaultInjector::new(patterned(4 * MIB), vec![count]));
         let cfg = PrefetchConfig { fill_chunks: 4, ..Default::default() };
         let p = Front::whole(Prefetch::new(faults.clone(), cfg));
-        let idle = || p.shared.state.lock().unwrap().in_flight.is_empty();
-        let mut buf = [0u8; 4096];
-        for i in 0..2 * MIB / K4 {
-            p.read(&mut buf, i * K4).unwrap();
-            assert!(buf == [(i % 251) as u8; 4096], "block {i}");
-            if i % 16 == 15 {
-                wait_until("read-ahead", idle);
-            }
-        }
+        read_behind_read_ahead(&p, 2 * MIB / K4);
         assert_eq!(faults.fired(), [1], "the second MiB in one read: {:?}", p.stats());
         assert!(p.stats().buffer.hits >= (2 * MIB - 64 * K4) / K4, "{:?}", p.stats());
     }
@@ -1070,16 +1089,7 @@ mod tests {
             let cfg =
                 PrefetchConfig { threads: 4, fill_chunks_max: max, window_max: 32, ..Default::default() };
             let p = Front::whole(Prefetch::new(faults.clone(), cfg));
-            let idle = || p.shared.state.lock().unwrap().in_flight.is_empty();
-            let mut buf = [0u8; 4096];
-            for i in 0..28 * MIB / K4 {
-                p.read(&mut buf, i * K4).unwrap();
-                assert!(buf == [(i % 251) as u8; 4096], "block {i}");
-                if i % 16 == 15 {
-                    // Never overtake read-ahead: each unit is then read by one request.
-                    wait_until("read-ahead", idle);
-                }
-            }
+            read_behind_read_ahead(&p, 28 * MIB / K4);
             assert_eq!(faults.fired(), [want], "fill_chunks_max {max}: {:?}", p.stats());
         }
     }
