@@ -26,7 +26,10 @@
 #
 # TRACE: an nbdkit log filter's log of the guest's requests; IMG: the image it was recorded
 # on (guest.sh's DIR/read.img). Environment: ROUNDS (default 5), CONFIGS (default "lightfoot
-# nbdkit qemu-none cached"), QD (requests in flight, default 1), LIGHTFOOT (default
+# nbdkit qemu-none cached"), QD (requests in flight, default 1), THINK_MS (depth 1: before
+# each read wait as long as the guest did after the read before, up to THINK_MS; the time
+# waited is left out of the seconds; default 0, no waits), BUSY (processes spinning on a
+# CPU during each replay, as a TCG guest's vCPU thread does; default 0), LIGHTFOOT (default
 # ../target/release/lightfoot), LIGHTFOOT_ARGS, LIGHTFOOT_OLD, DIR (default: the third
 # argument, else /work/tmp/bench-replay).
 #
@@ -49,6 +52,11 @@ ROUNDS=${ROUNDS:-5}
 [[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "ROUNDS=$ROUNDS: not a positive integer"
 QD=${QD:-1}
 [[ $QD =~ ^[1-9][0-9]*$ ]] || die "QD=$QD: not a positive integer"
+THINK_MS=${THINK_MS:-0}
+[[ $THINK_MS =~ ^[0-9]+$ ]] || die "THINK_MS=$THINK_MS: not a whole number of milliseconds"
+((THINK_MS == 0 || QD == 1)) || die "THINK_MS needs QD=1"
+BUSY=${BUSY:-0}
+[[ $BUSY =~ ^[0-9]+$ ]] || die "BUSY=$BUSY: not a whole number"
 CONFIGS=${CONFIGS:-lightfoot nbdkit qemu-none cached}
 LIGHTFOOT=$(realpath -- "${LIGHTFOOT:-$HERE/../target/release/lightfoot}")
 LIGHTFOOT_ARGS=${LIGHTFOOT_ARGS:-}
@@ -70,7 +78,13 @@ SOCK=$DIR/nbd.sock
 PIDF=$DIR/server.pid
 CSV=$DIR/replay.csv
 SHM=/dev/shm/lightfoot-replay.img
+BUSY_PIDS=()
+stop_busy() {
+	((${#BUSY_PIDS[@]} == 0)) || kill -KILL "${BUSY_PIDS[@]}" 2>/dev/null || true
+	BUSY_PIDS=()
+}
 cleanup() {
+	stop_busy
 	[[ -z ${SERVER_PID:-} ]] || kill -KILL "$SERVER_PID" 2>/dev/null || true
 	rm -f -- "$SHM" "$SOCK" "$PIDF"
 }
@@ -100,11 +114,11 @@ start_server() {
 	launch "$2" "${cmd[@]}"
 }
 
-HEADER="round,config,qd,status,seconds,reads,bytes,server_read_bytes,cache_left_bytes"
+HEADER="round,config,qd,think_ms,busy,status,seconds,reads,bytes,server_read_bytes,cache_left_bytes"
 [[ -f $CSV ]] || echo "$HEADER" >"$CSV"
 [[ $(head -n 1 "$CSV") == "$HEADER" ]] || die "$CSV has other columns: move it away"
 
-say "$ROUNDS round(s) of $TRACE at depth $QD: ${KEYS[*]}"
+say "$ROUNDS round(s) of $TRACE at depth $QD, think $THINK_MS ms, $BUSY busy: ${KEYS[*]}"
 for ((r = 1; r <= ROUNDS; r++)); do
 	n=${#KEYS[@]}
 	for ((i = 0; i < n; i++)); do
@@ -115,7 +129,12 @@ for ((r = 1; r <= ROUNDS; r++)); do
 		status=ok out="- - -" rb="-" left=-
 		if start_server "$c" "$log.server"; then
 			read -r rb0 _ <<<"$(server_usage "$SERVER_PID")"
-			out=$(/usr/bin/python3 "$HERE/replay.py" "$SOCK" "$TRACE" "$QD" 2>>"$log.server") || status=replay-failed
+			for ((b = 0; b < BUSY; b++)); do
+				bash -c 'while :; do :; done' &
+				BUSY_PIDS+=($!)
+			done
+			out=$(/usr/bin/python3 "$HERE/replay.py" "$SOCK" "$TRACE" "$QD" "$THINK_MS" 2>>"$log.server") || status=replay-failed
+			stop_busy
 			read -r rb1 _ <<<"$(server_usage "$SERVER_PID")"
 			[[ $rb0 == - || $rb1 == - ]] || rb=$((rb1 - rb0))
 			[[ $c == cached ]] || left=$(cached_bytes "$IMG")
@@ -126,14 +145,15 @@ for ((r = 1; r <= ROUNDS; r++)); do
 		fi
 		SERVER_PID=""
 		read -r reads bytes secs <<<"$out"
-		echo "$r,$c,$QD,$status,$secs,$reads,$bytes,$rb,$left" >>"$CSV"
+		echo "$r,$c,$QD,$THINK_MS,$BUSY,$status,$secs,$reads,$bytes,$rb,$left" >>"$CSV"
 		say "round $r $c: $secs s ($status)"
 	done
 done
 
-python3 - "$CSV" "$QD" <<'EOF'
+python3 - "$CSV" "$QD" "$THINK_MS" "$BUSY" <<'EOF'
 import csv, statistics, sys
-rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["qd"] == sys.argv[2]]
+rows = [r for r in csv.DictReader(open(sys.argv[1]))
+        if (r["qd"], r["think_ms"], r["busy"]) == tuple(sys.argv[2:5])]
 configs = list(dict.fromkeys(r["config"] for r in rows))
 med = lambda xs: statistics.median(xs) if xs else None
 def num(v):
@@ -157,5 +177,6 @@ for c, s in stats.items():
     rel = s["s"] / base if s["s"] is not None and base else None
     print(f"| {c} | {s['n']} | {f(s['s'], '.3f')} | {f(rel)} | {f(s['amp'])} | "
           f"{f(s['left'] / 2**20 if s['left'] is not None else None, '.1f')} |")
-print(f"\nMedians; depth {sys.argv[2]}; rounds with the servers alternating.")
+print(f"\nMedians; depth {sys.argv[2]}, think up to {sys.argv[3]} ms (left out of the seconds), "
+      f"{sys.argv[4]} busy CPU(s); rounds with the servers alternating.")
 EOF
