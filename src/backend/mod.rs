@@ -34,16 +34,19 @@ pub struct Extent {
     pub hole: bool,
     /// Reads as zeroes (NBD `ZERO`).
     pub zero: bool,
+    /// Unchanged since a dirty bitmap started recording: only from an NBD source opened with
+    /// one (`copy --bitmap`); `false` everywhere else.
+    pub clean: bool,
 }
 
 impl Extent {
     pub fn data(len: u64) -> Extent {
-        Extent { len, hole: false, zero: false }
+        Extent { len, hole: false, zero: false, clean: false }
     }
 
     /// Unallocated and reading as zeroes.
     pub fn hole(len: u64) -> Extent {
-        Extent { len, hole: true, zero: true }
+        Extent { len, hole: true, zero: true, clean: false }
     }
 }
 

@@ -10,7 +10,7 @@ use lightfoot::backend::s3::Requests;
 use lightfoot::copy::endpoint::{parse_endpoints, parse_size};
 use lightfoot::copy::open::{open_destination, open_source, DestOptions};
 use lightfoot::copy::plan::Asked;
-use lightfoot::copy::{copy, Endpoint, Opened, Plan, Progress};
+use lightfoot::copy::{changed_bytes, copy, Endpoint, Opened, Plan, Progress};
 use lightfoot::io::residency;
 use lightfoot::io::{CacheMode, CacheStat, Fadvise, Mechanism};
 
@@ -56,6 +56,12 @@ unless --no-sparse, it is first zeroed with one fast zero (NBD_CMD_WRITE_ZEROES 
 if the server offers it, and then only data is written; otherwise holes are zeroed with
 WRITE_ZEROES. TRIM is never used to make zeroes. DST is flushed (NBD_CMD_FLUSH) before success
 is reported, unless --no-flush.
+
+Incremental copies (--bitmap NAME): SRC must be an NBD export with the dirty bitmap NAME (the
+meta context qemu:dirty-bitmap:NAME, e.g. qemu-nbd -r -B NAME). The changed bytes are counted
+first (the job's size for progress and the summary); then only changed ranges are read, and
+written into DST as it is (it must exist and be SRC's size: the previous copy); changed ranges
+that read as zeroes are zeroed. See docs/incremental.md.
 
 A regular-file DST is created, or truncated and then extended to the size of SRC, so holes in
 SRC stay holes. A block-device DST is written in full: holes are zeroed (BLKZEROOUT) unless
@@ -136,6 +142,15 @@ pub struct CopyArgs {
     /// Do not make DST durable at the end (eviction still waits for writeback).
     #[arg(long)]
     no_flush: bool,
+
+    /// Incremental copy: copy only the blocks the NBD source's dirty bitmap NAME marks
+    /// changed (the meta context qemu:dirty-bitmap:NAME, as `qemu-nbd -B NAME` exports it)
+    /// into DST, which must hold the previous copy: it must exist and be SRC's size, and is
+    /// written in place (no truncation, no zeroing). Changed ranges that read as zeroes are
+    /// zeroed with WRITE_ZEROES. A source without the bitmap is an error listing the contexts
+    /// it offers.
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["preallocate", "destination_is_zero"])]
+    bitmap: Option<String>,
 
     /// Show a progress bar on a terminal. With =FD (attached with '='), write the progress to
     /// file descriptor FD instead, as nbdcopy does: lines N/100, 0/100 first, each whole
@@ -221,6 +236,12 @@ struct Side {
 struct Summary {
     ok: bool,
     bytes: u64,
+    /// `--bitmap`: the bitmap, and the bytes it marked changed (the job's size; `bytes` is
+    /// how many of them were copied).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bitmap: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    changed: Option<u64>,
     written: u64,
     zero: u64,
     seconds: f64,
@@ -318,10 +339,11 @@ pub fn run(args: CopyArgs) -> i32 {
     let src_before = cached_now(&src_ep);
     let dst_before = cached_now(&dst_ep);
     let s3 = args.s3.options(false);
-    let src = match open_source(&src_ep, args.cache, &tuning, plan.src_connections, &s3) {
-        Ok(s) => s,
-        Err(e) => return open_failed(&e),
-    };
+    let src =
+        match open_source(&src_ep, args.cache, &tuning, plan.src_connections, &s3, args.bitmap.as_deref()) {
+            Ok(s) => s,
+            Err(e) => return open_failed(&e),
+        };
     // Ctrl-C while SRC was being opened (a slow handshake that finished within the grace):
     // stop before DST is created, truncated or zeroed.
     if CANCEL.load(Ordering::SeqCst) {
@@ -347,18 +369,28 @@ pub fn run(args: CopyArgs) -> i32 {
         sparse: !args.no_sparse,
         connections: plan.dst_connections,
         s3,
+        in_place: args.bitmap.is_some(),
     };
     let dst = match open_destination(&dst_ep, &src, size, args.cache, &tuning, dest_opts) {
         Ok(d) => d,
         Err(e) => return open_failed(&e),
     };
-    let opts = plan.options(dst.zeroed, !args.no_sparse, !args.no_flush);
+    // An incremental copy's size: what the bitmap marks changed, counted before copying.
+    let changed = match (&args.bitmap, size) {
+        (Some(_), Some(size)) => match changed_bytes(&*src.backend, size, &CANCEL) {
+            Ok(n) => Some(n),
+            Err(e) => return open_failed(&e),
+        },
+        _ => None,
+    };
+    let job_size = changed.or(size);
+    let opts = plan.options(dst.zeroed, !args.no_sparse, !args.no_flush, args.bitmap.is_some());
     let progress = Arc::new(Progress::default());
     let bar = args.progress == Some(None) && std::io::stderr().is_terminal();
     let footprint = (bar || footprint_out.is_some()).then(|| {
         progress::Footprint::new((&src_ep, src_before), (&dst_ep, dst_before), footprint_out, started)
     });
-    let reporter = progress::Reporter::start(bar, percent, footprint, size, progress.clone());
+    let reporter = progress::Reporter::start(bar, percent, footprint, job_size, progress.clone());
     let result = copy(&*src.backend, &*dst.backend, &opts, &progress, &CANCEL);
     let result = result.and_then(|stats| {
         src.check_size_unchanged(size)
@@ -391,6 +423,8 @@ pub fn run(args: CopyArgs) -> i32 {
     let summary = Summary {
         ok,
         bytes,
+        bitmap: args.bitmap.clone(),
+        changed,
         written,
         zero,
         seconds,
@@ -439,7 +473,7 @@ pub fn run(args: CopyArgs) -> i32 {
                 eprintln!("lightfoot: {e}");
             }
             if !matches!(dst_ep, Endpoint::Null(_)) {
-                let total = size.map(|s| format!(" of {}", human::bytes(s))).unwrap_or_default();
+                let total = job_size.map(|s| format!(" of {}", human::bytes(s))).unwrap_or_default();
                 eprintln!(
                     "lightfoot: {} is incomplete: {} copied{total} before the failure",
                     summary.destination.name,
@@ -461,8 +495,12 @@ fn print_summary(s: &Summary, verbose: bool, to_stderr: bool) {
         (None, Some(a)) => format!("(new) → {}", human::bytes(a)),
         _ => "not visible".to_string(),
     };
+    let changed = match (&s.bitmap, s.changed) {
+        (Some(name), Some(_)) => format!(" changed (bitmap {name})"),
+        _ => String::new(),
+    };
     let mut text = format!(
-        "copied {} in {:.2} s ({:.0} MiB/s); {} written, {} zero\npage cache: source {}, destination {}\n",
+        "copied {}{changed} in {:.2} s ({:.0} MiB/s); {} written, {} zero\npage cache: source {}, destination {}\n",
         human::bytes(s.bytes),
         s.seconds,
         s.mib_per_second,

@@ -54,6 +54,11 @@ pub struct CopyOptions {
     /// O_DIRECT: with readahead, a chunk skipped for a moment would be read ahead and left
     /// cached.
     pub interleave: bool,
+    /// Copy only what the source's dirty bitmap marks changed (extents not
+    /// [`Extent::clean`]) into a destination that holds the previous copy (`copy --bitmap`).
+    ///
+    /// [`Extent::clean`]: crate::backend::Extent::clean
+    pub changed_only: bool,
 }
 
 impl Default for CopyOptions {
@@ -65,6 +70,7 @@ impl Default for CopyOptions {
             sparse: true,
             flush: true,
             interleave: false,
+            changed_only: false,
         }
     }
 }
@@ -72,7 +78,8 @@ impl Default for CopyOptions {
 /// Counters the caller can watch while the copy runs.
 #[derive(Debug, Default)]
 pub struct Progress {
-    /// Bytes of the source dealt with (copied, skipped or zeroed).
+    /// Bytes of the source dealt with (copied, skipped or zeroed; with
+    /// [`CopyOptions::changed_only`], changed bytes only).
     pub done: AtomicU64,
     /// Bytes actually written to the destination.
     pub written: AtomicU64,
@@ -255,6 +262,12 @@ fn copy_chunk(
             if n == 0 {
                 continue;
             }
+            if opts.changed_only && e.clean {
+                at += n;
+                continue;
+            }
+            // Zeroes, changed or not, are written as zeroes (never a TRIM alone: it need not
+            // read back as zeroes): `zero_range` asks for WRITE_ZEROES, which may punch.
             if e.zero {
                 zero_range(dst, at, n, opts)?;
                 progress.zero.fetch_add(n, Ordering::Relaxed);
@@ -274,6 +287,41 @@ fn copy_chunk(
         }
     }
     Ok(())
+}
+
+/// Bytes of `src`'s first `size` that its dirty bitmap marks changed (extents not
+/// [`Extent::clean`]): an incremental copy's size, known before it starts. Asks in windows of
+/// 64 MiB, so memory stays bounded whatever the number of extents.
+///
+/// [`Extent::clean`]: crate::backend::Extent::clean
+pub fn changed_bytes(src: &dyn Backend, size: u64, cancel: &AtomicBool) -> Result<u64> {
+    const WINDOW: u64 = 64 << 20;
+    let (mut at, mut changed) = (0u64, 0u64);
+    while at < size {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(Error::new(ErrorKind::Interrupted, Op::Copy).detail("interrupted"));
+        }
+        let len = WINDOW.min(size - at);
+        let mut seen = 0;
+        for e in src.extents(at, len)? {
+            let n = e.len.min(len - seen);
+            if !e.clean {
+                changed += n;
+            }
+            seen += n;
+            if seen == len {
+                break;
+            }
+        }
+        if seen == 0 {
+            return Err(Error::new(ErrorKind::Io, Op::BlockStatus)
+                .path(src.name())
+                .at(at, len)
+                .detail("the source described no extent"));
+        }
+        at += seen;
+    }
+    Ok(changed)
 }
 
 /// Makes `[at, at+n)` of the destination read as zeroes, if it does not already.

@@ -113,22 +113,30 @@ impl Opened {
 }
 
 /// Opens the source. `connections` is for NBD servers that advertise multi-conn; `s3`
-/// gives the geometry of an `s3://` block image that has no manifest (one nbdkit made).
+/// gives the geometry of an `s3://` block image that has no manifest (one nbdkit made);
+/// `bitmap` names a dirty bitmap an NBD source must export (`copy --bitmap`).
 pub fn open_source(
     ep: &Endpoint,
     mode: CacheMode,
     tuning: &Tuning,
     connections: usize,
     s3: &S3Options,
+    bitmap: Option<&str>,
 ) -> Result<Opened> {
+    if let (Some(_), false) = (bitmap, matches!(ep, Endpoint::Nbd(_))) {
+        return Err(Error::new(ErrorKind::InvalidInput, Op::Open).path(ep.to_string()).detail(
+            "--bitmap needs an NBD source: dirty bitmaps come from an NBD server (qemu-nbd -B NAME)",
+        ));
+    }
     match ep {
         Endpoint::S3(u) => Ok(Opened::plain(
             Arc::new(S3Backend::open(u, &S3Options { writable: false, ..s3.clone() })?),
             false,
         )),
-        Endpoint::Nbd(t) => {
-            Ok(Opened::plain(Arc::new(NbdBackend::open(t, connections)?.keeping_extents()), false))
-        }
+        Endpoint::Nbd(t) => Ok(Opened::plain(
+            Arc::new(NbdBackend::open_with_bitmap(t, connections, bitmap)?.keeping_extents()),
+            false,
+        )),
         Endpoint::Stdio => {
             let mut o = Opened::plain(Arc::new(PipeBackend::stdin()?), false);
             // Standard input redirected from a file or device: known, so that it is never
@@ -179,6 +187,10 @@ pub struct DestOptions {
     pub connections: usize,
     /// How an `s3://` destination is laid out (`--object-size`).
     pub s3: S3Options,
+    /// The destination holds the previous copy and only changed blocks are written into it
+    /// (`copy --bitmap`): it must exist and be the source's size, and is opened as it is (no
+    /// truncation, no zeroing up front).
+    pub in_place: bool,
 }
 
 /// An `s3://` destination: one object, uploaded in parts; or block objects of
@@ -219,6 +231,9 @@ pub fn open_destination(
     tuning: &Tuning,
     opts: DestOptions,
 ) -> Result<Opened> {
+    if opts.in_place {
+        return open_in_place(ep, src, size, mode, tuning, &opts);
+    }
     match ep {
         Endpoint::Stdio => Ok(Opened::plain(Arc::new(PipeBackend::stdout()?), false)),
         Endpoint::Null(n) => Ok(Opened::plain(Arc::new(NullBackend::new(*n)), true)),
@@ -248,17 +263,7 @@ pub fn open_destination(
                         .detail("is a directory"))
                 }
                 Some(m) if m.file_type().is_block_device() => {
-                    // O_EXCL on a block device: refused while it is mounted or claimed (as
-                    // mkfs does), and it cannot be mounted while we hold it.
-                    let claim =
-                        std::fs::OpenOptions::new().write(true).custom_flags(libc::O_EXCL).open(p).map_err(
-                            |e| match e.raw_os_error() {
-                                Some(libc::EBUSY) => Error::new(ErrorKind::Permission, Op::Open)
-                                    .path(p)
-                                    .detail("the device is in use (mounted, or held by another program)"),
-                                _ => Error::io(Op::Open, e).path(p),
-                            },
-                        )?;
+                    let claim = claim_device(p)?;
                     let opts_o = OpenOptions { write: true, create: false, truncate: false };
                     let fb = FileBackend::open(p, opts_o, mode, tuning)?;
                     let mut o = Opened::file(fb, false, opts.destination_is_zero)?;
@@ -291,6 +296,104 @@ pub fn open_destination(
             Opened::file(fb, existing.is_none(), true)
         }
     }
+}
+
+/// Opens block device `p` with `O_EXCL`: refused while it is mounted or claimed (as mkfs
+/// does), and it cannot be mounted while the returned file is held.
+fn claim_device(p: &Path) -> Result<std::fs::File> {
+    std::fs::OpenOptions::new().write(true).custom_flags(libc::O_EXCL).open(p).map_err(|e| {
+        match e.raw_os_error() {
+            Some(libc::EBUSY) => Error::new(ErrorKind::Permission, Op::Open)
+                .path(p)
+                .detail("the device is in use (mounted, or held by another program)"),
+            _ => Error::io(Op::Open, e).path(p),
+        }
+    })
+}
+
+/// A destination that holds the previous copy ([`DestOptions::in_place`]): opened as it is,
+/// and refused, untouched, unless it exists and is exactly the source's size.
+fn open_in_place(
+    ep: &Endpoint,
+    src: &Opened,
+    size: Option<u64>,
+    mode: CacheMode,
+    tuning: &Tuning,
+    opts: &DestOptions,
+) -> Result<Opened> {
+    let refuse = |kind, detail: String| Err(Error::new(kind, Op::Open).path(ep.to_string()).detail(detail));
+    let Some(size) = size else {
+        return refuse(ErrorKind::InvalidInput, "an incremental copy needs a source of known size".into());
+    };
+    let opened = match ep {
+        Endpoint::Null(_) => return Ok(Opened::plain(Arc::new(NullBackend::new(Some(size))), false)),
+        Endpoint::Stdio => {
+            return refuse(
+                ErrorKind::InvalidInput,
+                "an incremental copy writes into the previous copy: standard output cannot hold one".into(),
+            )
+        }
+        Endpoint::S3(_) => {
+            return refuse(
+                ErrorKind::NotSupported,
+                "an incremental copy into s3:// is not supported yet".into(),
+            )
+        }
+        Endpoint::Nbd(t) => Opened::plain(Arc::new(NbdBackend::open(t, opts.connections)?), false),
+        Endpoint::Path(p) => {
+            let meta =
+                match std::fs::metadata(p) {
+                    Ok(m) => m,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => return refuse(
+                        ErrorKind::NotFound,
+                        "no such file: an incremental copy writes into the previous copy, which must exist"
+                            .into(),
+                    ),
+                    Err(e) => return Err(Error::io(Op::Open, e).path(p)),
+                };
+            if !(meta.is_file() || meta.file_type().is_block_device()) {
+                return refuse(
+                    ErrorKind::InvalidInput,
+                    "not a regular file or block device: it cannot hold the previous copy".into(),
+                );
+            }
+            if src.id == Some(identity(&meta)) {
+                return refuse(ErrorKind::InvalidInput, "source and destination are the same file".into());
+            }
+            let claim = if meta.file_type().is_block_device() { Some(claim_device(p)?) } else { None };
+            let fb = FileBackend::open(
+                p,
+                OpenOptions { write: true, create: false, truncate: false },
+                mode,
+                tuning,
+            )?;
+            let mut o = Opened::file(fb, false, false)?;
+            o._claim = claim;
+            o
+        }
+    };
+    match opened.backend.size() {
+        Some(have) if have == size => {}
+        Some(have) => {
+            return refuse(
+                ErrorKind::InvalidInput,
+                format!(
+                    "is {have} bytes, the source {size}: not a copy of it (an incremental copy writes \
+                     into the previous copy of the same source)"
+                ),
+            )
+        }
+        None => {
+            return refuse(
+                ErrorKind::InvalidInput,
+                "its size is not known: it cannot hold the previous copy".into(),
+            )
+        }
+    }
+    if opened.backend.caps().read_only {
+        return refuse(ErrorKind::Permission, "destination is read-only".into());
+    }
+    Ok(opened)
 }
 
 /// Checks an NBD destination before anything is written to it, and makes it read as zeroes

@@ -94,8 +94,14 @@ impl Plan {
     }
 
     /// The engine's options: `destination_is_zero` as the opened destination says, `sparse`
-    /// and `flush` as the user says.
-    pub fn options(&self, destination_is_zero: bool, sparse: bool, flush: bool) -> CopyOptions {
+    /// and `flush` as the user says, and only what a dirty bitmap marks with `changed_only`.
+    pub fn options(
+        &self,
+        destination_is_zero: bool,
+        sparse: bool,
+        flush: bool,
+        changed_only: bool,
+    ) -> CopyOptions {
         CopyOptions {
             workers: self.workers as usize,
             request_size: self.request_size,
@@ -103,6 +109,7 @@ impl Plan {
             sparse,
             flush,
             interleave: self.interleave,
+            changed_only,
         }
     }
 }

@@ -119,8 +119,13 @@ pub const REPLY_TYPE_ERROR_OFFSET: u16 = (1 << 15) | 2;
 pub const STATE_HOLE: u32 = 1 << 0;
 pub const STATE_ZERO: u32 = 1 << 1;
 
+/// `qemu:dirty-bitmap:NAME` flag: the extent changed since the bitmap started recording.
+pub const STATE_DIRTY: u32 = 1 << 0;
+
 /// The metadata context lightfoot serves.
 pub const BASE_ALLOCATION: &str = "base:allocation";
+/// QEMU's dirty bitmaps as meta contexts: this prefix, then the bitmap's name.
+pub const DIRTY_BITMAP_PREFIX: &str = "qemu:dirty-bitmap:";
 
 /// Error values (the spec fixes them; they equal Linux's).
 pub const EPERM: u32 = 1;

@@ -208,6 +208,11 @@ impl Descriptor {
     pub fn zero(&self) -> bool {
         self.flags & STATE_ZERO != 0
     }
+
+    /// A `qemu:dirty-bitmap:` descriptor's state.
+    pub fn dirty(&self) -> bool {
+        self.flags & STATE_DIRTY != 0
+    }
 }
 
 /// A whole `BLOCK_STATUS` chunk: header, context id and descriptors.

@@ -32,7 +32,7 @@ use std::sync::{Condvar, Mutex};
 
 use super::handshake::ExportInfo;
 use super::interrupt::Registered;
-use super::reply::{kind_of, protocol, read_header, Answer, Header, Target};
+use super::reply::{kind_of, protocol, read_header, Answer, Header, Status, Target};
 use crate::backend::Extent;
 use crate::error::{Error, ErrorKind, Op, Result, Sticky};
 use crate::proto::*;
@@ -108,12 +108,20 @@ impl Connection {
         self.request(op, cmd, flags, offset, len, &[], Target::None)
     }
 
-    /// `base:allocation` extents from `offset`, as the server reports them (possibly fewer
-    /// bytes than `len`, or more in the last extent).
+    /// Extents from `offset`, as the server reports them (possibly fewer bytes than `len`, or
+    /// more in the last extent): `base:allocation`'s, with the dirty bitmap's verdict where
+    /// one was agreed (then as far as both contexts' answers reach; all data without an
+    /// allocation map).
     pub fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        let mut extents = Vec::new();
-        self.request(Op::BlockStatus, CMD_BLOCK_STATUS, 0, offset, len, &[], Target::Status(&mut extents))?;
-        Ok(extents)
+        let mut status = Status::default();
+        self.request(Op::BlockStatus, CMD_BLOCK_STATUS, 0, offset, len, &[], Target::Status(&mut status))?;
+        if self.info.bitmap.is_none() {
+            return Ok(status.allocation);
+        }
+        if self.info.allocation.is_none() {
+            status.allocation = vec![Extent::data(u64::MAX)];
+        }
+        Ok(with_dirty(&status.allocation, &status.dirty))
     }
 
     /// The connection broke (or was closed) and takes no more requests.
@@ -285,11 +293,32 @@ impl Connection {
                 self.slot(h.cookie()).notify_all();
                 return Ok(false);
             }
-            if answer.consume(&mut **reader, h, offset, len, target, self.info.allocation)? {
+            let contexts = [self.info.allocation, self.info.bitmap];
+            if answer.consume(&mut **reader, h, offset, len, target, contexts)? {
                 return Ok(true);
             }
         }
     }
+}
+
+/// `allocation`'s extents cut where `dirty`'s runs change, each marked clean where its run is
+/// not dirty; as far as the shorter of the two reaches.
+fn with_dirty(allocation: &[Extent], dirty: &[(u64, bool)]) -> Vec<Extent> {
+    let mut out: Vec<Extent> = Vec::new();
+    let (mut a, mut d) = (allocation.iter().copied(), dirty.iter().copied());
+    let (mut ext, mut run) = (a.next(), d.next());
+    while let (Some(mut e), Some((n, is_dirty))) = (ext, run) {
+        let len = e.len.min(n);
+        let piece = Extent { len, clean: !is_dirty, ..e };
+        match out.last_mut() {
+            Some(last) if Extent { len: last.len, ..piece } == *last => last.len += len,
+            _ => out.push(piece),
+        }
+        e.len -= len;
+        ext = if e.len == 0 { a.next() } else { Some(e) };
+        run = if n == len { d.next() } else { Some((n - len, is_dirty)) };
+    }
+    out
 }
 
 #[cfg(test)]
@@ -304,7 +333,13 @@ mod tests {
     const SIZE: u64 = 1 << 20;
     const CONTEXT: u32 = 7;
 
+    const BITMAP: u32 = 9;
+
     fn connection() -> (Arc<Connection>, UnixStream) {
+        connection_with(Some(CONTEXT), None)
+    }
+
+    fn connection_with(allocation: Option<u32>, bitmap: Option<u32>) -> (Arc<Connection>, UnixStream) {
         let (ours, theirs) = UnixStream::pair().unwrap();
         theirs.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
         let info = ExportInfo {
@@ -312,7 +347,8 @@ mod tests {
             flags: TF_HAS_FLAGS,
             block: DEFAULT_BLOCK,
             structured: true,
-            allocation: Some(CONTEXT),
+            allocation,
+            bitmap,
         };
         let registered = super::super::interrupt::register(ours.closer().unwrap());
         (Arc::new(Connection::new(Box::new(ours), info, "test", registered).unwrap()), theirs)
@@ -332,8 +368,12 @@ mod tests {
     }
 
     fn status_chunk(flags: u16, cookie: u64, extents: &[(u32, u32)]) -> Vec<u8> {
+        context_chunk(flags, cookie, CONTEXT, extents)
+    }
+
+    fn context_chunk(flags: u16, cookie: u64, context: u32, extents: &[(u32, u32)]) -> Vec<u8> {
         let descriptors: Vec<_> = extents.iter().map(|&(len, flags)| Descriptor { len, flags }).collect();
-        block_status_chunk(flags, cookie, CONTEXT, &descriptors)
+        block_status_chunk(flags, cookie, context, &descriptors)
     }
 
     /// A read of `len` at `offset` answered with `reply(cookie)`: the client's result and what
@@ -493,6 +533,51 @@ mod tests {
         let huge =
             status_with(|c| chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, c, u32::MAX - 3).to_vec());
         protocol_error(&huge.map(drop), "2^20 extents");
+    }
+
+    fn status_of(allocation: Option<u32>, reply: impl FnOnce(u64) -> Vec<u8>) -> Result<Vec<Extent>> {
+        let (c, mut srv) = connection_with(allocation, Some(BITMAP));
+        let t = std::thread::spawn(move || c.block_status(0, 65536));
+        let r = request(&mut srv);
+        srv.write_all(&reply(r.cookie)).unwrap();
+        t.join().unwrap()
+    }
+
+    #[test]
+    fn a_dirty_bitmap_marks_the_allocation_map_clean_where_unchanged() {
+        const HZ: u32 = STATE_HOLE | STATE_ZERO;
+        // The bitmap's chunk first, an unknown context's between, the allocation's last; the
+        // bitmap answers for less than the allocation map: the merge stops where it does.
+        let got = status_of(Some(CONTEXT), |c| {
+            let mut v = context_chunk(0, c, BITMAP, &[(8192, 0), (16384, STATE_DIRTY), (8192, 0)]);
+            v.extend(context_chunk(0, c, 77, &[(65536, 1)]));
+            v.extend(status_chunk(REPLY_FLAG_DONE, c, &[(12288, 0), (53248, HZ)]));
+            v
+        })
+        .unwrap();
+        let ext = |len, hole, clean| Extent { len, hole, zero: hole, clean };
+        assert_eq!(
+            got,
+            vec![
+                ext(8192, false, true),
+                ext(4096, false, false),
+                ext(12288, true, false),
+                ext(8192, true, true)
+            ]
+        );
+        // Without an allocation map: the bitmap's runs, as data.
+        let bare =
+            status_of(None, |c| context_chunk(REPLY_FLAG_DONE, c, BITMAP, &[(4096, 1), (4096, 0)])).unwrap();
+        assert_eq!(bare, vec![ext(4096, false, false), ext(4096, false, true)]);
+        // A reply without the bitmap's chunk describes nothing; two of them break the protocol.
+        let missing = status_of(Some(CONTEXT), |c| status_chunk(REPLY_FLAG_DONE, c, &[(65536, 0)])).unwrap();
+        assert!(missing.is_empty());
+        let twice = status_of(Some(CONTEXT), |c| {
+            let mut v = context_chunk(0, c, BITMAP, &[(65536, 1)]);
+            v.extend(context_chunk(REPLY_FLAG_DONE, c, BITMAP, &[(65536, 0)]));
+            v
+        });
+        protocol_error(&twice.map(drop), "two block status chunks");
     }
 
     /// A duplicate reply read by the next holder of the read turn, in the moment after its

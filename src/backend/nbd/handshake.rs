@@ -1,6 +1,6 @@
 //! The client side of the fixed newstyle handshake: structured replies, the `base:allocation`
-//! context, then `NBD_OPT_GO` asking for block sizes (with `NBD_OPT_EXPORT_NAME` as the
-//! fallback for servers without GO).
+//! context (and a `qemu:dirty-bitmap:` one when asked for), then `NBD_OPT_GO` asking for
+//! block sizes (with `NBD_OPT_EXPORT_NAME` as the fallback for servers without GO).
 //!
 //! For `nbds://` URIs the caller runs it in steps: [`greet`], [`starttls`], the TLS handshake
 //! on the same socket, then [`options`] over TLS (nothing is asked before TLS, so nothing
@@ -23,6 +23,8 @@ pub struct ExportInfo {
     pub structured: bool,
     /// The id of `base:allocation`, when the server agreed to it.
     pub allocation: Option<u32>,
+    /// The id of the `qemu:dirty-bitmap:NAME` context asked for (negotiation fails without it).
+    pub bitmap: Option<u32>,
 }
 
 impl ExportInfo {
@@ -30,6 +32,9 @@ impl ExportInfo {
         self.flags & flag != 0
     }
 }
+
+/// Contexts named in the error for a missing one; the rest are counted.
+const MAX_LISTED: usize = 16;
 
 /// Option replies carry at most an error string or a few fields; anything this long means the
 /// stream is not NBD.
@@ -41,7 +46,7 @@ pub const DEFAULT_BLOCK: BlockSizes = BlockSizes { minimum: 1, preferred: 4096, 
 /// Negotiates `export` over `s`; `who` names the server in errors.
 pub fn negotiate<S: Read + Write + ?Sized>(s: &mut S, export: &str, who: &str) -> Result<ExportInfo> {
     let no_zeroes = greet(s, who)?;
-    options(s, export, who, no_zeroes)
+    options(s, export, who, no_zeroes, None)
 }
 
 fn failure(who: &str, kind: ErrorKind, detail: String) -> Error {
@@ -96,21 +101,26 @@ pub fn starttls<S: Read + Write + ?Sized>(s: &mut S, who: &str) -> Result<()> {
     Err(failure(who, ErrorKind::NotSupported, detail))
 }
 
-/// Option haggling after the greeting (and after TLS): structured replies, `base:allocation`,
-/// then GO.
+/// Option haggling after the greeting (and after TLS): structured replies, `base:allocation`
+/// and, with `bitmap`, the context `qemu:dirty-bitmap:BITMAP`, then GO. A bitmap the server
+/// does not agree to is an error that lists the contexts it offers.
 pub fn options<S: Read + Write + ?Sized>(
     s: &mut S,
     export: &str,
     who: &str,
     no_zeroes: bool,
+    bitmap: Option<&str>,
 ) -> Result<ExportInfo> {
     let fail = |kind, detail: String| failure(who, kind, detail);
     let io = io_error(who);
     let mut haggle = Haggle { s, who, io: &io };
     let structured = haggle.simple_option(OPT_STRUCTURED_REPLY, &[])?;
-    let mut allocation = None;
+    let dirty_context = bitmap.map(|b| format!("{DIRTY_BITMAP_PREFIX}{b}"));
+    let (mut allocation, mut dirty) = (None, None);
     if structured {
-        haggle.send(OPT_SET_META_CONTEXT, &meta_data(export, &[BASE_ALLOCATION]))?;
+        let mut queries = vec![BASE_ALLOCATION];
+        queries.extend(dirty_context.as_deref());
+        haggle.send(OPT_SET_META_CONTEXT, &meta_data(export, &queries))?;
         loop {
             let (ty, data) = haggle.reply(OPT_SET_META_CONTEXT)?;
             match ty {
@@ -118,17 +128,27 @@ pub fn options<S: Read + Write + ?Sized>(
                     let (id, name) = parse_meta_context(&data).map_err(|e| haggle.invalid(e))?;
                     if name == BASE_ALLOCATION {
                         allocation = Some(id);
+                    } else if dirty_context.as_deref() == Some(name.as_str()) {
+                        dirty = Some(id);
                     }
                 }
                 REP_ACK => break,
                 // Errors only mean no allocation map: copies then read everything. Contexts
                 // named before the error were not agreed.
                 _ => {
-                    allocation = None;
+                    (allocation, dirty) = (None, None);
                     break;
                 }
             }
         }
+    }
+    if let (Some(context), None) = (&dirty_context, dirty) {
+        let e = haggle.no_context(export, context, structured);
+        // Said goodbye, so the server does not report a client that vanished.
+        if haggle.send(OPT_ABORT, &[]).is_ok() {
+            let _ = haggle.reply(OPT_ABORT);
+        }
+        return Err(e);
     }
 
     haggle.send(OPT_GO, &go_data(export, &[INFO_BLOCK_SIZE]))?;
@@ -169,7 +189,7 @@ pub fn options<S: Read + Write + ?Sized>(
         tracing::warn!("{who}: ignoring the server's invalid block sizes {block:?}");
         block = DEFAULT_BLOCK;
     }
-    Ok(ExportInfo { size, flags, block, structured, allocation })
+    Ok(ExportInfo { size, flags, block, structured, allocation, bitmap: dirty })
 }
 
 /// An error reply to GO, in words.
@@ -235,6 +255,51 @@ impl<S: Read + Write + ?Sized, F: Fn(std::io::Error) -> Error> Haggle<'_, S, F> 
             _ => (self.io)(e),
         })?;
         Ok(parse_export_name_reply(b[..EXPORT_NAME_REPLY_LEN].try_into().unwrap()))
+    }
+
+    /// The error for a meta `context` the server did not agree to, naming the ones it offers
+    /// (`NBD_OPT_LIST_META_CONTEXT` with no query: all of them).
+    fn no_context(&mut self, export: &str, context: &str, structured: bool) -> Error {
+        let who = self.who;
+        let missing = |detail: String| Error::new(ErrorKind::NotFound, Op::Connect).path(who).detail(detail);
+        if !structured {
+            return missing(format!(
+                "the server has no meta contexts (no structured replies), so no '{context}'"
+            ));
+        }
+        let (mut offered, mut count) = (Vec::new(), 0usize);
+        let listed = self.send(OPT_LIST_META_CONTEXT, &meta_data(export, &[])).and_then(|()| loop {
+            let (ty, data) = self.reply(OPT_LIST_META_CONTEXT)?;
+            match ty {
+                REP_META_CONTEXT => match parse_meta_context(&data) {
+                    Ok((_, name)) => {
+                        count += 1;
+                        if offered.len() < MAX_LISTED {
+                            offered.push(format!("'{name}'"));
+                        }
+                    }
+                    Err(e) => return Err(self.invalid(e)),
+                },
+                REP_ACK => return Ok(true),
+                _ => return Ok(false),
+            }
+        });
+        match listed {
+            Err(e) => e,
+            Ok(false) => {
+                missing(format!("the server offers no '{context}' (and does not list its contexts)"))
+            }
+            Ok(true) if offered.is_empty() => {
+                missing(format!("the server offers no '{context}' (it offers no contexts)"))
+            }
+            Ok(true) => {
+                let more = match count - offered.len() {
+                    0 => String::new(),
+                    n => format!(" and {n} more"),
+                };
+                missing(format!("the server offers no '{context}'; it offers {}{more}", offered.join(", ")))
+            }
+        }
     }
 
     fn invalid(&self, e: Invalid) -> Error {

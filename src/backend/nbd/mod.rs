@@ -98,20 +98,27 @@ impl NbdBackend {
     /// Connects to `target`. `connections` > 1 opens that many when the server advertises
     /// `CAN_MULTI_CONN` (and one otherwise).
     pub fn open(target: &Target, connections: usize) -> Result<NbdBackend> {
+        Self::open_with_bitmap(target, connections, None)
+    }
+
+    /// [`NbdBackend::open`], also agreeing on the dirty bitmap `bitmap` (the meta context
+    /// `qemu:dirty-bitmap:BITMAP`): extents then say which ranges it marks clean
+    /// ([`Extent::clean`]). A server without it is an error naming the contexts it offers.
+    pub fn open_with_bitmap(target: &Target, connections: usize, bitmap: Option<&str>) -> Result<NbdBackend> {
         match target {
             Target::Uri(uri) => {
                 let tls = match &uri.tls {
                     Some(params) => Some(client_tls(uri, params)?),
                     None => None,
                 };
-                let how = How { address: &uri.address, export: &uri.export, tls: tls.as_ref() };
+                let how = How { address: &uri.address, export: &uri.export, tls: tls.as_ref(), bitmap };
                 Self::connect_all(uri.text.clone(), how, connections, None)
             }
             Target::Captive(argv) => {
                 let captive = Captive::start(argv)?;
                 let address = Address::Unix(captive.socket().to_path_buf());
                 let name = captive.display.clone();
-                let how = How { address: &address, export: "", tls: None };
+                let how = How { address: &address, export: "", tls: None, bitmap };
                 Self::connect_all(name, how, connections, Some(captive))
             }
         }
@@ -142,7 +149,9 @@ impl NbdBackend {
             for _ in 1..connections {
                 let c = connect(&how, &name)?;
                 // Requests go to any connection, aligned and shaped by the first one's terms.
-                let same = |i: &ExportInfo| (i.size, i.flags, i.block, i.structured, i.allocation.is_some());
+                let same = |i: &ExportInfo| {
+                    (i.size, i.flags, i.block, i.structured, i.allocation.is_some(), i.bitmap.is_some())
+                };
                 if same(&c.info) != same(&info) {
                     return Err(Error::new(ErrorKind::Io, Op::Connect)
                         .path(&name)
@@ -274,6 +283,8 @@ struct How<'a> {
     address: &'a Address,
     export: &'a str,
     tls: Option<&'a ClientTls>,
+    /// A dirty bitmap to agree on.
+    bitmap: Option<&'a str>,
 }
 
 /// The TLS configuration of an `nbds` URI: its certificate directory (or libnbd's default
@@ -337,7 +348,7 @@ fn negotiate(mut stream: Box<dyn Stream>, how: &How, who: &str) -> Result<(Box<d
             Error::io(Op::Connect, e).kind_as(ErrorKind::Io).path(who).detail("TLS handshake failed")
         })?);
     }
-    let info = handshake::options(&mut *stream, how.export, who, no_zeroes)?;
+    let info = handshake::options(&mut *stream, how.export, who, no_zeroes, how.bitmap)?;
     Ok((stream, info))
 }
 
@@ -403,7 +414,7 @@ impl Backend for NbdBackend {
             can_trim: writable && i.has(TF_SEND_TRIM),
             can_zero: writable,
             can_fast_zero: writable && i.has(TF_SEND_WRITE_ZEROES) && i.has(TF_SEND_FAST_ZERO),
-            can_extents: i.allocation.is_some(),
+            can_extents: i.allocation.is_some() || i.bitmap.is_some(),
             sequential: false,
             growable: false,
             rotational: i.has(TF_ROTATIONAL),
@@ -511,7 +522,7 @@ impl Backend for NbdBackend {
 
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         debug_assert!(len > 0 && offset + len <= self.info.size);
-        if self.info.allocation.is_none() {
+        if self.info.allocation.is_none() && self.info.bitmap.is_none() {
             return Ok(vec![Extent::data(len)]);
         }
         let Some(cache) = &self.extent_cache else {

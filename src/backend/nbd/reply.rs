@@ -32,8 +32,20 @@ impl Header {
 pub(super) enum Target<'a> {
     None,
     Read(&'a mut [u8]),
-    Status(&'a mut Vec<Extent>),
+    Status(&'a mut Status),
 }
+
+/// A `BLOCK_STATUS` reply: the extents of each context the connection agreed to, from the
+/// request's offset.
+#[derive(Debug, Default)]
+pub(super) struct Status {
+    pub(super) allocation: Vec<Extent>,
+    /// The dirty bitmap's runs: length, dirty.
+    pub(super) dirty: Vec<(u64, bool)>,
+}
+
+/// The context ids a connection agreed to: `base:allocation`, and the dirty bitmap.
+pub(super) type Contexts = [Option<u32>; 2];
 
 /// What the replies to one request said.
 #[derive(Default)]
@@ -44,8 +56,8 @@ pub(super) struct Answer {
     /// the spec forbids overlapping chunks, and a server that sent one chunk twice would
     /// otherwise pass for one that covered the request.
     content: BTreeMap<u64, u64>,
-    /// The status chunk for `base:allocation` came (a reply holds one per context).
-    status: bool,
+    /// The status chunk of each of [`Contexts`] came (a reply holds one per context).
+    status: [bool; 2],
 }
 
 /// Disjoint pieces a read's chunks may leave before the server counts as hostile (chunks in
@@ -102,7 +114,7 @@ impl Answer {
         offset: u64,
         len: u64,
         target: &mut Target,
-        allocation: Option<u32>,
+        contexts: Contexts,
     ) -> Result<bool> {
         let io = |e: std::io::Error| Error::io(Op::Receive, e);
         let c = match h {
@@ -146,16 +158,26 @@ impl Answer {
                 let mut data = vec![0u8; n as usize];
                 r.read_exact(&mut data).map_err(io)?;
                 let status = parse_block_status(&data).map_err(malformed)?;
-                if Some(status.context) == allocation {
-                    if self.status {
-                        return bad("two block status chunks for one context");
-                    }
-                    self.status = true;
-                    for d in status.descriptors() {
-                        if d.len == 0 {
-                            return bad("an extent of no length");
-                        }
-                        extents.push(Extent { len: u64::from(d.len), hole: d.hole(), zero: d.zero() });
+                // Chunks for contexts not asked about are passed over.
+                let Some(which) = contexts.iter().position(|&c| c == Some(status.context)) else {
+                    return Ok(c.done());
+                };
+                if std::mem::replace(&mut self.status[which], true) {
+                    return bad("two block status chunks for one context");
+                }
+                if status.descriptors().any(|d| d.len == 0) {
+                    return bad("an extent of no length");
+                }
+                for d in status.descriptors() {
+                    let len = u64::from(d.len);
+                    match which {
+                        0 => extents.allocation.push(Extent {
+                            len,
+                            hole: d.hole(),
+                            zero: d.zero(),
+                            clean: false,
+                        }),
+                        _ => extents.dirty.push((len, d.dirty())),
                     }
                 }
             }

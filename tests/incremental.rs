@@ -1,0 +1,251 @@
+//! `lightfoot copy --bitmap NAME`: incremental copies from a QEMU dirty bitmap exported by
+//! `qemu-nbd -B NAME`, into the previous copy (a file, or a qcow2 overlay behind qemu-nbd).
+//! The changes are made with `qemu-io` (data at odd offsets, `write -z`, `discard`, across the
+//! bitmap's 64 KiB granularity); the result is compared byte for byte with the source, and
+//! bad input must fail before the destination is touched.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+
+const SIZE: u64 = 24 * MIB;
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn run(cmd: &mut Command) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(out.status.success(), "{cmd:?}: {}", text(&out));
+}
+
+fn qemu_img(args: &[&str]) {
+    run(tool("qemu-img", "qemu-utils").args(args));
+}
+
+/// `qemu-io` commands on a qcow2 image, in order.
+fn qemu_io(img: &Path, cmds: &[&str]) {
+    let mut c = tool("qemu-io", "qemu-utils");
+    c.args(["-f", "qcow2"]);
+    for cmd in cmds {
+        c.args(["-c", cmd]);
+    }
+    run(c.arg(img));
+}
+
+/// The captive read-only export of `img` with bitmap `bitmap`, as copy's endpoint words.
+fn export<'a>(img: &'a Path, bitmap: &'a str) -> Vec<&'a str> {
+    vec!["[", "qemu-nbd", "-r", "-f", "qcow2", "-B", bitmap, s(img), "]"]
+}
+
+fn copy(args: &[&str]) -> std::process::Output {
+    let mut all = vec!["copy"];
+    let (opts, eps): (Vec<&str>, Vec<&str>) = args.iter().partition(|a| a.starts_with("--"));
+    all.extend(opts);
+    all.push("--");
+    all.extend(eps);
+    lightfoot(&all)
+}
+
+fn fails_with(out: &std::process::Output, words: &[&str]) {
+    assert_eq!(out.status.code(), Some(1), "expected exit 1: {}", text(out));
+    let t = text(out);
+    for w in words {
+        assert!(t.contains(w), "message lacks '{w}': {t}");
+    }
+}
+
+/// Bytes `nbdinfo --map` says the bitmap marks dirty (libnbd's reading, not ours).
+fn dirty_bytes(img: &Path, bitmap: &str) -> u64 {
+    let map = format!("--map=qemu:dirty-bitmap:{bitmap}");
+    let out = tool("nbdinfo", "libnbd-bin")
+        .args([&map, "--", "[", "qemu-nbd", "-r", "-f", "qcow2", "-B", bitmap, s(img), "]"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "nbdinfo: {}", text(&out));
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (len, ty) = (f.get(1)?.parse::<u64>().ok()?, f.get(2)?.parse::<u32>().ok()?);
+            (ty & 1 != 0).then_some(len)
+        })
+        .sum()
+}
+
+/// A qcow2 source with data and holes, its first full copy as a raw file, then a bitmap
+/// `b0` started and changes made through it. Returns (source, full copy).
+fn source_and_full_copy(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let raw = dir.join("sample.raw");
+    sample(&raw, SIZE, 3 * MIB);
+    let src = dir.join("src.qcow2");
+    qemu_img(&["convert", "-q", "-f", "raw", "-O", "qcow2", s(&raw), s(&src)]);
+    let full = dir.join("full.raw");
+    let mut eps = vec!["[", "qemu-nbd", "-r", "-f", "qcow2", s(&src), "]"];
+    eps.push(s(&full));
+    ok(copy(&eps));
+    qemu_img(&["bitmap", "--add", "--enable", s(&src), "b0"]);
+    qemu_io(
+        &src,
+        &[
+            // Data at odd offsets, one across the 3 MiB data/hole edge and 64 KiB blocks.
+            "write -P 0x5a 1000 70000",
+            "write -P 0xa5 3145000 200001",
+            // Zeroes over data, and a discard of data, both unaligned.
+            "write -z 6300000 150000",
+            "discard 12582912 1048576",
+            // Into a hole, and the last bytes of the image.
+            "write -P 0x33 9437300 5000",
+            "write -P 0x44 25160824 5000",
+        ],
+    );
+    (src, full)
+}
+
+#[test]
+fn an_incremental_copy_into_a_file_reproduces_the_source() {
+    let dir = scratch();
+    let (src, full) = source_and_full_copy(dir.path());
+    // A canary in the copy where nothing changed: an incremental copy must leave it (a full
+    // one would overwrite it).
+    let canary_at = 18 * MIB;
+    let mut copy_bytes = std::fs::read(&full).unwrap();
+    copy_bytes[canary_at as usize..canary_at as usize + 4096].fill(0xee);
+    std::fs::write(&full, &copy_bytes).unwrap();
+    evict(&full);
+
+    let mut args = vec!["--bitmap=b0", "--json"];
+    args.extend(export(&src, "b0"));
+    args.push(s(&full));
+    let out = copy(&args);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(cached(&full, 0, None), 0, "the copy left the destination cached");
+    let json: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    let want = dirty_bytes(&src, "b0");
+    assert!(want > 0 && want < SIZE / 4, "dirty {want}");
+    assert_eq!(json["changed"].as_u64(), Some(want), "{json}");
+    assert_eq!(json["bytes"].as_u64(), Some(want), "{json}");
+    assert_eq!(json["bitmap"].as_str(), Some("b0"), "{json}");
+
+    let reference = dir.path().join("ref.raw");
+    qemu_img(&["convert", "-q", "-f", "qcow2", "-O", "raw", s(&src), s(&reference)]);
+    let mut got = std::fs::read(&full).unwrap();
+    let canary = canary_at as usize..canary_at as usize + 4096;
+    assert!(got[canary.clone()].iter().all(|&b| b == 0xee), "the unchanged canary was overwritten");
+    let want_bytes = std::fs::read(&reference).unwrap();
+    got[canary.clone()].copy_from_slice(&want_bytes[canary]);
+    assert!(got == want_bytes, "the incremental copy differs from the source");
+}
+
+#[test]
+fn an_incremental_copy_into_a_qcow2_overlay_makes_a_chain() {
+    let dir = scratch();
+    let d = dir.path();
+    let raw = d.join("sample.raw");
+    sample(&raw, SIZE, 3 * MIB);
+    let src = d.join("src.qcow2");
+    qemu_img(&["convert", "-q", "-f", "raw", "-O", "qcow2", s(&raw), s(&src)]);
+    // The full backup: a qcow2 of its own, through a captive qemu-nbd on each side.
+    let base = d.join("full.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&base), &SIZE.to_string()]);
+    ok(copy(&[
+        "[",
+        "qemu-nbd",
+        "-r",
+        "-f",
+        "qcow2",
+        s(&src),
+        "]",
+        "[",
+        "qemu-nbd",
+        "-f",
+        "qcow2",
+        s(&base),
+        "]",
+    ]));
+    qemu_img(&["bitmap", "--add", "--enable", s(&src), "b0"]);
+    qemu_io(&src, &["write -P 0x77 5000000 300000", "write -z 1048576 65536", "discard 20971520 2097152"]);
+    // The incremental: an overlay on the full backup, written through qemu-nbd.
+    let inc = d.join("inc1.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", "-b", s(&base), "-F", "qcow2", s(&inc)]);
+    let mut args = vec!["--bitmap=b0"];
+    args.extend(export(&src, "b0"));
+    args.extend(["[", "qemu-nbd", "-f", "qcow2", s(&inc), "]"]);
+    ok(copy(&args));
+    run(tool("qemu-img", "qemu-utils").args(["compare", "-q", s(&src), s(&inc)]));
+    // The overlay holds the changed clusters only, not a second full copy.
+    let top = qemu_img_map_allocated(&inc);
+    let changed = dirty_bytes(&src, "b0");
+    assert!(top <= changed + MIB, "the overlay holds {top} bytes for {changed} changed");
+}
+
+/// Bytes a qcow2 overlay's own layer describes (`qemu-img map`: entries at depth 0, data or
+/// zero clusters; what it leaves to its backing file shows at depth 1).
+fn qemu_img_map_allocated(img: &Path) -> u64 {
+    let out = tool("qemu-img", "qemu-utils").args(["map", "--output=json", s(img)]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let map: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    map.as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["depth"] == 0 && e["present"] != false)
+        .map(|e| e["length"].as_u64().unwrap())
+        .sum()
+}
+
+#[test]
+fn bad_incremental_copies_leave_the_destination_alone() {
+    let dir = scratch();
+    let d = dir.path();
+    let (src, full) = source_and_full_copy(d);
+    let before = std::fs::read(&full).unwrap();
+    let with = |bitmap: &str, dst: &str| {
+        let flag = format!("--bitmap={bitmap}");
+        let mut args = vec![flag.as_str()];
+        args.extend(export(&src, "b0"));
+        args.push(dst);
+        copy(&args)
+    };
+    // No previous copy: nothing is created.
+    let missing = d.join("missing.raw");
+    fails_with(&with("b0", s(&missing)), &["missing.raw", "must exist"]);
+    assert!(!missing.exists());
+    // A copy of another size.
+    let other = d.join("other.raw");
+    std::fs::write(&other, vec![7u8; (SIZE + MIB) as usize]).unwrap();
+    fails_with(&with("b0", s(&other)), &["other.raw", "not a copy"]);
+    assert!(std::fs::read(&other).unwrap().iter().all(|&b| b == 7));
+    // A bitmap the server does not have: the contexts it offers are listed.
+    fails_with(
+        &with("nope", s(&full)),
+        &["qemu:dirty-bitmap:nope", "'qemu:dirty-bitmap:b0'", "'base:allocation'"],
+    );
+    // Standard output cannot hold a previous copy.
+    fails_with(&with("b0", "-"), &["standard output"]);
+    assert!(std::fs::read(&full).unwrap() == before, "a failed incremental copy changed the destination");
+
+    // A server without dirty bitmaps (lightfoot's: base:allocation only), and one without
+    // meta contexts at all (nbdkit without structured replies).
+    let raw = d.join("plain.raw");
+    sample(&raw, SIZE, MIB);
+    let plain = lightfoot_args(&["--bitmap", "b0", "--", "[", bin(), "serve", "-r", s(&raw), "]", s(&full)]);
+    fails_with(&plain, &["qemu:dirty-bitmap:b0", "'base:allocation'"]);
+    need("nbdkit", "nbdkit");
+    let no_sr =
+        lightfoot_args(&["--bitmap", "b0", "--", "[", "nbdkit", "--no-sr", "file", s(&raw), "]", s(&full)]);
+    fails_with(&no_sr, &["no meta contexts"]);
+    // A source that is not NBD.
+    fails_with(&lightfoot_args(&["--bitmap", "b0", s(&raw), s(&full)]), &["needs an NBD source"]);
+    assert!(std::fs::read(&full).unwrap() == before, "a failed incremental copy changed the destination");
+}
+
+fn lightfoot_args(args: &[&str]) -> std::process::Output {
+    let mut all = vec!["copy"];
+    all.extend_from_slice(args);
+    lightfoot(&all)
+}
