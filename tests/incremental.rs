@@ -60,6 +60,11 @@ fn fails_with(out: &std::process::Output, words: &[&str]) {
 
 /// Bytes `nbdinfo --map` says the bitmap marks dirty (libnbd's reading, not ours).
 fn dirty_bytes(img: &Path, bitmap: &str) -> u64 {
+    dirty_extents(img, bitmap).iter().map(|e| e.1).sum()
+}
+
+/// The (offset, length) extents `nbdinfo --map` says the bitmap marks dirty.
+fn dirty_extents(img: &Path, bitmap: &str) -> Vec<(u64, u64)> {
     let map = format!("--map=qemu:dirty-bitmap:{bitmap}");
     let out = tool("nbdinfo", "libnbd-bin")
         .args([&map, "--", "[", "qemu-nbd", "-r", "-f", "qcow2", "-B", bitmap, s(img), "]"])
@@ -71,10 +76,11 @@ fn dirty_bytes(img: &Path, bitmap: &str) -> u64 {
         .lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
-            let (len, ty) = (f.get(1)?.parse::<u64>().ok()?, f.get(2)?.parse::<u32>().ok()?);
-            (ty & 1 != 0).then_some(len)
+            let (off, len) = (f.first()?.parse::<u64>().ok()?, f.get(1)?.parse::<u64>().ok()?);
+            let ty = f.get(2)?.parse::<u32>().ok()?;
+            (ty & 1 != 0).then_some((off, len))
         })
-        .sum()
+        .collect()
 }
 
 /// A qcow2 source with data and holes, its first full copy as a raw file, then a bitmap
@@ -248,4 +254,121 @@ fn lightfoot_args(args: &[&str]) -> std::process::Output {
     let mut all = vec!["copy"];
     all.extend_from_slice(args);
     lightfoot(&all)
+}
+
+/// Into an `s3://` block image (256 KiB objects, its geometry read from its manifest): only
+/// objects holding changed bytes are touched, each with one PUT or a delete, after a GET only
+/// where the changes cover it in part; the image then reads back as the source.
+#[test]
+fn an_incremental_copy_into_an_s3_block_image_touches_changed_objects_only() {
+    use common::s3::{Gateway, Seaweed};
+    const OBJECT: u64 = 256 << 10;
+    let w = Seaweed::start();
+    w.bucket("backups");
+    let dir = scratch();
+    let d = dir.path();
+    let raw = d.join("sample.raw");
+    sample(&raw, SIZE, 3 * MIB);
+    let src = d.join("src.qcow2");
+    qemu_img(&["convert", "-q", "-f", "raw", "-O", "qcow2", s(&raw), s(&src)]);
+    let lf = |args: &[&str]| {
+        let out = w.lightfoot(300, args);
+        assert!(out.status.success(), "{}", text(&out));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let full =
+        ["copy", "--json", "--object-size=256K", "--", "[", "qemu-nbd", "-r", "-f", "qcow2", s(&src), "]"];
+    lf(&[&full[..], &["s3://backups/vm"]].concat());
+    qemu_img(&["bitmap", "--add", "--enable", s(&src), "b0"]);
+    qemu_io(
+        &src,
+        &[
+            "write -P 0x5a 1000 70000",
+            "write -P 0xa5 3145000 200001",
+            "write -z 6300000 150000",
+            "discard 12582912 1048576",
+            "write -P 0x33 9437300 5000",
+            // Two changes in one object: data then zeroes (into a hole), and two pieces apart
+            // (in data): each object must still be written once.
+            "write -P 0x10 4194304 65536",
+            "write -z 4259840 65536",
+            "write -P 0x11 13631488 4096",
+            "write -P 0x12 13836288 4096",
+        ],
+    );
+    // A bitmap that recorded nothing: what opening and closing the image costs.
+    qemu_img(&["bitmap", "--add", s(&src), "nothing"]);
+    let objects =
+        |prefix: &str| w.list("backups", prefix).into_iter().collect::<std::collections::BTreeSet<_>>();
+    let before = objects("vm/0");
+    let incremental = |bitmap: &str| {
+        let flag = format!("--bitmap={bitmap}");
+        let args =
+            ["copy", "--json", &flag, "--", "[", "qemu-nbd", "-r", "-f", "qcow2", "-B", bitmap, s(&src), "]"];
+        lf(&[&args[..], &["s3://backups/vm"]].concat())
+    };
+    let idle = incremental("nothing");
+    assert_eq!(idle["changed"].as_u64(), Some(0), "{idle}");
+    let json = incremental("b0");
+    let after = objects("vm/0");
+
+    let key = |b: u64| format!("vm/{b:016x}");
+    let mut cover = std::collections::BTreeMap::new();
+    for (off, len) in dirty_extents(&src, "b0") {
+        for b in off / OBJECT..(off + len).div_ceil(OBJECT) {
+            *cover.entry(b).or_insert(0) += (off + len).min((b + 1) * OBJECT) - off.max(b * OBJECT);
+        }
+    }
+    let partly = cover.values().filter(|&&c| c < OBJECT).count() as u64;
+    let req = |j: &serde_json::Value, k: &str| j["destination"]["requests"][k].as_u64().unwrap();
+    let puts = req(&json, "put") - req(&idle, "put");
+    let gets = req(&json, "get") - req(&idle, "get");
+    let deleted =
+        cover.keys().filter(|&&b| before.contains(&key(b)) && !after.contains(&key(b))).count() as u64;
+    // An object that did not exist (reads as zeroes) and ends up all zeroes needs no request.
+    let absent =
+        cover.keys().filter(|&&b| !before.contains(&key(b)) && !after.contains(&key(b))).count() as u64;
+    assert_eq!(
+        puts + deleted + absent,
+        cover.len() as u64,
+        "PUTs {puts} + deleted {deleted} + left absent {absent} for {} objects touched",
+        cover.len()
+    );
+    assert!(puts > 0 && deleted > 0, "PUTs {puts}, deleted {deleted}");
+    assert!(gets <= partly, "{gets} GETs for {partly} objects covered in part");
+    // Objects the changes did not touch are all still there; no others appeared.
+    let untouched = |set: &std::collections::BTreeSet<String>| {
+        set.iter().filter(|k| !cover.keys().any(|&b| **k == key(b))).cloned().collect::<Vec<_>>()
+    };
+    assert_eq!(untouched(&before), untouched(&after));
+
+    let reference = d.join("ref.raw");
+    qemu_img(&["convert", "-q", "-f", "qcow2", "-O", "raw", s(&src), s(&reference)]);
+    let back = d.join("back.raw");
+    lf(&["copy", "--json", "s3://backups/vm", s(&back)]);
+    assert!(same_contents(&reference, &back), "the image differs from the source after the incremental");
+
+    // An image of one object cannot be changed in place: refused, left as it was.
+    lf(&["copy", "--json", s(&raw), "s3://backups/one"]);
+    let args = [
+        "copy",
+        "--bitmap=b0",
+        "--",
+        "[",
+        "qemu-nbd",
+        "-r",
+        "-f",
+        "qcow2",
+        "-B",
+        "b0",
+        s(&src),
+        "]",
+        "s3://backups/one",
+    ];
+    let out = w.lightfoot(300, &args);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("in one object is served read-only"), "{}", text(&out));
+    let again = d.join("one.raw");
+    lf(&["copy", "--json", "s3://backups/one", s(&again)]);
+    assert!(same_contents(&raw, &again));
 }

@@ -384,7 +384,11 @@ pub fn run(args: CopyArgs) -> i32 {
         _ => None,
     };
     let job_size = changed.or(size);
-    let opts = plan.options(dst.zeroed, !args.no_sparse, !args.no_flush, args.bitmap.is_some());
+    let mut opts = plan.options(dst.zeroed, !args.no_sparse, !args.no_flush, args.bitmap.is_some());
+    if let (Endpoint::S3(_), Some(_)) = (&dst_ep, &args.bitmap) {
+        // Each object with changed bytes written once, whole.
+        opts.whole_units = dst.backend.caps().alloc_unit.map(u64::from);
+    }
     let progress = Arc::new(Progress::default());
     let bar = args.progress == Some(None) && std::io::stderr().is_terminal();
     let footprint = (bar || footprint_out.is_some()).then(|| {

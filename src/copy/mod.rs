@@ -59,6 +59,10 @@ pub struct CopyOptions {
     ///
     /// [`Extent::clean`]: crate::backend::Extent::clean
     pub changed_only: bool,
+    /// With `changed_only`: the destination rewrites a unit of this many bytes whole when part
+    /// of it is written (an `s3://` block image's objects), so each unit holding changed bytes
+    /// is written once, whole ([`copy_changed_units`]).
+    pub whole_units: Option<u64>,
 }
 
 impl Default for CopyOptions {
@@ -71,6 +75,7 @@ impl Default for CopyOptions {
             flush: true,
             interleave: false,
             changed_only: false,
+            whole_units: None,
         }
     }
 }
@@ -172,10 +177,16 @@ fn copy_sized(
     cancel: &AtomicBool,
 ) -> Result<()> {
     check_destination(dst, size)?;
-    let req = request_size(src, dst, opts.request_size) as u64;
+    let mut req = request_size(src, dst, opts.request_size) as u64;
+    let mut workers = opts.workers.clamp(1, 64) as u64;
+    if let Some(unit) = units(opts) {
+        // Requests of whole units, so no two workers write into one; buffers within 512 MiB.
+        req = (req / unit).max(1) * unit;
+        workers = workers.min(((512 << 20) / req).max(1));
+    }
     let chunks = size.div_ceil(req);
     let sequential = src.caps().sequential || dst.caps().sequential;
-    let workers = if sequential { 1 } else { opts.workers.clamp(1, 64) as u64 }.min(chunks.max(1));
+    let workers = if sequential { 1 } else { workers }.min(chunks.max(1));
     let next = AtomicU64::new(0);
     // Handed out in groups of twice the workers (see [`interleaved`]); the last group may
     // name chunks past the end, which are skipped.
@@ -253,6 +264,9 @@ fn copy_chunk(
     opts: &CopyOptions,
     progress: &Progress,
 ) -> Result<()> {
+    if let Some(unit) = units(opts) {
+        return copy_changed_units(src, dst, off, len, unit, buf, progress);
+    }
     let end = off + len;
     let mut at = off;
     while at < end {
@@ -273,13 +287,7 @@ fn copy_chunk(
                 progress.zero.fetch_add(n, Ordering::Relaxed);
             } else {
                 let data = &mut buf[..n as usize];
-                let got = src.read(data, at)?;
-                if got < data.len() {
-                    return Err(Error::new(ErrorKind::UnexpectedEof, Op::Read)
-                        .path(src.name())
-                        .at(at + got as u64, n - got as u64)
-                        .detail("the source ended early (did it shrink during the copy?)"));
-                }
+                read_all(src, data, at, "source")?;
                 write_data(dst, at, data, opts, progress)?;
             }
             at += n;
@@ -322,6 +330,84 @@ pub fn changed_bytes(src: &dyn Backend, size: u64, cancel: &AtomicBool) -> Resul
         at += seen;
     }
     Ok(changed)
+}
+
+/// The unit size when an incremental copy writes whole units ([`CopyOptions::whole_units`]).
+fn units(opts: &CopyOptions) -> Option<u64> {
+    opts.whole_units.filter(|&u| opts.changed_only && u > 0)
+}
+
+/// Reads all of `buf` from `b` (`side`: "source" or "destination") at `at`; a short read is
+/// an unexpected end.
+fn read_all(b: &dyn Backend, buf: &mut [u8], at: u64, side: &str) -> Result<()> {
+    let got = b.read(buf, at)?;
+    if got < buf.len() {
+        return Err(Error::new(ErrorKind::UnexpectedEof, Op::Read)
+            .path(b.name())
+            .at(at + got as u64, (buf.len() - got) as u64)
+            .detail(format!("the {side} ended early (did it shrink during the copy?)")));
+    }
+    Ok(())
+}
+
+/// An incremental copy of `[off, off+len)` (whole units of `unit` bytes, the last perhaps
+/// shorter) into a destination that rewrites a unit whole when part of it is written: each unit
+/// with changed bytes is assembled and written once, from the source where the changes cover
+/// it, else read from the destination and patched. So an `s3://` block image's object costs one
+/// PUT (or DELETE, when it ends up all zeroes) and at most one GET, never one per changed piece.
+fn copy_changed_units(
+    src: &dyn Backend,
+    dst: &dyn Backend,
+    off: u64,
+    len: u64,
+    unit: u64,
+    buf: &mut [u8],
+    progress: &Progress,
+) -> Result<()> {
+    let end = off + len;
+    let mut u0 = off;
+    while u0 < end {
+        let n = unit.min(end - u0);
+        // The unit's changed pieces: (start within the unit, length, reads as zeroes).
+        let mut pieces = Vec::new();
+        let mut at = u0;
+        while at < u0 + n {
+            for e in src.extents(at, u0 + n - at)? {
+                let m = e.len.min(u0 + n - at);
+                if m == 0 {
+                    continue;
+                }
+                if !e.clean {
+                    pieces.push((at - u0, m, e.zero));
+                }
+                at += m;
+                if at == u0 + n {
+                    break;
+                }
+            }
+        }
+        let changed: u64 = pieces.iter().map(|p| p.1).sum();
+        if changed > 0 {
+            let whole = &mut buf[..n as usize];
+            if changed < n {
+                read_all(dst, whole, u0, "destination")?;
+            }
+            for &(s, m, zero) in &pieces {
+                let piece = &mut whole[s as usize..(s + m) as usize];
+                if zero {
+                    piece.fill(0);
+                    progress.zero.fetch_add(m, Ordering::Relaxed);
+                } else {
+                    read_all(src, piece, u0 + s, "source")?;
+                    progress.written.fetch_add(m, Ordering::Relaxed);
+                }
+            }
+            dst.write(whole, u0, false)?;
+            progress.done.fetch_add(changed, Ordering::Relaxed);
+        }
+        u0 += n;
+    }
+    Ok(())
 }
 
 /// Makes `[at, at+n)` of the destination read as zeroes, if it does not already.

@@ -333,11 +333,19 @@ fn open_in_place(
                 "an incremental copy writes into the previous copy: standard output cannot hold one".into(),
             )
         }
-        Endpoint::S3(_) => {
-            return refuse(
-                ErrorKind::NotSupported,
-                "an incremental copy into s3:// is not supported yet".into(),
-            )
+        // A block image's geometry comes from its manifest (or --object-size and --size for one
+        // nbdkit made); one object cannot be changed in place.
+        Endpoint::S3(u) => {
+            let b = S3Backend::open(u, &S3Options { writable: true, ..opts.s3.clone() })?;
+            if b.object_size().is_none() {
+                return refuse(
+                    ErrorKind::InvalidInput,
+                    "one object cannot be written in place: an incremental copy into s3:// needs a block \
+                     image (one written with --object-size)"
+                        .into(),
+                );
+            }
+            Opened::plain(Arc::new(b), false)
         }
         Endpoint::Nbd(t) => Opened::plain(Arc::new(NbdBackend::open(t, opts.connections)?), false),
         Endpoint::Path(p) => {

@@ -110,6 +110,7 @@ impl Plan {
             flush,
             interleave: self.interleave,
             changed_only,
+            whole_units: None,
         }
     }
 }

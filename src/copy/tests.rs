@@ -40,6 +40,7 @@ fn opts(workers: usize) -> CopyOptions {
         flush: true,
         interleave: false,
         changed_only: false,
+        whole_units: None,
     }
 }
 
@@ -363,6 +364,122 @@ impl Backend for Bitmapped {
     fn finish(&self) -> Result<()> {
         Ok(())
     }
+}
+
+/// The source, its previous copy in `dst`, then changes: new data at odd offsets, data zeroed,
+/// a region punched, across request boundaries. Returns the source and the changed ranges
+/// rounded out to 64 KiB, as QEMU's bitmap would mark them.
+fn changed_since(dst: &dyn Backend) -> (Arc<MemoryBackend>, Vec<(u64, u64)>) {
+    let src = source();
+    run(&*src, dst, &opts(2)).unwrap();
+    let mut rng = Rng::new(11);
+    let mut buf = vec![0u8; 300_000];
+    rng.fill(&mut buf);
+    src.write(&buf, (1 << 20) - 1000, false).unwrap();
+    src.zero((5 << 20) + 100_000, 200_000, ZeroFlags::default()).unwrap();
+    src.trim(7 << 20, 1 << 20, false).unwrap();
+    src.write(&buf[..5000], SIZE - 5000, false).unwrap();
+    let g = 64 << 10;
+    let round = |s: u64, l: u64| (s / g * g, ((s + l).div_ceil(g) * g).min(SIZE) - s / g * g);
+    let dirty = vec![
+        round((1 << 20) - 1000, 300_000),
+        round((5 << 20) + 100_000, 200_000),
+        round(7 << 20, 1 << 20),
+        round(SIZE - 5000, 5000),
+    ];
+    (src, dirty)
+}
+
+/// A destination that records the ranges read from and written to it.
+#[derive(Default)]
+struct Recorded {
+    inner: Option<MemoryBackend>,
+    reads: std::sync::Mutex<Vec<(u64, u64)>>,
+    writes: std::sync::Mutex<Vec<(u64, u64)>>,
+}
+
+impl Recorded {
+    fn m(&self) -> &MemoryBackend {
+        self.inner.as_ref().unwrap()
+    }
+}
+
+impl Backend for Recorded {
+    fn name(&self) -> &str {
+        "recorded"
+    }
+    fn size(&self) -> Option<u64> {
+        self.m().size()
+    }
+    fn caps(&self) -> Caps {
+        self.m().caps()
+    }
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.reads.lock().unwrap().push((offset, buf.len() as u64));
+        self.m().read(buf, offset)
+    }
+    fn read_at_hand(&self, _: &mut [u8], _: u64) -> Option<Result<usize>> {
+        None
+    }
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.writes.lock().unwrap().push((offset, buf.len() as u64));
+        self.m().write(buf, offset, fua)
+    }
+    crate::backend::writes_leave_at_once!();
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        self.writes.lock().unwrap().push((offset, len));
+        self.m().zero(offset, len, flags)
+    }
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.writes.lock().unwrap().push((offset, len));
+        self.m().trim(offset, len, fua)
+    }
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+    fn cache(&self, _: u64, _: u64) -> Result<()> {
+        Ok(())
+    }
+    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.m().extents(offset, len)
+    }
+    crate::backend::nothing_to_report!();
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn changed_only_into_whole_units_writes_each_changed_unit_once() {
+    let unit = 256u64 << 10;
+    let dst = Recorded { inner: Some(MemoryBackend::new(SIZE)), ..Default::default() };
+    let (src, dirty) = changed_since(&dst);
+    dst.writes.lock().unwrap().clear();
+    let b = Bitmapped { inner: src.clone(), dirty: dirty.clone(), reads: Default::default() };
+    let o =
+        CopyOptions { destination_is_zero: false, changed_only: true, whole_units: Some(unit), ..opts(4) };
+    let stats = run(&b, &dst, &o).unwrap();
+    assert_eq!(contents(&*src), contents(dst.m()));
+    assert_eq!(stats.bytes, dirty.iter().map(|d| d.1).sum::<u64>());
+    // The units the changes touch, and those they cover only in part.
+    let mut touched = std::collections::BTreeMap::new();
+    for &(s, l) in &dirty {
+        for u in s / unit..(s + l).div_ceil(unit) {
+            let (u0, u1) = (u * unit, ((u + 1) * unit).min(SIZE));
+            *touched.entry(u0).or_insert(0) += (s + l).min(u1) - s.max(u0);
+        }
+    }
+    let partly: Vec<u64> =
+        touched.iter().filter(|&(&u0, &c)| c < unit.min(SIZE - u0)).map(|(&u, _)| u).collect();
+    // Each touched unit written once, whole; read first only where covered in part.
+    let mut writes = dst.writes.lock().unwrap().clone();
+    writes.sort_unstable();
+    let want: Vec<(u64, u64)> = touched.keys().map(|&u0| (u0, unit.min(SIZE - u0))).collect();
+    assert_eq!(writes, want);
+    let mut reads: Vec<u64> = dst.reads.lock().unwrap().iter().map(|r| r.0).collect();
+    reads.sort_unstable();
+    assert_eq!(reads, partly);
+    assert!(!partly.is_empty() && partly.len() < want.len(), "{partly:?} of {want:?}");
 }
 
 #[test]
