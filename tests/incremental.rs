@@ -13,6 +13,16 @@ use common::*;
 
 const SIZE: u64 = 24 * MIB;
 
+/// Changes after the bitmap starts: data at odd offsets (one across the 3 MiB data/hole edge
+/// and 64 KiB blocks), zeroes over data and a discard of data, both unaligned, data into a hole.
+const CHANGES: &[&str] = &[
+    "write -P 0x5a 1000 70000",
+    "write -P 0xa5 3145000 200001",
+    "write -z 6300000 150000",
+    "discard 12582912 1048576",
+    "write -P 0x33 9437300 5000",
+];
+
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -83,32 +93,25 @@ fn dirty_extents(img: &Path, bitmap: &str) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// A qcow2 source with data and holes, its first full copy as a raw file, then a bitmap
-/// `b0` started and changes made through it. Returns (source, full copy).
-fn source_and_full_copy(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+/// A sample (data and holes, `common::sample`) in `dir`, raw and as a qcow2: (raw, qcow2).
+fn qcow2_source(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
     let raw = dir.join("sample.raw");
     sample(&raw, SIZE, 3 * MIB);
     let src = dir.join("src.qcow2");
     qemu_img(&["convert", "-q", "-f", "raw", "-O", "qcow2", s(&raw), s(&src)]);
+    (raw, src)
+}
+
+/// A qcow2 source with data and holes, its first full copy as a raw file, then a bitmap
+/// `b0` started and changes made through it. Returns (source, full copy).
+fn source_and_full_copy(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (_, src) = qcow2_source(dir);
     let full = dir.join("full.raw");
     let mut eps = vec!["[", "qemu-nbd", "-r", "-f", "qcow2", s(&src), "]"];
     eps.push(s(&full));
     ok(copy(&eps));
     qemu_img(&["bitmap", "--add", "--enable", s(&src), "b0"]);
-    qemu_io(
-        &src,
-        &[
-            // Data at odd offsets, one across the 3 MiB data/hole edge and 64 KiB blocks.
-            "write -P 0x5a 1000 70000",
-            "write -P 0xa5 3145000 200001",
-            // Zeroes over data, and a discard of data, both unaligned.
-            "write -z 6300000 150000",
-            "discard 12582912 1048576",
-            // Into a hole, and the last bytes of the image.
-            "write -P 0x33 9437300 5000",
-            "write -P 0x44 25160824 5000",
-        ],
-    );
+    qemu_io(&src, &[CHANGES, &["write -P 0x44 25160824 5000"]].concat());
     (src, full)
 }
 
@@ -152,10 +155,7 @@ fn an_incremental_copy_into_a_file_reproduces_the_source() {
 fn an_incremental_copy_into_a_qcow2_overlay_makes_a_chain() {
     let dir = scratch();
     let d = dir.path();
-    let raw = d.join("sample.raw");
-    sample(&raw, SIZE, 3 * MIB);
-    let src = d.join("src.qcow2");
-    qemu_img(&["convert", "-q", "-f", "raw", "-O", "qcow2", s(&raw), s(&src)]);
+    let (_, src) = qcow2_source(d);
     // The full backup: a qcow2 of its own, through a captive qemu-nbd on each side.
     let base = d.join("full.qcow2");
     qemu_img(&["create", "-q", "-f", "qcow2", s(&base), &SIZE.to_string()]);
@@ -267,10 +267,7 @@ fn an_incremental_copy_into_an_s3_block_image_touches_changed_objects_only() {
     w.bucket("backups");
     let dir = scratch();
     let d = dir.path();
-    let raw = d.join("sample.raw");
-    sample(&raw, SIZE, 3 * MIB);
-    let src = d.join("src.qcow2");
-    qemu_img(&["convert", "-q", "-f", "raw", "-O", "qcow2", s(&raw), s(&src)]);
+    let (raw, src) = qcow2_source(d);
     let lf = |args: &[&str]| {
         let out = w.lightfoot(300, args);
         assert!(out.status.success(), "{}", text(&out));
@@ -283,18 +280,17 @@ fn an_incremental_copy_into_an_s3_block_image_touches_changed_objects_only() {
     qemu_io(
         &src,
         &[
-            "write -P 0x5a 1000 70000",
-            "write -P 0xa5 3145000 200001",
-            "write -z 6300000 150000",
-            "discard 12582912 1048576",
-            "write -P 0x33 9437300 5000",
-            // Two changes in one object: data then zeroes (into a hole), and two pieces apart
-            // (in data): each object must still be written once.
-            "write -P 0x10 4194304 65536",
-            "write -z 4259840 65536",
-            "write -P 0x11 13631488 4096",
-            "write -P 0x12 13836288 4096",
-        ],
+            CHANGES,
+            &[
+                // Two changes in one object: data then zeroes (into a hole), and two pieces apart
+                // (in data): each object must still be written once.
+                "write -P 0x10 4194304 65536",
+                "write -z 4259840 65536",
+                "write -P 0x11 13631488 4096",
+                "write -P 0x12 13836288 4096",
+            ],
+        ]
+        .concat(),
     );
     // A bitmap that recorded nothing: what opening and closing the image costs.
     qemu_img(&["bitmap", "--add", s(&src), "nothing"]);

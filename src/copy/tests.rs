@@ -484,27 +484,8 @@ fn changed_only_into_whole_units_writes_each_changed_unit_once() {
 
 #[test]
 fn changed_only_copies_what_the_bitmap_marks_into_the_previous_copy() {
-    // The previous copy: the source as it was.
-    let src = source();
     let dst = MemoryBackend::new(SIZE);
-    run(&*src, &dst, &opts(2)).unwrap();
-    // Then: new data at odd offsets, data zeroed, a region punched, all across request
-    // boundaries; the bitmap marks each (rounded out to 64 KiB, as QEMU's would).
-    let mut rng = Rng::new(11);
-    let mut buf = vec![0u8; 300_000];
-    rng.fill(&mut buf);
-    src.write(&buf, (1 << 20) - 1000, false).unwrap();
-    src.zero((5 << 20) + 100_000, 200_000, ZeroFlags::default()).unwrap();
-    src.trim(7 << 20, 1 << 20, false).unwrap();
-    src.write(&buf[..5000], SIZE - 5000, false).unwrap();
-    let g = 64 << 10;
-    let round = |s: u64, l: u64| (s / g * g, ((s + l).div_ceil(g) * g).min(SIZE) - s / g * g);
-    let dirty = vec![
-        round((1 << 20) - 1000, 300_000),
-        round((5 << 20) + 100_000, 200_000),
-        round(7 << 20, 1 << 20),
-        round(SIZE - 5000, 5000),
-    ];
+    let (src, dirty) = changed_since(&dst);
     let marked: u64 = dirty.iter().map(|d| d.1).sum();
     let b = Bitmapped { inner: src.clone(), dirty: dirty.clone(), reads: Default::default() };
     assert_eq!(changed_bytes(&b, SIZE, &AtomicBool::new(false)).unwrap(), marked);
