@@ -19,7 +19,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
-use crate::backend::{is_zero, Backend, ZeroFlags};
+use crate::backend::{is_zero, Backend, Extent, ZeroFlags};
 use crate::error::{Error, ErrorKind, Op, Result};
 use crate::io::AlignedBuf;
 
@@ -267,31 +267,49 @@ fn copy_chunk(
     if let Some(unit) = units(opts) {
         return copy_changed_units(src, dst, off, len, unit, buf, progress);
     }
-    let end = off + len;
+    each_extent(src, off, off + len, |at, n, e| {
+        if opts.changed_only && e.clean {
+            return Ok(());
+        }
+        // Zeroes, changed or not, are written as zeroes (never a TRIM alone: it need not
+        // read back as zeroes): `zero_range` asks for WRITE_ZEROES, which may punch.
+        if e.zero {
+            zero_range(dst, at, n, opts)?;
+            progress.zero.fetch_add(n, Ordering::Relaxed);
+        } else {
+            let data = &mut buf[..n as usize];
+            read_all(src, data, at, "source")?;
+            write_data(dst, at, data, opts, progress)?;
+        }
+        progress.done.fetch_add(n, Ordering::Relaxed);
+        Ok(())
+    })
+}
+
+/// Calls `f(at, n, extent)` for the extents of `src` over `[off, end)` in order, each clipped
+/// to the range (a backend may describe fewer bytes than asked, or more in its last extent).
+fn each_extent(
+    src: &dyn Backend,
+    off: u64,
+    end: u64,
+    mut f: impl FnMut(u64, u64, Extent) -> Result<()>,
+) -> Result<()> {
     let mut at = off;
     while at < end {
-        let extents = src.extents(at, end - at)?;
-        for e in extents {
+        let before = at;
+        for e in src.extents(at, end - at)? {
             let n = e.len.min(end - at);
             if n == 0 {
                 continue;
             }
-            if opts.changed_only && e.clean {
-                at += n;
-                continue;
-            }
-            // Zeroes, changed or not, are written as zeroes (never a TRIM alone: it need not
-            // read back as zeroes): `zero_range` asks for WRITE_ZEROES, which may punch.
-            if e.zero {
-                zero_range(dst, at, n, opts)?;
-                progress.zero.fetch_add(n, Ordering::Relaxed);
-            } else {
-                let data = &mut buf[..n as usize];
-                read_all(src, data, at, "source")?;
-                write_data(dst, at, data, opts, progress)?;
-            }
+            f(at, n, e)?;
             at += n;
-            progress.done.fetch_add(n, Ordering::Relaxed);
+        }
+        if at == before {
+            return Err(Error::new(ErrorKind::Io, Op::BlockStatus)
+                .path(src.name())
+                .at(at, end - at)
+                .detail("the source described no extent"));
         }
     }
     Ok(())
@@ -309,25 +327,14 @@ pub fn changed_bytes(src: &dyn Backend, size: u64, cancel: &AtomicBool) -> Resul
         if cancel.load(Ordering::Relaxed) {
             return Err(Error::new(ErrorKind::Interrupted, Op::Copy).detail("interrupted"));
         }
-        let len = WINDOW.min(size - at);
-        let mut seen = 0;
-        for e in src.extents(at, len)? {
-            let n = e.len.min(len - seen);
+        let end = (at + WINDOW).min(size);
+        each_extent(src, at, end, |_, n, e| {
             if !e.clean {
                 changed += n;
             }
-            seen += n;
-            if seen == len {
-                break;
-            }
-        }
-        if seen == 0 {
-            return Err(Error::new(ErrorKind::Io, Op::BlockStatus)
-                .path(src.name())
-                .at(at, len)
-                .detail("the source described no extent"));
-        }
-        at += seen;
+            Ok(())
+        })?;
+        at = end;
     }
     Ok(changed)
 }
@@ -370,22 +377,12 @@ fn copy_changed_units(
         let n = unit.min(end - u0);
         // The unit's changed pieces: (start within the unit, length, reads as zeroes).
         let mut pieces = Vec::new();
-        let mut at = u0;
-        while at < u0 + n {
-            for e in src.extents(at, u0 + n - at)? {
-                let m = e.len.min(u0 + n - at);
-                if m == 0 {
-                    continue;
-                }
-                if !e.clean {
-                    pieces.push((at - u0, m, e.zero));
-                }
-                at += m;
-                if at == u0 + n {
-                    break;
-                }
+        each_extent(src, u0, u0 + n, |at, m, e| {
+            if !e.clean {
+                pieces.push((at - u0, m, e.zero));
             }
-        }
+            Ok(())
+        })?;
         let changed: u64 = pieces.iter().map(|p| p.1).sum();
         if changed > 0 {
             let whole = &mut buf[..n as usize];

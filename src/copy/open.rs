@@ -334,19 +334,11 @@ fn open_in_place(
             )
         }
         // A block image's geometry comes from its manifest (or --object-size and --size for one
-        // nbdkit made); one object cannot be changed in place.
-        Endpoint::S3(u) => {
-            let b = S3Backend::open(u, &S3Options { writable: true, ..opts.s3.clone() })?;
-            if b.object_size().is_none() {
-                return refuse(
-                    ErrorKind::InvalidInput,
-                    "one object cannot be written in place: an incremental copy into s3:// needs a block \
-                     image (one written with --object-size)"
-                        .into(),
-                );
-            }
-            Opened::plain(Arc::new(b), false)
-        }
+        // nbdkit made); an image in one object refuses to open for writing.
+        Endpoint::S3(u) => Opened::plain(
+            Arc::new(S3Backend::open(u, &S3Options { writable: true, ..opts.s3.clone() })?),
+            false,
+        ),
         Endpoint::Nbd(t) => Opened::plain(Arc::new(NbdBackend::open(t, opts.connections)?), false),
         Endpoint::Path(p) => {
             let meta =

@@ -293,23 +293,46 @@ fn tempfile_with(data: &[u8]) -> std::fs::File {
     f
 }
 
-/// A source whose dirty bitmap marks `dirty` (start, len) changed: its extents say clean
-/// elsewhere, as an NBD source opened with `--bitmap` does. Records what was read.
-struct Bitmapped {
+/// A memory backend that records the ranges read from and written to it. With `dirty`
+/// (start, len) ranges it is a source whose dirty bitmap marks them changed: its extents say
+/// clean elsewhere, as an NBD source opened with `--bitmap` does.
+struct Watched {
     inner: Arc<MemoryBackend>,
-    dirty: Vec<(u64, u64)>,
+    dirty: Option<Vec<(u64, u64)>>,
     reads: std::sync::Mutex<Vec<(u64, u64)>>,
+    writes: std::sync::Mutex<Vec<(u64, u64)>>,
 }
 
-impl Bitmapped {
-    fn is_dirty(&self, at: u64) -> Option<u64> {
-        self.dirty.iter().find(|&&(s, l)| at >= s && at < s + l).map(|&(s, l)| s + l)
+impl Watched {
+    fn new(inner: Arc<MemoryBackend>, dirty: Option<Vec<(u64, u64)>>) -> Watched {
+        Watched { inner, dirty, reads: Default::default(), writes: Default::default() }
+    }
+
+    /// The allocation map cut at the bitmap's edges; a changed run may hold holes and zeroes.
+    fn marked(&self, dirty: &[(u64, u64)], offset: u64, len: u64) -> Result<Vec<Extent>> {
+        let mut out = Vec::new();
+        let mut at = offset;
+        for e in self.inner.extents(offset, len)? {
+            let end = at + e.len;
+            while at < end {
+                let (clean, to) = match dirty.iter().find(|&&(s, l)| at >= s && at < s + l) {
+                    Some(&(s, l)) => (false, (s + l).min(end)),
+                    None => {
+                        let next = dirty.iter().map(|&(s, _)| s).filter(|&s| s > at).min();
+                        (true, next.unwrap_or(u64::MAX).min(end))
+                    }
+                };
+                out.push(Extent { len: to - at, clean, ..e });
+                at = to;
+            }
+        }
+        Ok(out)
     }
 }
 
-impl Backend for Bitmapped {
+impl Backend for Watched {
     fn name(&self) -> &str {
-        "bitmapped"
+        "watched"
     }
     fn size(&self) -> Option<u64> {
         self.inner.size()
@@ -324,15 +347,18 @@ impl Backend for Bitmapped {
     fn read_at_hand(&self, _: &mut [u8], _: u64) -> Option<Result<usize>> {
         None
     }
-    fn write(&self, _: &[u8], _: u64, _: bool) -> Result<()> {
-        unreachable!("a source")
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.writes.lock().unwrap().push((offset, buf.len() as u64));
+        self.inner.write(buf, offset, fua)
     }
     crate::backend::writes_leave_at_once!();
-    fn zero(&self, _: u64, _: u64, _: ZeroFlags) -> Result<()> {
-        unreachable!("a source")
+    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        self.writes.lock().unwrap().push((offset, len));
+        self.inner.zero(offset, len, flags)
     }
-    fn trim(&self, _: u64, _: u64, _: bool) -> Result<()> {
-        unreachable!("a source")
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.writes.lock().unwrap().push((offset, len));
+        self.inner.trim(offset, len, fua)
     }
     fn flush(&self) -> Result<()> {
         Ok(())
@@ -340,25 +366,11 @@ impl Backend for Bitmapped {
     fn cache(&self, _: u64, _: u64) -> Result<()> {
         Ok(())
     }
-    /// The allocation map cut at the bitmap's edges; a changed run may hold holes and zeroes.
     fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        let mut out = Vec::new();
-        let mut at = offset;
-        for e in self.inner.extents(offset, len)? {
-            let end = at + e.len;
-            while at < end {
-                let (clean, to) = match self.is_dirty(at) {
-                    Some(dirty_end) => (false, dirty_end.min(end)),
-                    None => {
-                        let next = self.dirty.iter().map(|&(s, _)| s).filter(|&s| s > at).min();
-                        (true, next.unwrap_or(u64::MAX).min(end))
-                    }
-                };
-                out.push(Extent { len: to - at, clean, ..e });
-                at = to;
-            }
+        match &self.dirty {
+            Some(dirty) => self.marked(dirty, offset, len),
+            None => self.inner.extents(offset, len),
         }
-        Ok(out)
     }
     crate::backend::nothing_to_report!();
     fn finish(&self) -> Result<()> {
@@ -390,76 +402,17 @@ fn changed_since(dst: &dyn Backend) -> (Arc<MemoryBackend>, Vec<(u64, u64)>) {
     (src, dirty)
 }
 
-/// A destination that records the ranges read from and written to it.
-#[derive(Default)]
-struct Recorded {
-    inner: Option<MemoryBackend>,
-    reads: std::sync::Mutex<Vec<(u64, u64)>>,
-    writes: std::sync::Mutex<Vec<(u64, u64)>>,
-}
-
-impl Recorded {
-    fn m(&self) -> &MemoryBackend {
-        self.inner.as_ref().unwrap()
-    }
-}
-
-impl Backend for Recorded {
-    fn name(&self) -> &str {
-        "recorded"
-    }
-    fn size(&self) -> Option<u64> {
-        self.m().size()
-    }
-    fn caps(&self) -> Caps {
-        self.m().caps()
-    }
-    fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.reads.lock().unwrap().push((offset, buf.len() as u64));
-        self.m().read(buf, offset)
-    }
-    fn read_at_hand(&self, _: &mut [u8], _: u64) -> Option<Result<usize>> {
-        None
-    }
-    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        self.writes.lock().unwrap().push((offset, buf.len() as u64));
-        self.m().write(buf, offset, fua)
-    }
-    crate::backend::writes_leave_at_once!();
-    fn zero(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.writes.lock().unwrap().push((offset, len));
-        self.m().zero(offset, len, flags)
-    }
-    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
-        self.writes.lock().unwrap().push((offset, len));
-        self.m().trim(offset, len, fua)
-    }
-    fn flush(&self) -> Result<()> {
-        Ok(())
-    }
-    fn cache(&self, _: u64, _: u64) -> Result<()> {
-        Ok(())
-    }
-    fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
-        self.m().extents(offset, len)
-    }
-    crate::backend::nothing_to_report!();
-    fn finish(&self) -> Result<()> {
-        Ok(())
-    }
-}
-
 #[test]
 fn changed_only_into_whole_units_writes_each_changed_unit_once() {
     let unit = 256u64 << 10;
-    let dst = Recorded { inner: Some(MemoryBackend::new(SIZE)), ..Default::default() };
+    let dst = Watched::new(Arc::new(MemoryBackend::new(SIZE)), None);
     let (src, dirty) = changed_since(&dst);
     dst.writes.lock().unwrap().clear();
-    let b = Bitmapped { inner: src.clone(), dirty: dirty.clone(), reads: Default::default() };
+    let b = Watched::new(src.clone(), Some(dirty.clone()));
     let o =
         CopyOptions { destination_is_zero: false, changed_only: true, whole_units: Some(unit), ..opts(4) };
     let stats = run(&b, &dst, &o).unwrap();
-    assert_eq!(contents(&*src), contents(dst.m()));
+    assert_eq!(contents(&*src), contents(&*dst.inner));
     assert_eq!(stats.bytes, dirty.iter().map(|d| d.1).sum::<u64>());
     // The units the changes touch, and those they cover only in part.
     let mut touched = std::collections::BTreeMap::new();
@@ -480,6 +433,7 @@ fn changed_only_into_whole_units_writes_each_changed_unit_once() {
     reads.sort_unstable();
     assert_eq!(reads, partly);
     assert!(!partly.is_empty() && partly.len() < want.len(), "{partly:?} of {want:?}");
+    assert!(b.writes.lock().unwrap().is_empty(), "wrote to the source");
 }
 
 #[test]
@@ -487,7 +441,7 @@ fn changed_only_copies_what_the_bitmap_marks_into_the_previous_copy() {
     let dst = MemoryBackend::new(SIZE);
     let (src, dirty) = changed_since(&dst);
     let marked: u64 = dirty.iter().map(|d| d.1).sum();
-    let b = Bitmapped { inner: src.clone(), dirty: dirty.clone(), reads: Default::default() };
+    let b = Watched::new(src.clone(), Some(dirty.clone()));
     assert_eq!(changed_bytes(&b, SIZE, &AtomicBool::new(false)).unwrap(), marked);
     for workers in [1, 4] {
         b.reads.lock().unwrap().clear();
@@ -504,9 +458,11 @@ fn changed_only_copies_what_the_bitmap_marks_into_the_previous_copy() {
         }
     }
     // Nothing changed: nothing read, nothing written.
-    let none = Bitmapped { inner: src.clone(), dirty: vec![], reads: Default::default() };
+    let none = Watched::new(src.clone(), Some(vec![]));
     let o = CopyOptions { destination_is_zero: false, changed_only: true, ..opts(2) };
     let stats = run(&none, &dst, &o).unwrap();
     assert_eq!((stats.bytes, stats.written, stats.zero), (0, 0, 0));
     assert!(none.reads.lock().unwrap().is_empty());
+    // Nothing was ever written to the source.
+    assert!(b.writes.lock().unwrap().is_empty() && none.writes.lock().unwrap().is_empty());
 }
