@@ -68,14 +68,6 @@ fn ok(out: &std::process::Output) {
     assert!(out.status.success(), "copy failed: {}", text(out));
 }
 
-fn fails_with(out: &std::process::Output, words: &[&str]) {
-    assert_eq!(out.status.code(), Some(1), "expected exit 1: {}", text(out));
-    let t = text(out);
-    for w in words {
-        assert!(t.contains(w), "message lacks '{w}': {t}");
-    }
-}
-
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }

@@ -60,14 +60,6 @@ fn copy(args: &[&str]) -> std::process::Output {
     lightfoot(&all)
 }
 
-fn fails_with(out: &std::process::Output, words: &[&str]) {
-    assert_eq!(out.status.code(), Some(1), "expected exit 1: {}", text(out));
-    let t = text(out);
-    for w in words {
-        assert!(t.contains(w), "message lacks '{w}': {t}");
-    }
-}
-
 /// Bytes `nbdinfo --map` says the bitmap marks dirty (libnbd's reading, not ours).
 fn dirty_bytes(img: &Path, bitmap: &str) -> u64 {
     dirty_extents(img, bitmap).iter().map(|e| e.1).sum()

@@ -69,6 +69,16 @@ pub fn ok(out: Output) -> String {
     text(&out)
 }
 
+/// Asserts that a command failed with exit status 1 and a message holding each of `words`.
+#[track_caller]
+pub fn fails_with(out: &Output, words: &[&str]) {
+    assert_eq!(out.status.code(), Some(1), "expected exit 1: {}", text(out));
+    let t = text(out);
+    for w in words {
+        assert!(t.contains(w), "message lacks '{w}': {t}");
+    }
+}
+
 /// Asserts that `name` is installed (`make test` installs Debian's `package`).
 pub fn need(name: &str, package: &str) {
     let found = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().unwrap();
