@@ -110,6 +110,8 @@ pub enum Op {
     Sweep,
     /// `lightfoot run`'s watcher process (fanotify).
     Watch,
+    /// Reading, changing or keeping a dirty bitmap file.
+    Bitmap,
     /// Reading what the user gave: an option's value, a URI, a size, a configuration file.
     /// Its messages start with the detail, which names the input.
     Parse,
@@ -159,6 +161,7 @@ impl Op {
             Op::Lease => "lease",
             Op::Sweep => "sweep",
             Op::Watch => "watcher",
+            Op::Bitmap => "dirty bitmap",
             Op::Parse => "parse",
             Op::Check => "check",
         }

@@ -7,6 +7,8 @@
 //!   parallel workers, skipping holes and zeroes ([`copy::copy`]).
 //! - [`filters`]: read-ahead (`--prefetch`) and write coalescing (`--coalesce`), each shared by
 //!   an export's users through a front per user, stacked in one place ([`filters::Stack`]).
+//! - [`bitmap`]: dirty bitmaps (`serve --dirty-bitmap`, `lightfoot bitmap`): which blocks of
+//!   an image changed since an epoch began, kept in a sidecar file beside the image.
 //! - [`backend`]: the [`backend::Backend`] trait and where bytes live: files and block
 //!   devices, memory, `null:`, pipes.
 //! - [`run`]: `lightfoot run -- CMD`'s side of the preload library (`preload/`): its records
@@ -29,6 +31,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod backend;
+pub mod bitmap;
 pub mod copy;
 pub mod error;
 pub mod filters;

@@ -1,9 +1,10 @@
 //! Command line: `lightfoot copy`, `lightfoot serve`, `lightfoot cache stat|evict`, `lightfoot
-//! run`. The only place that prints and chooses exit codes: 0 success, 1 failure, 2 usage
+//! run`, `lightfoot bitmap`. The only place that prints and chooses exit codes: 0 success, 1 failure, 2 usage
 //! error, 130 interrupted, 141 broken pipe (copy to `-`); `run` exits with its command's status.
 
 use clap::{Parser, Subcommand};
 
+mod bitmap;
 mod cache;
 mod copy;
 mod generate;
@@ -45,6 +46,12 @@ and docs/errors.md."
     )]
     Cache(cache::CacheCommand),
     Run(run::RunArgs),
+    #[command(
+        subcommand,
+        after_long_help = "Run these while no server writes through the bitmaps (they are refused \
+otherwise). Exit status: 0 success, 1 failure, 2 usage error. See docs/bitmap.md and docs/incremental.md."
+    )]
+    Bitmap(bitmap::BitmapCommand),
 }
 
 /// Exit status for a usage error (clap's own and lightfoot's: [`usage_error`]).
@@ -70,6 +77,7 @@ pub fn run() -> i32 {
         Command::Serve(args) => serve::run(args),
         Command::Cache(cmd) => cache::run(cmd),
         Command::Run(args) => run::run(args),
+        Command::Bitmap(cmd) => bitmap::run(cmd),
     }
 }
 

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use clap::Args;
 use lightfoot::backend::s3::S3Uri;
 use lightfoot::backend::{Backend, FileBackend, S3Backend};
+use lightfoot::bitmap::Tracker;
 use lightfoot::copy::endpoint::parse_size;
 use lightfoot::error::{io_message, Op};
 use lightfoot::filters::coalesce::CoalesceConfig;
@@ -164,6 +165,18 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "64K", value_parser = parse_coalesce_block)]
     coalesce_block: u64,
 
+    /// Keep the dirty bitmap NAME for incremental copies (repeat for more): every write,
+    /// zero and trim marks the blocks it touches, and clients read the marks as the meta
+    /// context qemu:dirty-bitmap:NAME (lightfoot copy --bitmap NAME, nbdinfo --map). The
+    /// bitmaps live in FILE (default: FILE.bitmaps beside the image; given once for all),
+    /// which is made if missing, as is NAME (64K granularity; other bitmaps there are kept
+    /// and offered too, the enabled ones marked). Saved at a clean exit; a server killed
+    /// before leaves them counting the whole image changed. With --read-only the file and
+    /// NAME must exist. Files and block devices; see lightfoot bitmap and
+    /// docs/incremental.md.
+    #[arg(long, value_name = "NAME[=FILE]")]
+    dirty_bitmap: Vec<String>,
+
     /// TLS: off (STARTTLS refused), on (offered; plaintext clients still served) or require
     /// (only STARTTLS and ABORT are accepted before TLS: every other option gets
     /// NBD_REP_ERR_TLS_REQD, NBD_OPT_EXPORT_NAME closes the connection). on and require need
@@ -285,6 +298,16 @@ pub fn run(a: ServeArgs) -> i32 {
         }
     };
     let remote = s3.is_some();
+    let bitmaps = match dirty_bitmaps(&a.dirty_bitmap, &a.file) {
+        Ok(_) if remote && !a.dirty_bitmap.is_empty() => {
+            return super::usage_error(
+                "serve",
+                "--dirty-bitmap is for files and block devices, not s3:// images",
+            )
+        }
+        Ok(b) => b,
+        Err(e) => return super::usage_error("serve", e),
+    };
     let cfg = StackConfig {
         read_only: a.read_only,
         prefetch: (a.prefetch || (!a.no_prefetch && a.cache != CacheMode::Keep))
@@ -318,10 +341,28 @@ pub fn run(a: ServeArgs) -> i32 {
     };
     let s = stack.clone();
     let opener = move || s.open();
-    let export = match Export::new(&a.export_name, a.description.clone(), true, opener) {
+    let mut export = match Export::new(&a.export_name, a.description.clone(), true, opener) {
         Ok(e) => e,
         Err(e) => return open_failed(e),
     };
+    let size = export.size;
+    let tracker = match &bitmaps {
+        None => None,
+        Some((names, path)) => {
+            let opened = lightfoot::bitmap::identity(&a.file, size)
+                .and_then(|now| Tracker::open(path, size, &now, names, !a.read_only));
+            match opened {
+                Ok(t) => Some(Arc::new(t)),
+                Err(e) => {
+                    super::report(&e);
+                    return 1;
+                }
+            }
+        }
+    };
+    if let Some(t) = &tracker {
+        export = export.with_bitmaps(t.clone());
+    }
     if a.exit_with_parent {
         match lightfoot::io::sys::exit_with_parent() {
             Ok(true) => {}
@@ -434,6 +475,11 @@ pub fn run(a: ServeArgs) -> i32 {
     if let Some(b) = &to_release {
         b.release();
     }
+    // Clean only if every write reached the image: otherwise the next open counts all changed.
+    let kept = tracker.as_ref().map(|t| {
+        let clean = served.is_ok() && finished.is_ok();
+        t.close(clean, lightfoot::bitmap::identity(&a.file, size).ok())
+    });
     if a.stats {
         print_stats(&server, &stack, a.json);
     }
@@ -445,8 +491,38 @@ pub fn run(a: ServeArgs) -> i32 {
         super::report(&format!("at exit: {e}"));
         return 1;
     }
+    if let Some(Err(e)) = kept {
+        super::report(&format!("at exit: {e}"));
+        return 1;
+    }
     let code = *status.lock().unwrap();
     code
+}
+
+/// `--dirty-bitmap NAME[=FILE]`s: the names and the one file, `None` without any.
+fn dirty_bitmaps(
+    given: &[String],
+    image: &std::path::Path,
+) -> Result<Option<(Vec<String>, PathBuf)>, String> {
+    let mut names = Vec::new();
+    let mut file: Option<PathBuf> = None;
+    for g in given {
+        let (name, f) = match g.split_once('=') {
+            Some((n, f)) => (n, Some(PathBuf::from(f))),
+            None => (g.as_str(), None),
+        };
+        lightfoot::bitmap::format::check_name(name).map_err(|e| format!("--dirty-bitmap '{g}': {e}"))?;
+        if let Some(f) = f {
+            if file.as_ref().is_some_and(|have| *have != f) {
+                return Err("--dirty-bitmap: every bitmap of an export lives in one FILE".into());
+            }
+            file = Some(f);
+        }
+        if !names.iter().any(|n| n == name) {
+            names.push(name.to_string());
+        }
+    }
+    Ok((!names.is_empty()).then(|| (names, file.unwrap_or_else(|| lightfoot::bitmap::default_path(image)))))
 }
 
 /// A size that must not be 0 (`--prefetch-size`, `--prefetch-max-request`, `--coalesce-size`):

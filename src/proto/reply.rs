@@ -201,6 +201,11 @@ impl Descriptor {
         Descriptor { len, flags: if hole { STATE_HOLE } else { 0 } | if zero { STATE_ZERO } else { 0 } }
     }
 
+    /// A `qemu:dirty-bitmap:` descriptor.
+    pub fn dirty_bitmap(len: u32, dirty: bool) -> Descriptor {
+        Descriptor { len, flags: if dirty { STATE_DIRTY } else { 0 } }
+    }
+
     pub fn hole(&self) -> bool {
         self.flags & STATE_HOLE != 0
     }

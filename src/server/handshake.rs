@@ -38,11 +38,16 @@ pub struct Agreed {
     pub structured: bool,
     /// `base:allocation` selected (context id [`BASE_ALLOCATION_ID`]).
     pub meta_context: bool,
+    /// The dirty bitmaps selected: bit `i` for bitmap `i` of the export's tracker (context id
+    /// [`BITMAP_ID_BASE`] + `i`).
+    pub bitmaps: u64,
     pub block_sizes: bool,
 }
 
 /// The id lightfoot gives `base:allocation`.
 pub const BASE_ALLOCATION_ID: u32 = 1;
+/// The id of the export's first dirty bitmap; the others follow.
+pub const BITMAP_ID_BASE: u32 = 2;
 
 /// How negotiation ended.
 pub enum Outcome {
@@ -245,6 +250,7 @@ fn meta_context(
     // SET replaces the earlier selection even when it fails (the spec).
     if option == OPT_SET_META_CONTEXT {
         agreed.meta_context = false;
+        agreed.bitmaps = 0;
     }
     if !agreed.structured {
         return reply(s, option, REP_ERR_INVALID, b"negotiate structured replies first");
@@ -257,18 +263,32 @@ fn meta_context(
         return reply(s, option, REP_ERR_UNKNOWN, format!("no export named '{}'", m.export).as_bytes());
     }
     let listing = option == OPT_LIST_META_CONTEXT;
-    // Queries of unknown namespaces are ignored; "base:" lists what base has.
-    let wanted = if listing && m.queries.is_empty() {
-        true
-    } else {
-        m.queries.iter().any(|q| q == BASE_ALLOCATION || (listing && q == "base:"))
-    };
-    if !listing {
-        agreed.meta_context = wanted;
+    // Every context the export has, with its id: base:allocation, then the dirty bitmaps.
+    let mut offered = vec![(BASE_ALLOCATION.to_string(), BASE_ALLOCATION_ID)];
+    if let Some(t) = &export.bitmaps {
+        for (i, name) in t.names().iter().enumerate() {
+            offered.push((format!("{DIRTY_BITMAP_PREFIX}{name}"), BITMAP_ID_BASE + i as u32));
+        }
     }
-    if wanted {
-        let id = if listing { 0 } else { BASE_ALLOCATION_ID };
-        reply(s, option, REP_META_CONTEXT, &rep_meta_context(id, BASE_ALLOCATION))?;
+    // Queries of unknown names are ignored. Listing, no query lists everything, and a query
+    // ending in ':' ("base:", "qemu:", "qemu:dirty-bitmap:") lists what starts with it.
+    let wanted = |name: &str| {
+        (listing && m.queries.is_empty())
+            || m.queries
+                .iter()
+                .any(|q| q == name || (listing && q.ends_with(':') && name.starts_with(q.as_str())))
+    };
+    for (name, id) in &offered {
+        if !wanted(name) {
+            continue;
+        }
+        if !listing {
+            match id - BASE_ALLOCATION_ID {
+                0 => agreed.meta_context = true,
+                _ => agreed.bitmaps |= 1 << (id - BITMAP_ID_BASE),
+            }
+        }
+        reply(s, option, REP_META_CONTEXT, &rep_meta_context(if listing { 0 } else { *id }, name))?;
     }
     reply(s, option, REP_ACK, &[])
 }

@@ -48,6 +48,9 @@ pub struct Export {
     /// with it. Kept here, not per connection, because the kernel reports a writeback error
     /// only once per open file, and each connection has its own.
     pub latch: crate::error::Sticky,
+    /// Dirty bitmaps (`--dirty-bitmap`): marked by every change, offered to clients as
+    /// `qemu:dirty-bitmap:NAME` meta contexts.
+    pub bitmaps: Option<Arc<crate::bitmap::Tracker>>,
     open: Opener,
 }
 
@@ -76,8 +79,15 @@ impl Export {
             caps,
             multi_conn,
             latch: Default::default(),
+            bitmaps: None,
             open: Box::new(open),
         })
+    }
+
+    /// Tracks changes in `bitmaps` and offers them to clients.
+    pub fn with_bitmaps(mut self, bitmaps: Arc<crate::bitmap::Tracker>) -> Export {
+        self.bitmaps = Some(bitmaps);
+        self
     }
 
     /// A backend for one more connection.

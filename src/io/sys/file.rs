@@ -147,3 +147,21 @@ pub fn rename_noreplace(from: &std::path::Path, to: &std::path::Path) -> io::Res
         Err(io::Error::last_os_error())
     }
 }
+
+/// A `flock` on `fd` without waiting, shared or exclusive: `Ok(false)` if another open file
+/// holds a conflicting one.
+pub fn try_flock(fd: BorrowedFd, exclusive: bool) -> io::Result<bool> {
+    let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH } | libc::LOCK_NB;
+    loop {
+        // SAFETY: plain system call on a borrowed fd.
+        if unsafe { libc::flock(fd.as_raw_fd(), op) } == 0 {
+            return Ok(true);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => {}
+            Some(libc::EWOULDBLOCK) => return Ok(false),
+            _ => return Err(e),
+        }
+    }
+}

@@ -43,7 +43,8 @@ pub use cache::{
 };
 pub use file::{
     can_write, dio_alignment, fallocate, fdatasync, fs_block_size, pread, pwrite, rename_noreplace,
-    seek_data, seek_hole, FALLOC_KEEP_SIZE, FALLOC_PUNCH_HOLE, FALLOC_ZERO_RANGE, RWF_DONTCACHE, RWF_DSYNC,
+    seek_data, seek_hole, try_flock, FALLOC_KEEP_SIZE, FALLOC_PUNCH_HOLE, FALLOC_ZERO_RANGE, RWF_DONTCACHE,
+    RWF_DSYNC,
 };
 pub use mem::{page_size, AlignedBuf, FileMapping, BUF_ALIGN, HUGE_BUF_MIN};
 pub use net::{

@@ -9,7 +9,7 @@ use crate::backend::ZeroFlags;
 use crate::error::{Error, Op};
 use crate::io::AlignedBuf;
 use crate::proto::*;
-use crate::server::handshake::BASE_ALLOCATION_ID;
+use crate::server::handshake::{BASE_ALLOCATION_ID, BITMAP_ID_BASE};
 
 /// Smallest READ for which holes are looked up and sent as `OFFSET_HOLE` chunks.
 pub(super) const HOLE_LOOKUP_MIN: usize = 64 << 10;
@@ -254,27 +254,54 @@ impl Conn<'_> {
         Ok(chunks)
     }
 
+    /// One chunk per context the client selected: `base:allocation` first, then its dirty
+    /// bitmaps; the last flagged done.
     fn block_status(&self, req: &Request) -> bool {
-        let one = req.flags & CMD_FLAG_REQ_ONE != 0;
-        let exts = match self.backend.extents(req.offset, req.len) {
-            Ok(e) => e,
-            Err(e) => return self.fail(req, &e),
-        };
-        let mut descriptors = Vec::new();
-        let mut total = 0u64;
-        for e in exts.iter().take(if one { 1 } else { MAX_DESCRIPTORS }) {
-            // Descriptor lengths are 32 bits: a longer extent is reported in part.
-            let n = e.len.min(req.len - total).min(u64::from(u32::MAX) & !0xfff);
-            if n == 0 {
-                break;
-            }
-            descriptors.push(Descriptor::allocation(n as u32, e.hole, e.zero));
-            total += n;
-            if total >= req.len || n < e.len {
-                break;
+        let max = if req.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_DESCRIPTORS };
+        let mut chunks: Vec<(u32, Vec<Descriptor>)> = Vec::new();
+        if self.agreed.meta_context {
+            let exts = match self.backend.extents(req.offset, req.len) {
+                Ok(e) => e,
+                Err(e) => return self.fail(req, &e),
+            };
+            let runs = exts.iter().map(|e| (e.len, Descriptor::allocation(0, e.hole, e.zero).flags));
+            chunks.push((BASE_ALLOCATION_ID, descriptors(runs, req.len, max)));
+        }
+        if let Some(t) = self.bitmaps {
+            for i in (0..t.names().len()).filter(|i| self.agreed.bitmaps >> i & 1 == 1) {
+                let runs = t.bits(i).extents(req.offset, req.len, max).into_iter();
+                let runs = runs.map(|(len, dirty)| (len, Descriptor::dirty_bitmap(0, dirty).flags));
+                chunks.push((BITMAP_ID_BASE + i as u32, descriptors(runs, req.len, max)));
             }
         }
-        self.send(&[&block_status_chunk(REPLY_FLAG_DONE, req.cookie, BASE_ALLOCATION_ID, &descriptors)]);
+        let last = chunks.len() - 1;
+        let chunks: Vec<Vec<u8>> = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, (id, d))| {
+                block_status_chunk(if i == last { REPLY_FLAG_DONE } else { 0 }, req.cookie, *id, d)
+            })
+            .collect();
+        self.send(&chunks.iter().map(Vec::as_slice).collect::<Vec<_>>());
         true
     }
+}
+
+/// Descriptors for `runs` of `(length, flags)`, at most `max`, covering at most `len` bytes.
+fn descriptors(runs: impl Iterator<Item = (u64, u32)>, len: u64, max: usize) -> Vec<Descriptor> {
+    let mut out = Vec::new();
+    let mut total = 0u64;
+    for (run, flags) in runs.take(max) {
+        // Descriptor lengths are 32 bits: a longer run is reported in part.
+        let n = run.min(len - total).min(u64::from(u32::MAX) & !0xfff);
+        if n == 0 {
+            break;
+        }
+        out.push(Descriptor { len: n as u32, flags });
+        total += n;
+        if total >= len || n < run {
+            break;
+        }
+    }
+    out
 }

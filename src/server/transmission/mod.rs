@@ -75,7 +75,7 @@ pub fn run(
         min_block: caps.block.minimum,
         max_payload: super::validate::max_payload(agreed.block_sizes, caps.block.maximum),
         structured: agreed.structured,
-        meta_context: agreed.meta_context,
+        meta_context: agreed.meta_context || agreed.bitmaps != 0,
         can_trim: caps.can_trim,
         can_zero: caps.can_zero,
         can_fast_zero: caps.can_fast_zero,
@@ -92,6 +92,7 @@ pub fn run(
     let conn = Conn {
         backend: &*backend,
         agreed,
+        bitmaps: export.bitmaps.as_deref(),
         writer: &writer,
         broken: &broken,
         latch: &export.latch,
@@ -134,6 +135,8 @@ pub fn run(
 struct Conn<'a> {
     backend: &'a dyn Backend,
     agreed: Agreed,
+    /// The export's dirty bitmaps (`--dirty-bitmap`), if it has any.
+    bitmaps: Option<&'a crate::bitmap::Tracker>,
     writer: &'a Mutex<Box<dyn Write + Send>>,
     /// Why the connection ends: a reply could not be written (the client is gone), or a
     /// request's handling panicked.

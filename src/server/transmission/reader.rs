@@ -228,6 +228,13 @@ impl Reader<'_, '_> {
             server.stats.record(req.cmd, 0, arrived.elapsed(), false);
             return Ok(Flow::Next);
         }
+        // Marked before the change goes down (held by --coalesce or not): a bitmap may say
+        // changed where a failed write changed nothing, never the other way round.
+        if let Some(t) = conn.bitmaps {
+            if matches!(req.cmd, CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM) {
+                t.mark(req.offset, req.len);
+            }
+        }
         let at_hand = match req.cmd {
             _ if !conn.at_hand => None,
             CMD_WRITE if req.flags & CMD_FLAG_FUA == 0 => {

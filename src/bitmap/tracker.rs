@@ -1,0 +1,154 @@
+//! [`Tracker`]: the bitmaps of a server while it runs. Every WRITE, WRITE_ZEROES and TRIM
+//! marks the enabled ones before it reaches the layers below (so `--coalesce`'s later
+//! write-back is covered by the mark of the write it holds); clients read them all as
+//! `qemu:dirty-bitmap:NAME`.
+//!
+//! Never a missed write: before the first write is taken, the file is saved marked in use
+//! (durably); only a clean close saves it unmarked. Killed in between, the next open finds it
+//! in use and counts every enabled bitmap all dirty ([`BitmapFile::resolve`]). Marks cost a
+//! bit set in memory, never a write of their own.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use super::bits::Bits;
+use super::file::{BitmapFile, DEFAULT_GRANULARITY};
+use crate::error::{Error, ErrorKind, Op, Result};
+
+pub struct Tracker {
+    file: Mutex<BitmapFile>,
+    /// Every bitmap in the file, as clients see them, in the file's order.
+    names: Vec<String>,
+    bits: Vec<Arc<Bits>>,
+    /// The enabled ones: what writes mark.
+    enabled: Vec<Arc<Bits>>,
+    writable: bool,
+}
+
+impl Tracker {
+    /// Opens the bitmap file at `path` for an image of `size` bytes that is `image_now`
+    /// (`file::identity`). Writable: made if missing, the bitmaps in `names` added if
+    /// missing, then saved marked in use. Read-only: the file and the bitmaps must exist.
+    pub fn open(
+        path: &Path,
+        size: u64,
+        image_now: &str,
+        names: &[String],
+        writable: bool,
+    ) -> Result<Tracker> {
+        let mut file = match BitmapFile::open(path, writable)? {
+            Some(f) => f,
+            None if writable => BitmapFile::create(path, size, image_now.to_string())?,
+            None => {
+                return Err(Error::new(ErrorKind::NotFound, Op::Bitmap)
+                    .path(path)
+                    .detail("no such file (a server without --read-only makes it)"))
+            }
+        };
+        if file.sidecar.size != size {
+            return Err(Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(path).detail(format!(
+                "its bitmaps are for an image of {} bytes, this one has {size} (remove the file and start \
+                 again from a full copy)",
+                file.sidecar.size
+            )));
+        }
+        if let Some(why) = file.resolve(image_now) {
+            tracing::warn!(
+                "{}: {why}: every block of its enabled bitmaps counts as changed (the next incremental copy \
+                 is a full one)",
+                path.display()
+            );
+        }
+        for name in names {
+            if file.sidecar.get(name).is_none() {
+                if !writable {
+                    return Err(super::file::missing(path, &file.sidecar, name));
+                }
+                file.add(name, DEFAULT_GRANULARITY)?;
+                tracing::info!("{}: bitmap '{name}' made, changes from now on", path.display());
+            }
+        }
+        if writable {
+            file.sidecar.in_use = true;
+            file.save()?;
+        }
+        let s = &file.sidecar;
+        Ok(Tracker {
+            names: s.bitmaps.iter().map(|b| b.name.clone()).collect(),
+            bits: s.bitmaps.iter().map(|b| b.bits.clone()).collect(),
+            enabled: s.bitmaps.iter().filter(|b| b.enabled).map(|b| b.bits.clone()).collect(),
+            writable,
+            file: Mutex::new(file),
+        })
+    }
+
+    /// The bitmaps clients can read, by index.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Bitmap `i` of [`Tracker::names`].
+    pub fn bits(&self, i: usize) -> &Bits {
+        &self.bits[i]
+    }
+
+    /// Records a change of `offset..offset + len` in every enabled bitmap.
+    pub fn mark(&self, offset: u64, len: u64) {
+        debug_assert!(self.writable);
+        for b in &self.enabled {
+            b.mark(offset, len);
+        }
+    }
+
+    /// Saves the marks. `clean` (every write reached the image and was flushed) also clears
+    /// the in-use mark and records `image_now`, what the image is after this server; without
+    /// it the file stays in use, and the next open counts everything changed.
+    pub fn close(&self, clean: bool, image_now: Option<String>) -> Result<()> {
+        if !self.writable {
+            return Ok(());
+        }
+        let mut f = self.file.lock().unwrap();
+        if clean {
+            if let Some(now) = image_now {
+                f.sidecar.in_use = false;
+                f.sidecar.image = now;
+            }
+        }
+        f.save()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_that_never_closes_leaves_everything_dirty() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("i.bitmaps");
+        let names = vec!["a".to_string()];
+        let e = Tracker::open(&p, 1 << 20, "x", &names, false).err().unwrap();
+        assert!(e.to_string().contains("no such file"), "{e}");
+        let t = Tracker::open(&p, 1 << 20, "x", &names, true).unwrap();
+        assert!(BitmapFile::peek(&p).unwrap().in_use, "in use on disk before any write");
+        t.mark(0, 1);
+        t.close(true, Some("y".into())).unwrap();
+        drop(t);
+        let s = BitmapFile::peek(&p).unwrap();
+        assert!(!s.in_use && s.image == "y" && s.get("a").unwrap().bits.dirty_bytes() == 65536);
+        // Read-only: what was saved; an unknown name or another size is an error.
+        let r = Tracker::open(&p, 1 << 20, "y", &names, false).unwrap();
+        assert_eq!(r.bits(0).dirty_bytes(), 65536);
+        drop(r);
+        let e = Tracker::open(&p, 1 << 20, "y", &["b".to_string()], false).err().unwrap();
+        assert!(e.to_string().contains("no bitmap named 'b' (it holds: a)"), "{e}");
+        let e = Tracker::open(&p, 2 << 20, "y", &names, true).err().unwrap();
+        assert!(e.to_string().contains("for an image of 1048576 bytes"), "{e}");
+        // Opened, marked, never closed (killed): all dirty next time.
+        let t = Tracker::open(&p, 1 << 20, "y", &names, true).unwrap();
+        t.mark(0, 1);
+        drop(t);
+        let t = Tracker::open(&p, 1 << 20, "y", &names, true).unwrap();
+        assert_eq!(t.bits(0).dirty_bytes(), 1 << 20);
+    }
+}

@@ -1,0 +1,323 @@
+//! `lightfoot bitmap`: the dirty bitmaps of an image, offline (no server writing through
+//! them): list, show, add, remove, clear, enable, disable, merge (docs/bitmap.md).
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Subcommand};
+use lightfoot::bitmap::{self, BitmapFile};
+use lightfoot::error::{Error, ErrorKind, Op};
+
+use super::human;
+
+/// Work on the dirty bitmaps that `serve --dirty-bitmap` keeps for an image.
+#[derive(Subcommand)]
+pub enum BitmapCommand {
+    /// List the bitmaps: name, state, granularity and the bytes marked changed.
+    List(ListArgs),
+    /// Print the changed ranges of one bitmap, one "OFFSET LENGTH" line each (bytes).
+    Show(ShowArgs),
+    /// Add an empty, enabled bitmap: changes from the next server on are marked in it.
+    Add(AddArgs),
+    /// Remove a bitmap.
+    Remove(NameArgs),
+    /// Start a new epoch: mark every block of a bitmap unchanged (after a backup of the image
+    /// as it is now).
+    Clear(NameArgs),
+    /// Have servers mark a bitmap again.
+    Enable(NameArgs),
+    /// Stop servers marking a bitmap: it keeps the changes of its epoch (for differential
+    /// backups, merged later).
+    Disable(NameArgs),
+    /// Mark in TARGET every block changed in any SOURCE (a differential: the changes of
+    /// several epochs). TARGET is added, disabled, if missing.
+    Merge(MergeArgs),
+}
+
+#[derive(Args)]
+pub struct Where {
+    /// The image (file or block device) the bitmaps are of.
+    #[arg(value_name = "IMAGE")]
+    image: PathBuf,
+
+    /// The bitmap file, if not IMAGE.bitmaps (as given to serve --dirty-bitmap NAME=FILE).
+    #[arg(long, value_name = "FILE")]
+    bitmaps: Option<PathBuf>,
+}
+
+impl Where {
+    fn path(&self) -> PathBuf {
+        self.bitmaps.clone().unwrap_or_else(|| bitmap::default_path(&self.image))
+    }
+}
+
+#[derive(Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    at: Where,
+
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct ShowArgs {
+    #[command(flatten)]
+    at: Where,
+
+    /// The bitmap.
+    #[arg(value_name = "NAME")]
+    name: String,
+
+    /// Print JSON: [{"offset": …, "length": …}, …].
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct AddArgs {
+    #[command(flatten)]
+    at: Where,
+
+    /// The new bitmap's name.
+    #[arg(value_name = "NAME")]
+    name: String,
+
+    /// Bytes per bit: a power of two from 512 to 2G (K, M, G suffix). Smaller finds changes
+    /// more exactly and takes more memory (a 1 TiB image: 2 MiB at 64K).
+    #[arg(long, value_name = "SIZE", default_value = "64K", value_parser = parse_granularity)]
+    granularity: u64,
+
+    /// Add it disabled (servers do not mark it until `lightfoot bitmap enable`).
+    #[arg(long)]
+    disable: bool,
+}
+
+#[derive(Args)]
+pub struct NameArgs {
+    #[command(flatten)]
+    at: Where,
+
+    /// The bitmap.
+    #[arg(value_name = "NAME")]
+    name: String,
+}
+
+#[derive(Args)]
+pub struct MergeArgs {
+    #[command(flatten)]
+    at: Where,
+
+    /// The bitmap that receives the marks.
+    #[arg(value_name = "TARGET")]
+    target: String,
+
+    /// The bitmaps whose marks it receives.
+    #[arg(value_name = "SOURCE", required = true)]
+    sources: Vec<String>,
+}
+
+fn parse_granularity(s: &str) -> Result<u64, String> {
+    let n = lightfoot::copy::endpoint::parse_size(s).map_err(|e| e.to_string())?;
+    bitmap::format::check_granularity(n)?;
+    Ok(n)
+}
+
+pub fn run(cmd: BitmapCommand) -> i32 {
+    super::init_logging(0);
+    let done = match cmd {
+        BitmapCommand::List(a) => list(&a),
+        BitmapCommand::Show(a) => show(&a),
+        BitmapCommand::Add(a) => change(&a.at, true, |f| {
+            f.add(&a.name, a.granularity)?;
+            f.get_mut(&a.name)?.enabled = !a.disable;
+            Ok(format!("bitmap '{}' added", a.name))
+        }),
+        BitmapCommand::Remove(a) => change(&a.at, false, |f| {
+            f.get(&a.name)?;
+            f.sidecar.bitmaps.retain(|b| b.name != a.name);
+            Ok(format!("bitmap '{}' removed", a.name))
+        }),
+        BitmapCommand::Clear(a) => change(&a.at, false, |f| {
+            let b = f.get_mut(&a.name)?;
+            b.bits.clear();
+            b.epoch = bitmap::file::new_epoch();
+            Ok(format!("bitmap '{}' cleared: a new epoch begins", a.name))
+        }),
+        BitmapCommand::Enable(a) => change(&a.at, false, |f| {
+            f.get_mut(&a.name)?.enabled = true;
+            Ok(format!("bitmap '{}' enabled", a.name))
+        }),
+        BitmapCommand::Disable(a) => change(&a.at, false, |f| {
+            f.get_mut(&a.name)?.enabled = false;
+            Ok(format!("bitmap '{}' disabled", a.name))
+        }),
+        BitmapCommand::Merge(a) => change(&a.at, false, |f| merge(f, &a.target, &a.sources)),
+    };
+    match done {
+        Ok(()) => 0,
+        Err(e) => {
+            super::report(&e);
+            1
+        }
+    }
+}
+
+/// The image's size and what it is now (`bitmap::identity`).
+fn image_now(image: &Path) -> lightfoot::Result<(u64, String)> {
+    use std::os::unix::fs::FileTypeExt;
+    let f = std::fs::File::open(image).map_err(|e| Error::io(Op::Open, e).path(image))?;
+    let m = f.metadata().map_err(|e| Error::io(Op::Stat, e).path(image))?;
+    let size = if m.file_type().is_block_device() {
+        lightfoot::io::sys::block_size_bytes(std::os::fd::AsFd::as_fd(&f))
+            .map_err(|e| Error::io(Op::Size, e).path(image))?
+    } else if m.is_file() {
+        m.len()
+    } else {
+        return Err(Error::new(ErrorKind::InvalidInput, Op::Bitmap)
+            .path(image)
+            .detail("not a file or block device"));
+    };
+    Ok((size, bitmap::identity(image, size)?))
+}
+
+/// Opens the bitmap file exclusively (made if missing when `create`), accounts for writes no
+/// bitmap saw, runs `op`, saves, and says what `op` did.
+fn change(
+    at: &Where,
+    create: bool,
+    op: impl FnOnce(&mut BitmapFile) -> lightfoot::Result<String>,
+) -> lightfoot::Result<()> {
+    let path = at.path();
+    let (size, now) = image_now(&at.image)?;
+    let mut f = match BitmapFile::open(&path, true)? {
+        Some(f) => f,
+        None if create => BitmapFile::create(&path, size, now.clone())?,
+        None => return Err(Error::new(ErrorKind::NotFound, Op::Bitmap).path(&path).detail("no such file")),
+    };
+    check_size(&f, size, &at.image)?;
+    if let Some(why) = f.resolve(&now) {
+        super::report(&format!(
+            "{}: {why}: every block of its enabled bitmaps now counts as changed",
+            path.display()
+        ));
+    }
+    let said = op(&mut f)?;
+    f.save()?;
+    super::print_out(&format!("{said} ({})\n", path.display()));
+    Ok(())
+}
+
+fn check_size(f: &BitmapFile, size: u64, image: &Path) -> lightfoot::Result<()> {
+    if f.sidecar.size == size {
+        return Ok(());
+    }
+    Err(Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(f.path()).detail(format!(
+        "its bitmaps are for an image of {} bytes, {} has {size}",
+        f.sidecar.size,
+        image.display()
+    )))
+}
+
+fn merge(f: &mut BitmapFile, target: &str, sources: &[String]) -> lightfoot::Result<String> {
+    let mut finest = u64::MAX;
+    for s in sources {
+        finest = finest.min(f.get(s)?.bits.granularity());
+    }
+    let mut note = "";
+    if f.sidecar.get(target).is_none() {
+        f.add(target, finest)?;
+        f.get_mut(target)?.enabled = false;
+        note = " (added, disabled)";
+    }
+    let t = f.get(target)?.bits.clone();
+    for s in sources.iter().filter(|s| *s != target) {
+        t.merge(&f.get(s)?.bits);
+    }
+    Ok(format!("bitmap '{target}'{note} now holds the changes of {}", sources.join(", ")))
+}
+
+/// What a listing says of the whole file: in use (by whom), or changed since.
+fn file_state(path: &Path, s: &bitmap::format::Sidecar, image: &Path) -> lightfoot::Result<&'static str> {
+    let (size, now) = image_now(image)?;
+    Ok(if s.in_use {
+        match BitmapFile::open(path, false) {
+            Ok(_) => "left in use by a server that was killed: enabled bitmaps count the whole image changed",
+            Err(_) => "in use by a running server (figures from its start)",
+        }
+    } else if s.size != size {
+        "for an image of another size"
+    } else if !s.image.is_empty() && s.image != now {
+        "image changed since the last clean close: enabled bitmaps count the whole image changed"
+    } else {
+        "clean"
+    })
+}
+
+fn list(a: &ListArgs) -> lightfoot::Result<()> {
+    let path = a.at.path();
+    let s = BitmapFile::peek(&path)?;
+    let state = file_state(&path, &s, &a.at.image)?;
+    if a.json {
+        let maps: Vec<_> = s
+            .bitmaps
+            .iter()
+            .map(|b| {
+                serde_json::json!({
+                    "name": b.name,
+                    "enabled": b.enabled,
+                    "granularity": b.bits.granularity(),
+                    "changed": b.bits.dirty_bytes(),
+                    "epoch": format!("{:016x}", b.epoch),
+                })
+            })
+            .collect();
+        let v = serde_json::json!({
+            "file": path, "size": s.size, "in_use": s.in_use, "state": state, "bitmaps": maps,
+        });
+        super::print_out(&format!("{}\n", serde_json::to_string_pretty(&v).expect("json")));
+        return Ok(());
+    }
+    let mut out =
+        format!("{}: {} bitmap(s) of {}, {state}\n", path.display(), s.bitmaps.len(), human::bytes(s.size));
+    for b in &s.bitmaps {
+        out += &format!(
+            "  {:<20} {:<8} granularity {:>5}  changed {}\n",
+            b.name,
+            if b.enabled { "enabled" } else { "disabled" },
+            human::bytes(b.bits.granularity()),
+            human::bytes(b.bits.dirty_bytes()),
+        );
+    }
+    super::print_out(&out);
+    Ok(())
+}
+
+fn show(a: &ShowArgs) -> lightfoot::Result<()> {
+    let path = a.at.path();
+    // Shared: refused while a server writes through it (its marks are in its memory).
+    let mut f = BitmapFile::open(&path, false)?
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, Op::Bitmap).path(&path).detail("no such file"))?;
+    let (size, now) = image_now(&a.at.image)?;
+    check_size(&f, size, &a.at.image)?;
+    if let Some(why) = f.resolve(&now) {
+        super::report(&format!("{}: {why}: the whole image counts as changed", path.display()));
+    }
+    let bits = &f.get(&a.name)?.bits;
+    let mut at = 0;
+    let mut ranges = Vec::new();
+    for (len, dirty) in bits.extents(0, size, usize::MAX) {
+        if dirty {
+            ranges.push((at, len));
+        }
+        at += len;
+    }
+    let out = if a.json {
+        let v: Vec<_> = ranges.iter().map(|(o, l)| serde_json::json!({"offset": o, "length": l})).collect();
+        format!("{}\n", serde_json::to_string_pretty(&v).expect("json"))
+    } else {
+        ranges.iter().map(|(o, l)| format!("{o} {l}\n")).collect()
+    };
+    super::print_out(&out);
+    Ok(())
+}
