@@ -221,8 +221,10 @@ pub trait Backend: Send + Sync {
         if let [one] = &mut parts[..] {
             return read_exact(self, one, offset);
         }
-        let mut whole = crate::io::AlignedBuf::new(parts.iter().map(|p| p.len()).sum());
-        read_exact(self, &mut whole, offset)?;
+        let total = parts.iter().map(|p| p.len()).sum();
+        let mut whole = crate::io::AlignedBuf::new(total);
+        // The buffer may be longer than asked for (rounded up): read only what the parts take.
+        read_exact(self, &mut whole[..total], offset)?;
         let mut at = 0;
         for p in parts {
             p.copy_from_slice(&whole[at..at + p.len()]);
