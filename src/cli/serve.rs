@@ -277,6 +277,16 @@ pub fn run(a: ServeArgs) -> i32 {
         max_request: a.prefetch_max_request,
         ..PrefetchConfig::default()
     };
+    let bitmaps = match dirty_bitmaps(&a.dirty_bitmap, &a.file) {
+        Ok(Some(_)) if path.to_str().is_some_and(S3Uri::is_s3) => {
+            return super::usage_error(
+                "serve",
+                "--dirty-bitmap is for files and block devices, not s3:// images",
+            )
+        }
+        Ok(b) => b,
+        Err(e) => return super::usage_error("serve", e),
+    };
     let s3 = match path.to_str().filter(|p| S3Uri::is_s3(p)) {
         None if a.s3.object_size.is_some() => {
             return super::usage_error("serve", "--object-size and --size are for s3:// images")
@@ -298,16 +308,6 @@ pub fn run(a: ServeArgs) -> i32 {
         }
     };
     let remote = s3.is_some();
-    let bitmaps = match dirty_bitmaps(&a.dirty_bitmap, &a.file) {
-        Ok(_) if remote && !a.dirty_bitmap.is_empty() => {
-            return super::usage_error(
-                "serve",
-                "--dirty-bitmap is for files and block devices, not s3:// images",
-            )
-        }
-        Ok(b) => b,
-        Err(e) => return super::usage_error("serve", e),
-    };
     let cfg = StackConfig {
         read_only: a.read_only,
         prefetch: (a.prefetch || (!a.no_prefetch && a.cache != CacheMode::Keep))

@@ -1,0 +1,306 @@
+//! `serve --dirty-bitmap` and `lightfoot bitmap`: writes through lightfoot's own server are
+//! tracked, and `copy --bitmap` from it (read-only, after the writer stopped) brings the
+//! previous copy level with the image, through the plain server and `--coalesce`, after a
+//! kill -9 at any point, and after another program wrote the image. Bad input fails clearly
+//! and leaves the image and the bitmap file as they were.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+
+const SIZE: u64 = 16 * MIB;
+const GRAIN: u64 = 64 << 10;
+
+/// Changes through the server: data at odd offsets across 64 KiB blocks and the sample's
+/// data/hole edges, zeroes over data (unaligned), a discard, data into a hole.
+const CHANGES: &[(&str, u64, u64)] = &[
+    ("write -P 0x5a", 1000, 70_000),
+    ("write -P 0xa5", 3_145_000, 200_001),
+    ("write -z", 6_300_000, 150_000),
+    ("discard", 12_582_912, 1_048_576),
+    ("write -P 0x33", 9_437_300, 5000),
+];
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The bytes a 64 KiB-granularity bitmap marks for these changes.
+fn marked(changes: &[(&str, u64, u64)]) -> u64 {
+    let mut blocks = std::collections::BTreeSet::new();
+    for &(_, off, len) in changes {
+        blocks.extend(off / GRAIN..=(off + len - 1) / GRAIN);
+    }
+    blocks.len() as u64 * GRAIN
+}
+
+/// `qemu-io` on the raw export at `uri`: each change, in order.
+fn qemu_io(uri: &str, changes: &[(&str, u64, u64)]) {
+    let mut c = tool("qemu-io", "qemu-utils");
+    c.args(["-f", "raw"]);
+    for (cmd, off, len) in changes {
+        c.args(["-c", &format!("{cmd} {off} {len}")]);
+    }
+    let out = c.arg(uri).output().unwrap();
+    assert!(out.status.success(), "qemu-io: {}", text(&out));
+}
+
+/// An image with data and holes, and a full copy of it: the previous backup.
+fn image_and_backup(dir: &Path) -> (PathBuf, PathBuf) {
+    let (img, backup) = (dir.join("disk.img"), dir.join("backup.img"));
+    sample(&img, SIZE, MIB);
+    std::fs::copy(&img, &backup).unwrap();
+    (img, backup)
+}
+
+/// `copy --bitmap NAME` from a read-only server of `img` into `backup`: the bytes it
+/// counted changed, and its stderr (warnings of the server at open included).
+fn incremental(img: &Path, backup: &Path, name: &str) -> (u64, String) {
+    let ro = Served::start(img, &["-r", "--dirty-bitmap", name]);
+    let out = lightfoot(&["copy", "--json", "--bitmap", name, &ro.uri(), s(backup)]);
+    let (status, server_err) = ro.stop();
+    assert!(status.success(), "read-only server: {server_err}");
+    let json: serde_json::Value = serde_json::from_str(&ok(out)).unwrap();
+    (json["changed"].as_u64().unwrap(), server_err)
+}
+
+fn list(img: &Path) -> serde_json::Value {
+    serde_json::from_str(&ok(lightfoot(&["bitmap", "list", "--json", s(img)]))).unwrap()
+}
+
+#[test]
+fn writes_through_the_server_are_copied_incrementally() {
+    for extra in [&[][..], &["--coalesce"][..]] {
+        let dir = scratch();
+        let (img, backup) = image_and_backup(dir.path());
+        let mut args = vec!["--dirty-bitmap", "nightly"];
+        args.extend_from_slice(extra);
+        let w = Served::start(&img, &args);
+        qemu_io(&w.uri(), CHANGES);
+        let (status, err) = w.stop();
+        assert!(status.success(), "{extra:?}: {err}");
+        assert!(!same_contents(&img, &backup), "the changes reached the image");
+        let l = list(&img);
+        assert_eq!(l["state"], "clean", "{l}");
+        assert_eq!(l["bitmaps"][0]["changed"], marked(CHANGES), "{extra:?}: {l}");
+
+        // libnbd reads the same marks from lightfoot's server as from qemu-nbd's.
+        let ro = Served::start(&img, &["-r", "--dirty-bitmap", "nightly"]);
+        let map = tool("nbdinfo", "libnbd-bin")
+            .args(["--map=qemu:dirty-bitmap:nightly", &ro.uri()])
+            .output()
+            .unwrap();
+        assert!(map.status.success(), "nbdinfo: {}", text(&map));
+        let dirty: u64 = String::from_utf8(map.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .filter(|f| f[2] == "1")
+            .map(|f| f[1].parse::<u64>().unwrap())
+            .sum();
+        assert_eq!(dirty, marked(CHANGES));
+        assert!(ro.stop().0.success());
+
+        let (changed, _) = incremental(&img, &backup, "nightly");
+        assert_eq!(changed, marked(CHANGES), "{extra:?}");
+        assert!(same_contents(&img, &backup), "{extra:?}: the incremental copy equals the image");
+
+        // A new epoch: only what changes next is copied.
+        ok(lightfoot(&["bitmap", "clear", s(&img), "nightly"]));
+        let w = Served::start(&img, &args);
+        let next = [("write -P 0x77", 5 * MIB + 3, 10)];
+        qemu_io(&w.uri(), &next);
+        assert!(w.stop().0.success());
+        let (changed, _) = incremental(&img, &backup, "nightly");
+        assert_eq!(changed, GRAIN);
+        assert!(same_contents(&img, &backup), "{extra:?}: second epoch");
+    }
+}
+
+/// A libnbd client that writes pseudo-random pieces for ever, saying "n" after each
+/// acknowledged write, until the server goes.
+const WRITER: &str = r#"
+import nbd, os, random, sys
+h = nbd.NBD()
+h.connect_uri(os.environ["URI"])
+size = h.get_size()
+r = random.Random(int(os.environ["SEED"]))
+n = 0
+while True:
+    off = r.randrange(0, size - 300000)
+    ln = r.randrange(1, 300000)
+    try:
+        if n % 5 == 4:
+            h.zero(ln, off)
+        else:
+            h.pwrite(bytes([r.randrange(256)]) * ln, off)
+        if n % 7 == 6:
+            h.flush()
+    except nbd.Error:
+        break
+    n += 1
+    print(n, flush=True)
+"#;
+
+/// Kill -9 at several points (before any write, after some, with --coalesce holding some):
+/// the restarted server counts every block changed, and the incremental copy still brings
+/// the backup level with the image.
+#[test]
+fn kill_9_at_any_point_leaves_the_next_incremental_complete() {
+    use std::io::BufRead;
+    let dir = scratch();
+    let (img, backup) = image_and_backup(dir.path());
+    for (round, writes) in [0usize, 1, 40, 200].into_iter().enumerate() {
+        for extra in [&[][..], &["--coalesce"][..]] {
+            let mut args = vec!["--dirty-bitmap", "nightly"];
+            args.extend_from_slice(extra);
+            let w = Served::start(&img, &args);
+            let mut writer = libnbd_command(120, WRITER, &w.uri())
+                .env("SEED", (round * 2 + extra.len()).to_string())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap();
+            let mut lines = std::io::BufReader::new(writer.stdout.take().unwrap()).lines();
+            for _ in 0..writes {
+                lines.next().expect("the writer goes on").unwrap();
+            }
+            w.kill9();
+            writer.wait().unwrap();
+            // The killed server's socket file is left: the next one must not be taken for
+            // listening before it does.
+            std::fs::remove_file(img.with_extension("sock")).unwrap();
+            assert!(list(&img)["in_use"].as_bool().unwrap(), "left in use");
+            let (changed, warned) = incremental(&img, &backup, "nightly");
+            assert_eq!(changed, SIZE, "round {round} {extra:?}: all counted changed");
+            assert!(warned.contains("did not close it cleanly"), "{warned}");
+            assert!(same_contents(&img, &backup), "round {round} {extra:?}");
+            ok(lightfoot(&["bitmap", "clear", s(&img), "nightly"]));
+        }
+    }
+}
+
+/// Another program writes the image between two tracked servers: the next incremental
+/// copies everything, and says why.
+#[test]
+fn an_untracked_writer_makes_the_bitmap_all_dirty() {
+    use std::os::unix::fs::FileExt;
+    let dir = scratch();
+    let (img, backup) = image_and_backup(dir.path());
+    let w = Served::start(&img, &["--dirty-bitmap", "nightly"]);
+    qemu_io(&w.uri(), &CHANGES[..1]);
+    assert!(w.stop().0.success());
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .write_all_at(b"behind its back", 7 * MIB)
+        .unwrap();
+    let l = list(&img);
+    assert!(l["state"].as_str().unwrap().contains("image changed"), "{l}");
+    let (changed, warned) = incremental(&img, &backup, "nightly");
+    assert_eq!(changed, SIZE);
+    assert!(warned.contains("the image changed since its last clean close"), "{warned}");
+    assert!(same_contents(&img, &backup));
+    // Without a change in between, the next tracked server starts clean.
+    ok(lightfoot(&["bitmap", "clear", s(&img), "nightly"]));
+    let w = Served::start(&img, &["--dirty-bitmap", "nightly"]);
+    assert!(w.stop().0.success());
+    assert_eq!(list(&img)["bitmaps"][0]["changed"], 0);
+}
+
+/// Differential backups: a disabled bitmap keeps an epoch, merge adds epochs together,
+/// show prints the marked ranges, remove takes one away.
+#[test]
+fn bitmap_commands_keep_epochs_and_merge_them() {
+    let dir = scratch();
+    let (img, _) = image_and_backup(dir.path());
+    ok(lightfoot(&["bitmap", "add", s(&img), "monday"]));
+    let w = Served::start(&img, &["--dirty-bitmap", "monday"]);
+    qemu_io(&w.uri(), &CHANGES[..2]);
+    assert!(w.stop().0.success());
+    ok(lightfoot(&["bitmap", "disable", s(&img), "monday"]));
+    ok(lightfoot(&["bitmap", "add", s(&img), "tuesday", "--granularity", "4K"]));
+    let w = Served::start(&img, &["--dirty-bitmap", "tuesday"]);
+    qemu_io(&w.uri(), &CHANGES[4..]);
+    assert!(w.stop().0.success());
+    let l = list(&img);
+    assert_eq!(l["bitmaps"][0]["changed"], marked(&CHANGES[..2]), "monday kept its epoch: {l}");
+    assert_eq!(l["bitmaps"][1]["changed"], 8192, "tuesday at 4K: {l}");
+    ok(lightfoot(&["bitmap", "merge", s(&img), "week", "monday", "tuesday"]));
+    let shown = ok(lightfoot(&["bitmap", "show", s(&img), "week"]));
+    let ranges: Vec<(u64, u64)> = shown
+        .lines()
+        .map(|l| {
+            let (o, n) = l.split_once(' ').unwrap();
+            (o.parse().unwrap(), n.parse().unwrap())
+        })
+        .collect();
+    assert_eq!(ranges, [(0, 2 * GRAIN), (3_145_728 - GRAIN, 5 * GRAIN), (9_437_184, 8192)], "{shown}");
+    let l = list(&img);
+    assert_eq!(l["bitmaps"][2]["name"], "week");
+    assert_eq!(l["bitmaps"][2]["enabled"], false, "added disabled: {l}");
+    ok(lightfoot(&["bitmap", "remove", s(&img), "monday"]));
+    let names: Vec<_> = list(&img)["bitmaps"].as_array().unwrap().iter().map(|b| b["name"].clone()).collect();
+    assert_eq!(names, ["tuesday", "week"]);
+}
+
+#[test]
+fn bad_input_is_refused_and_changes_nothing() {
+    let dir = scratch();
+    let (img, _) = image_and_backup(dir.path());
+    let before = std::fs::read(&img).unwrap();
+    let sidecar = dir.path().join("disk.img.bitmaps");
+
+    // Read-only without a bitmap file; an unknown bitmap; two files for one export.
+    let out = lightfoot(&["serve", "-r", "--dirty-bitmap", "x", "--unix", "/nonexistent/s", s(&img)]);
+    fails_with(&out, &["disk.img.bitmaps", "no such file"]);
+    let out = lightfoot(&["serve", "--dirty-bitmap", "a=f1", "--dirty-bitmap", "b=f2", s(&img)]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let out = lightfoot(&["serve", "--dirty-bitmap", "x", "s3://bucket/key"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("--dirty-bitmap is for files and block devices"), "{}", text(&out));
+
+    let w = Served::start(&img, &["--dirty-bitmap", "nightly"]);
+    // While it writes through the file: a second tracked server, a bitmap command.
+    let sock2 = dir.path().join("two.sock");
+    let out = lightfoot(&["serve", "--dirty-bitmap", "nightly", "--unix", s(&sock2), s(&img)]);
+    fails_with(&out, &["disk.img.bitmaps", "in use"]);
+    fails_with(&lightfoot(&["bitmap", "clear", s(&img), "nightly"]), &["in use"]);
+    let l = list(&img);
+    assert!(l["state"].as_str().unwrap().contains("running server"), "{l}");
+    // A client asking for a bitmap the server does not have is told which ones it has.
+    let out = lightfoot(&["copy", "--bitmap", "weekly", &w.uri(), s(&dir.path().join("backup.img"))]);
+    fails_with(&out, &["weekly", "qemu:dirty-bitmap:nightly"]);
+    assert!(w.stop().0.success());
+
+    let out = lightfoot(&["serve", "-r", "--dirty-bitmap", "weekly", "--unix", s(&sock2), s(&img)]);
+    fails_with(&out, &["no bitmap named 'weekly' (it holds: nightly)"]);
+    fails_with(&lightfoot(&["bitmap", "show", s(&img), "weekly"]), &["no bitmap named 'weekly'"]);
+    fails_with(&lightfoot(&["bitmap", "add", s(&img), "nightly"]), &["exists already"]);
+    let out = lightfoot(&["bitmap", "add", s(&img), "n", "--granularity", "3K"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("power of two"), "{}", text(&out));
+
+    // A damaged file, and one for another size of image.
+    let good = std::fs::read(&sidecar).unwrap();
+    let mut bad = good.clone();
+    bad[30] ^= 1;
+    std::fs::write(&sidecar, &bad).unwrap();
+    let out = lightfoot(&["serve", "--dirty-bitmap", "nightly", "--unix", s(&sock2), s(&img)]);
+    fails_with(&out, &["disk.img.bitmaps", "checksum mismatch"]);
+    fails_with(&lightfoot(&["bitmap", "list", s(&img)]), &["checksum mismatch"]);
+    assert_eq!(std::fs::read(&sidecar).unwrap(), bad, "a damaged file is left for the user");
+    std::fs::write(&sidecar, &good).unwrap();
+    let other = dir.path().join("other.img");
+    std::fs::File::create(&other).unwrap().set_len(SIZE * 2).unwrap();
+    let arg = format!("nightly={}", sidecar.display());
+    let out = lightfoot(&["serve", "--dirty-bitmap", &arg, "--unix", s(&sock2), s(&other)]);
+    fails_with(&out, &["for an image of 16777216 bytes, this one has 33554432"]);
+    assert_eq!(std::fs::read(&img).unwrap(), before, "the image is untouched");
+    assert_eq!(std::fs::read(&sidecar).unwrap(), good);
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(!left.iter().any(|n| n.to_string_lossy().contains(".new.")), "no temporary file left: {left:?}");
+}
