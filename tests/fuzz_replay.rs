@@ -51,6 +51,16 @@ fn request() {
 }
 
 #[test]
+fn bitmap() {
+    replay("bitmap", fuzz::bitmap::run, 4);
+}
+
+#[test]
+fn s3_records() {
+    replay("s3_records", fuzz::s3_records::run, 4);
+}
+
+#[test]
 fn connection() {
     replay("connection", fuzz::connection::run, 8);
 }

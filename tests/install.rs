@@ -19,6 +19,15 @@ const PAGES: &[(&str, &str, &str)] = &[
     ("lightfoot-cache-stat.1", "lightfoot cache stat", "--range"),
     ("lightfoot-cache-evict.1", "lightfoot cache evict", "--sync"),
     ("lightfoot-run.1", "lightfoot run", "--json"),
+    ("lightfoot-bitmap.1", "lightfoot bitmap", "--help"),
+    ("lightfoot-bitmap-list.1", "lightfoot bitmap list", "--json"),
+    ("lightfoot-bitmap-show.1", "lightfoot bitmap show", "--bitmaps"),
+    ("lightfoot-bitmap-add.1", "lightfoot bitmap add", "--granularity"),
+    ("lightfoot-bitmap-remove.1", "lightfoot bitmap remove", "--bitmaps"),
+    ("lightfoot-bitmap-clear.1", "lightfoot bitmap clear", "--bitmaps"),
+    ("lightfoot-bitmap-enable.1", "lightfoot bitmap enable", "--bitmaps"),
+    ("lightfoot-bitmap-disable.1", "lightfoot bitmap disable", "--bitmaps"),
+    ("lightfoot-bitmap-merge.1", "lightfoot bitmap merge", "--bitmaps"),
 ];
 
 /// mandoc messages that come from clap_mangen's own markup, which we cannot change; any other

@@ -192,7 +192,7 @@ fn see_also(name: &str, pages: &[&str], w: &mut dyn Write) -> std::io::Result<()
     roff.control("PP", []);
     roff.text([roman(
         "The guides in lightfoot's source tree: README.md, and docs/ (copy.md, serve.md, \
-         cache.md, cache-policy.md, tls.md, run.md).",
+         cache.md, cache-policy.md, tls.md, run.md, bitmap.md, incremental.md).",
     )]);
     roff.to_writer(w)
 }

@@ -27,7 +27,7 @@ storage).",
     after_long_help = "Exit status: 0 success, 1 failure, 2 usage error, 130 interrupted (copy), 141 \
 DST - closed early (copy); run: CMD's own, 125 its own failure, 126/127 CMD not executable/not \
 found. `lightfoot COMMAND --help` tells more. Documentation: docs/ (README.md, docs/copy.md, \
-docs/serve.md, docs/cache.md, docs/cache-policy.md, docs/run.md; every error message: \
+docs/serve.md, docs/cache.md, docs/cache-policy.md, docs/run.md, docs/bitmap.md; every error message: \
 docs/errors.md)."
 )]
 struct Cli {

@@ -41,15 +41,28 @@ pub const RENEW: Duration = Duration::from_secs(10);
 /// How long before expiry the holder stops writing (a write already sent may still land).
 const MARGIN: Duration = Duration::from_secs(8);
 
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct Record {
-    holder: String,
+/// What a lease object holds (JSON).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Record {
+    pub holder: String,
     /// Random, one writer's own: tells its lease from another writer's of the same `holder`
     /// text (containers can share a pid and a hostname). Absent from older leases.
     #[serde(default)]
-    token: String,
+    pub token: String,
     /// Seconds since the epoch.
-    expires: u64,
+    pub expires: u64,
+}
+
+impl Record {
+    /// A lease object's bytes read: `None` if they are not a lease (another program's
+    /// object, a damaged one), which counts as no lease held.
+    pub fn parse(bytes: &[u8]) -> Option<Record> {
+        serde_json::from_slice(bytes).ok()
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("lease serializes")
+    }
 }
 
 fn now_secs() -> u64 {
@@ -70,7 +83,7 @@ pub fn probe_conditional_writes(store: &Store, key: &str) -> Result<bool> {
 pub fn held_by_other(store: &Store, key: &str) -> Result<Option<String>> {
     let name = format!("{key}/{LEASE}");
     let Some((bytes, _)) = store.run(store.get(&name, None, None))? else { return Ok(None) };
-    Ok(serde_json::from_slice::<Record>(&bytes).ok().filter(|r| r.expires > now_secs()).map(|r| r.holder))
+    Ok(Record::parse(&bytes).filter(|r| r.expires > now_secs()).map(|r| r.holder))
 }
 
 /// How an open of the block image at `key` stands towards its one writer: the lease it
@@ -151,7 +164,7 @@ impl Lease {
                         .path(store.uri(&name))
                         .detail("the lease was released while it was being taken: try again")
                 })?;
-                let rec = serde_json::from_slice::<Record>(&old).ok();
+                let rec = Record::parse(&old);
                 let live = rec.as_ref().is_some_and(|r| r.expires > now_secs());
                 if live && !force {
                     let r = rec.expect("live");
@@ -291,7 +304,7 @@ impl State {
         let Some((bytes, meta)) = self.store.run(self.store.get(&self.name, None, None))? else {
             return Ok(None);
         };
-        let ours = serde_json::from_slice::<Record>(&bytes).is_ok_and(|r| r.token == self.token);
+        let ours = Record::parse(&bytes).is_some_and(|r| r.token == self.token);
         Ok(ours.then_some(meta.etag))
     }
 }
@@ -337,7 +350,7 @@ fn new_token() -> String {
 fn record(holder: &str, token: &str) -> Bytes {
     let r =
         Record { holder: holder.to_string(), token: token.to_string(), expires: now_secs() + TTL.as_secs() };
-    Bytes::from(serde_json::to_vec(&r).expect("lease serializes"))
+    Bytes::from(r.encode())
 }
 
 /// Versioned buckets keep every rewrite of an object: a block image rewritten in place grows

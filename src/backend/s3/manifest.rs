@@ -50,20 +50,12 @@ impl Geometry {
         let manifest_key = format!("{key}/{MANIFEST}");
         let manifest = match store.run(store.get(&manifest_key, None, None))? {
             None => None,
-            Some((bytes, _)) => Some(serde_json::from_slice::<Manifest>(&bytes).map_err(|e| {
-                Error::new(ErrorKind::InvalidInput, Op::Open)
-                    .path(store.uri(&manifest_key))
-                    .detail(format!("not a manifest: {e}"))
-            })?),
+            Some((bytes, _)) => {
+                Some(Geometry::parse(&bytes).map_err(|why| bad(&store.uri(&manifest_key), why))?)
+            }
         };
-        let g = match (&manifest, size, object_size) {
+        let g = match (manifest, size, object_size) {
             (Some(m), size, osize) => {
-                if m.format != FORMAT || m.version != 1 {
-                    return Err(bad(
-                        &store.uri(&manifest_key),
-                        format!("unknown format {} version {}", m.format, m.version),
-                    ));
-                }
                 if size.is_some_and(|s| s != m.size) || osize.is_some_and(|o| o != m.object_size) {
                     return Err(bad(
                         name,
@@ -73,7 +65,7 @@ impl Geometry {
                         ),
                     ));
                 }
-                Geometry { size: m.size, object_size: m.object_size, stored: true }
+                m
             }
             (None, Some(size), Some(object_size)) => Geometry { size, object_size, stored: false },
             (None, None, Some(_)) => {
@@ -87,16 +79,36 @@ impl Geometry {
             }
             (None, None, None) => return Ok(None),
         };
-        let Geometry { size, object_size, .. } = g;
+        g.check().map_err(|why| bad(name, why))?;
+        Ok(Some(g))
+    }
+
+    /// A manifest's bytes read: the geometry it records, checked.
+    pub fn parse(bytes: &[u8]) -> Result<Geometry, String> {
+        let m: Manifest = serde_json::from_slice(bytes).map_err(|e| format!("not a manifest: {e}"))?;
+        if m.format != FORMAT || m.version != 1 {
+            return Err(format!("unknown format {} version {}", m.format, m.version));
+        }
+        let g = Geometry { size: m.size, object_size: m.object_size, stored: true };
+        g.check()?;
+        Ok(g)
+    }
+
+    /// The manifest's bytes for this geometry.
+    pub fn encode(&self) -> Vec<u8> {
+        let m =
+            Manifest { format: FORMAT.into(), version: 1, size: self.size, object_size: self.object_size };
+        serde_json::to_vec_pretty(&m).expect("manifest serializes")
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let Geometry { size, object_size, .. } = *self;
         if object_size == 0 || size % object_size != 0 || object_size > 1 << 30 {
-            return Err(bad(
-                name,
-                format!(
-                    "the size ({size}) must be a multiple of the object size ({object_size}), at most 1 GiB"
-                ),
+            return Err(format!(
+                "the size ({size}) must be a multiple of the object size ({object_size}), at most 1 GiB"
             ));
         }
-        Ok(Some(g))
+        Ok(())
     }
 
     /// The number of objects the image spans.
@@ -108,9 +120,7 @@ impl Geometry {
     /// racing agree, or the one that lost fails at its next open.
     pub fn save(&self, store: &Store, key: &str) -> Result<()> {
         let manifest_key = format!("{key}/{MANIFEST}");
-        let m =
-            Manifest { format: FORMAT.into(), version: 1, size: self.size, object_size: self.object_size };
-        let body = Bytes::from(serde_json::to_vec_pretty(&m).expect("manifest serializes"));
+        let body = Bytes::from(self.encode());
         if let Some((_, version)) = store.run(store.put(&manifest_key, body, PutMode::Create))? {
             lease::warn_if_versioned(store, &manifest_key, version.as_deref());
         }

@@ -18,7 +18,7 @@
 mod blocks;
 pub mod config;
 pub mod lease;
-mod manifest;
+pub mod manifest;
 mod object;
 pub mod store;
 mod upload;

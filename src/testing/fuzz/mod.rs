@@ -15,10 +15,15 @@
 //!   backend with each filter stack (none, prefetch, coalesce, both), over
 //!   [`super::duplex`]; every reply is checked against a byte-vector model of the image and
 //!   the errors the spec names, and the image is compared with the model at the end.
+//! - [`bitmap`]: the dirty bitmap file's reader: never a panic, only what the writer writes
+//!   accepted, and what is accepted consistent.
+//! - [`s3_records`]: an `s3://` block image's manifest and lease records, read from any bytes.
 
+pub mod bitmap;
 pub mod connection;
 pub mod handshake;
 pub mod request;
+pub mod s3_records;
 
 /// Reads the fuzzer's bytes as numbers; past the end everything reads as zero, so every input
 /// decodes to something.
