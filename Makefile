@@ -91,7 +91,7 @@ lint:
 # corpus entries land in fuzz/corpus/<target>, crashes in fuzz/artifacts/<target>
 # (docs/fuzzing.md says what to do with them).
 FUZZ_TIME ?= 300
-FUZZ_TARGETS ?= handshake request connection
+FUZZ_TARGETS ?= handshake request connection bitmap s3_records
 
 # `connection` runs without a sanitizer: it is safe Rust, and ASan made it 3 times slower.
 fuzz:

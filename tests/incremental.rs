@@ -360,3 +360,100 @@ fn an_incremental_copy_into_an_s3_block_image_touches_changed_objects_only() {
     lf(&["copy", "--json", "s3://backups/one", s(&again)]);
     assert!(same_contents(&raw, &again));
 }
+
+const PAGE: &str = include_str!("../docs/incremental.md");
+
+/// Runs `script` through `sh` in `dir`, with the lightfoot under test first on PATH and the
+/// page's `/run/` in `dir`. `script` must be in docs/incremental.md as written (the test
+/// fails otherwise, so the page cannot drift from what was run).
+fn recipe(dir: &Path, script: &str) {
+    assert!(PAGE.contains(script), "docs/incremental.md no longer has what the test runs:\n{script}");
+    let bin_dir = dir.join(".bin");
+    if !bin_dir.exists() {
+        std::fs::create_dir(&bin_dir).unwrap();
+        std::os::unix::fs::symlink(bin(), bin_dir.join("lightfoot")).unwrap();
+    }
+    let path = format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default());
+    let script = script.replace("/run/", &format!("{}/", dir.display()));
+    run(Command::new("sh").args(["-ec", &script]).current_dir(dir).env("PATH", path));
+}
+
+/// The page's cycle with qemu-nbd, its overlay chain with a restore, and its differential,
+/// as written; each result compared with the disk.
+#[test]
+fn the_recipes_of_incremental_md_run_as_written() {
+    let dir = scratch();
+    let d = dir.path();
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&d.join("disk.qcow2")), "20G"]);
+    qemu_io(&d.join("disk.qcow2"), &["write -P 0x11 0 3M", "write -P 0x22 19G 1M"]);
+    recipe(
+        d,
+        "qemu-img bitmap --add --enable disk.qcow2 since-0
+lightfoot copy -- [ qemu-nbd -r -f qcow2 disk.qcow2 ] backup.raw",
+    );
+    recipe(
+        d,
+        "qemu-img create -f qcow2 full.qcow2 20G
+lightfoot copy -- [ qemu-nbd -r -f qcow2 disk.qcow2 ] [ qemu-nbd -f qcow2 full.qcow2 ]",
+    );
+    qemu_io(&d.join("disk.qcow2"), CHANGES);
+    recipe(
+        d,
+        "qemu-img create -f qcow2 -b full.qcow2 -F qcow2 inc1.qcow2
+lightfoot copy --bitmap since-0 -- [ qemu-nbd -r -f qcow2 -B since-0 disk.qcow2 ] [ qemu-nbd -f qcow2 inc1.qcow2 ]",
+    );
+    qemu_img(&["compare", "-q", s(&d.join("disk.qcow2")), s(&d.join("inc1.qcow2"))]);
+    recipe(d, "lightfoot copy -- [ qemu-nbd -r -f qcow2 inc1.qcow2 ] restored.raw");
+    qemu_img(&["compare", "-q", s(&d.join("disk.qcow2")), s(&d.join("restored.raw"))]);
+    // Day 1 of the cycle (since-0 is dropped in it: the overlay above read it first).
+    std::fs::copy(d.join("backup.raw"), d.join("full-copy.raw")).unwrap();
+    recipe(
+        d,
+        "qemu-img bitmap --add --enable disk.qcow2 since-1
+qemu-img bitmap --disable disk.qcow2 since-0
+lightfoot copy --bitmap since-0 -- [ qemu-nbd -r -f qcow2 -B since-0 disk.qcow2 ] backup.raw",
+    );
+    qemu_img(&["compare", "-q", s(&d.join("disk.qcow2")), s(&d.join("backup.raw"))]);
+    // A differential over the two epochs, into a copy of the day-0 backup.
+    qemu_io(&d.join("disk.qcow2"), &["write -P 0x66 5G 64K"]);
+    recipe(
+        d,
+        "qemu-img bitmap --add disk.qcow2 diff
+qemu-img bitmap --merge since-0 disk.qcow2 diff
+qemu-img bitmap --merge since-1 disk.qcow2 diff
+lightfoot copy --bitmap diff -- [ qemu-nbd -r -f qcow2 -B diff disk.qcow2 ] full-copy.raw",
+    );
+    qemu_img(&["compare", "-q", s(&d.join("disk.qcow2")), s(&d.join("full-copy.raw"))]);
+    recipe(d, "qemu-img bitmap --remove disk.qcow2 since-0");
+}
+
+/// The page's cycle with lightfoot's own server keeping the bitmap, as written.
+#[test]
+fn the_lightfoot_server_recipe_of_incremental_md_runs_as_written() {
+    let dir = scratch();
+    let d = dir.path();
+    sample(&d.join("disk.img"), SIZE, 3 * MIB);
+    recipe(
+        d,
+        "lightfoot copy disk.img backup.img                       # day 0: the full backup
+lightfoot bitmap add disk.img nightly                    # changes from now on",
+    );
+    let line = "lightfoot serve --unix /run/vm1.sock --dirty-bitmap nightly disk.img    # while the VM runs";
+    assert!(PAGE.contains(line));
+    let vm = Served::start(&d.join("disk.img"), &["--dirty-bitmap", "nightly"]);
+    let mut c = tool("qemu-io", "qemu-utils");
+    c.args(["-f", "raw"]);
+    for cmd in CHANGES {
+        c.args(["-c", cmd]);
+    }
+    run(c.arg(vm.uri()));
+    assert!(vm.stop().0.success());
+    assert!(!same_contents(&d.join("disk.img"), &d.join("backup.img")));
+    recipe(
+        d,
+        "lightfoot serve -r --unix /run/vm1-ro.sock --dirty-bitmap nightly disk.img \\
+    --run 'lightfoot copy --bitmap nightly \"$uri\" backup.img'           # after it stopped
+lightfoot bitmap clear disk.img nightly                  # the next epoch",
+    );
+    assert!(same_contents(&d.join("disk.img"), &d.join("backup.img")));
+}
