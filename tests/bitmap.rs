@@ -211,6 +211,55 @@ fn an_untracked_writer_makes_the_bitmap_all_dirty() {
     assert_eq!(list(&img)["bitmaps"][0]["changed"], 0);
 }
 
+/// What a libnbd client negotiates and reads: both contexts listed and selected, one
+/// chunk each per BLOCK_STATUS, one descriptor each with REQ_ONE, a bitmap alone selected.
+const CONTEXTS: &str = r#"
+import nbd, os
+def listed(query):
+    h = nbd.NBD()
+    h.set_opt_mode(True)
+    h.connect_uri(os.environ["URI"])
+    names = []
+    if query:
+        h.add_meta_context(query)
+    h.opt_list_meta_context(lambda n: names.append(n) or 0)
+    h.opt_abort()
+    return sorted(names)
+print("all", listed(None))
+print("qemu:", listed("qemu:"))
+for want in (["base:allocation", "qemu:dirty-bitmap:nightly"], ["qemu:dirty-bitmap:nightly"]):
+    h = nbd.NBD()
+    for c in want:
+        h.add_meta_context(c)
+    h.connect_uri(os.environ["URI"])
+    for flags in (0, nbd.CMD_FLAG_REQ_ONE):
+        got = {}
+        h.block_status(1 << 20, 0, lambda ctx, off, ents, err: got.setdefault(ctx, []).append(ents) or 0, flags)
+        print("one" if flags else "all", sorted((c, len(e), len(e[0]) // 2, e[0][:2]) for c, e in got.items()))
+"#;
+
+#[test]
+fn clients_select_and_read_each_context() {
+    let dir = scratch();
+    let (img, _) = image_and_backup(dir.path());
+    let w = Served::start(&img, &["--dirty-bitmap", "nightly"]);
+    qemu_io(&w.uri(), &[("write -P 1", 65536, 1)]);
+    let out = libnbd(CONTEXTS, &w.uri());
+    let got = ok(out);
+    let want = [
+        "all ['base:allocation', 'qemu:dirty-bitmap:nightly']",
+        "qemu: ['qemu:dirty-bitmap:nightly']",
+        // (context, chunks, descriptors, first descriptor): one chunk per context; the
+        // first MiB is data, the bitmap's runs 64 KiB clean, 64 KiB changed, the rest clean.
+        "all [('base:allocation', 1, 1, [1048576, 0]), ('qemu:dirty-bitmap:nightly', 1, 3, [65536, 0])]",
+        "one [('base:allocation', 1, 1, [1048576, 0]), ('qemu:dirty-bitmap:nightly', 1, 1, [65536, 0])]",
+        "all [('qemu:dirty-bitmap:nightly', 1, 3, [65536, 0])]",
+        "one [('qemu:dirty-bitmap:nightly', 1, 1, [65536, 0])]",
+    ];
+    assert_eq!(got.lines().collect::<Vec<_>>(), want, "{got}");
+    assert!(w.stop().0.success());
+}
+
 /// Differential backups: a disabled bitmap keeps an epoch, merge adds epochs together,
 /// show prints the marked ranges, remove takes one away.
 #[test]
@@ -263,11 +312,23 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(text(&out).contains("--dirty-bitmap is for files and block devices"), "{}", text(&out));
 
+    // A bad name makes no file; a server that fails to start leaves the file clean.
+    let out = lightfoot(&["bitmap", "add", s(&img), "a=b"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(!sidecar.exists(), "a refused add made the file");
+    let out = lightfoot(&["serve", "--dirty-bitmap", "nightly", "--unix", "/nonexistent/s", s(&img)]);
+    fails_with(&out, &["listen on /nonexistent/s"]);
+    assert_eq!(list(&img)["state"], "clean", "a server that took no change leaves it clean");
+
     let w = Served::start(&img, &["--dirty-bitmap", "nightly"]);
-    // While it writes through the file: a second tracked server, a bitmap command.
+    // While it writes through the file: a second tracked server (the same file or another),
+    // a bitmap command.
     let sock2 = dir.path().join("two.sock");
     let out = lightfoot(&["serve", "--dirty-bitmap", "nightly", "--unix", s(&sock2), s(&img)]);
-    fails_with(&out, &["disk.img.bitmaps", "in use"]);
+    fails_with(&out, &["another server tracks changes to this image"]);
+    let elsewhere = format!("nightly={}", dir.path().join("elsewhere.bitmaps").display());
+    let out = lightfoot(&["serve", "--dirty-bitmap", &elsewhere, "--unix", s(&sock2), s(&img)]);
+    fails_with(&out, &["disk.img", "another server tracks changes to this image"]);
     fails_with(&lightfoot(&["bitmap", "clear", s(&img), "nightly"]), &["in use"]);
     let l = list(&img);
     assert!(l["state"].as_str().unwrap().contains("running server"), "{l}");

@@ -114,9 +114,10 @@ impl Bits {
     pub fn dirty_bytes(&self) -> u64 {
         let whole: u64 = self.words.iter().map(|w| u64::from(w.load(Ordering::Relaxed).count_ones())).sum();
         let blocks = self.blocks();
-        let last_short = blocks * self.granularity - self.size;
         if blocks > 0 && self.get(blocks - 1) {
-            whole * self.granularity - last_short
+            // The last block counts only up to the image's end.
+            let last = self.size - (blocks - 1) * self.granularity;
+            (whole - 1) * self.granularity + last
         } else {
             whole * self.granularity
         }
@@ -128,19 +129,23 @@ impl Bits {
         let end = offset.saturating_add(len).min(self.size);
         let mut runs: Vec<(u64, bool)> = Vec::new();
         let mut at = offset;
+        // Runs are looked for no further than the range: a small request in a long uniform
+        // stretch costs what the request covers, not the rest of the image.
+        let end_block = end.div_ceil(self.granularity);
         while at < end && runs.len() < max {
             let block = at / self.granularity;
             let dirty = self.get(block);
-            let next = self.run_end(block, dirty).saturating_mul(self.granularity).min(end);
+            let next = self.run_end(block, dirty, end_block).saturating_mul(self.granularity).min(end);
             runs.push((next - at, dirty));
             at = next;
         }
         runs
     }
 
-    /// The first block after `block` whose bit differs from `dirty` (or the block count).
-    fn run_end(&self, block: u64, dirty: bool) -> u64 {
-        let blocks = self.blocks();
+    /// The first block after `block` whose bit differs from `dirty`, or `limit` (at most the
+    /// block count) if none before it.
+    fn run_end(&self, block: u64, dirty: bool, limit: u64) -> u64 {
+        let blocks = self.blocks().min(limit);
         let mut b = block + 1;
         while b < blocks {
             let w = self.words[(b / 64) as usize].load(Ordering::Relaxed);

@@ -47,6 +47,24 @@ pub fn identity(image: &Path, size: u64) -> Result<String> {
     })
 }
 
+/// [`identity`] for recording at a close: first waits until the clock has left the tick of the
+/// image's last change, so that a later write by another program cannot share its change time
+/// (coarse timestamps: a few ms on kernels and filesystems without fine-grained ones).
+pub fn settled_identity(image: &Path, size: u64) -> Result<String> {
+    use std::os::unix::fs::MetadataExt;
+    const TICK: std::time::Duration = std::time::Duration::from_millis(20);
+    if let Ok(m) = std::fs::metadata(image) {
+        let changed =
+            std::time::UNIX_EPOCH + std::time::Duration::new(m.ctime().max(0) as u64, m.ctime_nsec() as u32);
+        if let Ok(ago) = std::time::SystemTime::now().duration_since(changed) {
+            if ago < TICK {
+                std::thread::sleep(TICK - ago);
+            }
+        }
+    }
+    identity(image, size)
+}
+
 /// A random number for a new epoch.
 pub fn new_epoch() -> u64 {
     use std::hash::{BuildHasher, Hasher};
@@ -90,7 +108,9 @@ impl BitmapFile {
             if !same_file(&f, path) {
                 continue;
             }
-            let bytes = std::fs::read(path).map_err(|e| Error::io(Op::Bitmap, e).path(path))?;
+            let mut bytes = Vec::new();
+            std::io::Read::read_to_end(&mut &f, &mut bytes)
+                .map_err(|e| Error::io(Op::Bitmap, e).path(path))?;
             let sidecar = format::decode(&bytes)
                 .map_err(|why| Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(path).detail(why))?;
             return Ok(Some(BitmapFile { path: path.to_path_buf(), lock: f, exclusive, sidecar }));
@@ -226,7 +246,12 @@ fn write_new(path: &Path, bytes: &[u8]) -> Result<(PathBuf, std::fs::File)> {
         let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
-        crate::io::sys::try_flock(f.as_fd(), true)?;
+        if !crate::io::sys::try_flock(f.as_fd(), true)? {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                "new file locked by another process",
+            ));
+        }
         Ok(f)
     })();
     match written {

@@ -69,8 +69,8 @@ pub fn check_name(name: &str) -> Result<(), String> {
     if name.is_empty() || name.len() > MAX_NAME {
         return Err(format!("a bitmap name has 1 to {MAX_NAME} bytes"));
     }
-    if name.chars().any(char::is_control) {
-        return Err("a bitmap name has no control characters".into());
+    if name.chars().any(|c| c.is_control() || c == '=') {
+        return Err("a bitmap name has no control characters and no '='".into());
     }
     Ok(())
 }
@@ -253,7 +253,10 @@ mod tests {
     #[test]
     fn names_and_granularities_are_checked() {
         assert!(
-            check_name("").is_err() && check_name(&"x".repeat(1024)).is_err() && check_name("a\nb").is_err()
+            check_name("").is_err()
+                && check_name(&"x".repeat(1024)).is_err()
+                && check_name("a\nb").is_err()
+                && check_name("a=b").is_err()
         );
         check_name("backup-2026.11").unwrap();
         assert!(

@@ -9,6 +9,7 @@
 //! bit set in memory, never a write of their own.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::bits::Bits;
@@ -23,6 +24,9 @@ pub struct Tracker {
     /// The enabled ones: what writes mark.
     enabled: Vec<Arc<Bits>>,
     writable: bool,
+    /// A change was marked: from then on only [`Tracker::close`] may call the file clean.
+    marked: AtomicBool,
+    closed: AtomicBool,
 }
 
 impl Tracker {
@@ -38,7 +42,14 @@ impl Tracker {
     ) -> Result<Tracker> {
         let mut file = match BitmapFile::open(path, writable)? {
             Some(f) => f,
-            None if writable => BitmapFile::create(path, size, image_now.to_string())?,
+            None if writable => {
+                tracing::warn!(
+                    "{}: no bitmap file: made, its bitmaps record changes from now on (take a full copy \
+                     now for the next incremental to start from)",
+                    path.display()
+                );
+                BitmapFile::create(path, size, image_now.to_string())?
+            }
             None => {
                 return Err(Error::new(ErrorKind::NotFound, Op::Bitmap)
                     .path(path)
@@ -67,6 +78,12 @@ impl Tracker {
                 file.add(name, DEFAULT_GRANULARITY)?;
                 tracing::info!("{}: bitmap '{name}' made, changes from now on", path.display());
             }
+            if writable && file.sidecar.get(name).is_some_and(|b| !b.enabled) {
+                tracing::warn!(
+                    "{}: bitmap '{name}' is disabled: it is offered, not marked (lightfoot bitmap enable)",
+                    path.display()
+                );
+            }
         }
         if writable {
             file.sidecar.in_use = true;
@@ -78,6 +95,8 @@ impl Tracker {
             bits: s.bitmaps.iter().map(|b| b.bits.clone()).collect(),
             enabled: s.bitmaps.iter().filter(|b| b.enabled).map(|b| b.bits.clone()).collect(),
             writable,
+            marked: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             file: Mutex::new(file),
         })
     }
@@ -95,6 +114,9 @@ impl Tracker {
     /// Records a change of `offset..offset + len` in every enabled bitmap.
     pub fn mark(&self, offset: u64, len: u64) {
         debug_assert!(self.writable);
+        if !self.marked.load(Ordering::Relaxed) {
+            self.marked.store(true, Ordering::Relaxed);
+        }
         for b in &self.enabled {
             b.mark(offset, len);
         }
@@ -107,6 +129,7 @@ impl Tracker {
         if !self.writable {
             return Ok(());
         }
+        self.closed.store(true, Ordering::Relaxed);
         let mut f = self.file.lock().unwrap();
         if clean {
             if let Some(now) = image_now {
@@ -115,6 +138,22 @@ impl Tracker {
             }
         }
         f.save()
+    }
+}
+
+/// A server that ends before it took any change (a failed start: the address in use, a pid
+/// file it could not write) leaves the file as clean as it found it, not in use: nothing can
+/// have been missed, and the next backup need not be a full one.
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        if !self.writable || self.closed.load(Ordering::Relaxed) || self.marked.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut f = self.file.lock().unwrap();
+        f.sidecar.in_use = false;
+        if let Err(e) = f.save() {
+            tracing::warn!("{e}");
+        }
     }
 }
 
@@ -144,10 +183,13 @@ mod tests {
         assert!(e.to_string().contains("no bitmap named 'b' (it holds: a)"), "{e}");
         let e = Tracker::open(&p, 2 << 20, "y", &names, true).err().unwrap();
         assert!(e.to_string().contains("for an image of 1048576 bytes"), "{e}");
+        // Opened and dropped without a change (a failed start): clean, as it was.
+        drop(Tracker::open(&p, 1 << 20, "y", &names, true).unwrap());
+        assert!(!BitmapFile::peek(&p).unwrap().in_use);
         // Opened, marked, never closed (killed): all dirty next time.
         let t = Tracker::open(&p, 1 << 20, "y", &names, true).unwrap();
         t.mark(0, 1);
-        drop(t);
+        drop(t); // marked, not closed: as after a kill -9, the file stays in use
         let t = Tracker::open(&p, 1 << 20, "y", &names, true).unwrap();
         assert_eq!(t.bits(0).dirty_bytes(), 1 << 20);
     }

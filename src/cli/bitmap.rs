@@ -125,6 +125,15 @@ fn parse_granularity(s: &str) -> Result<u64, String> {
 
 pub fn run(cmd: BitmapCommand) -> i32 {
     super::init_logging(0);
+    // A bad name fails before anything is made (add would make the file first).
+    let named: Vec<&str> = match &cmd {
+        BitmapCommand::Add(a) => vec![&a.name],
+        BitmapCommand::Merge(a) => vec![&a.target],
+        _ => vec![],
+    };
+    if let Some(e) = named.iter().find_map(|n| bitmap::format::check_name(n).err()) {
+        return super::usage_error("bitmap", e);
+    }
     let done = match cmd {
         BitmapCommand::List(a) => list(&a),
         BitmapCommand::Show(a) => show(&a),
@@ -189,8 +198,10 @@ fn change(
     op: impl FnOnce(&mut BitmapFile) -> lightfoot::Result<String>,
 ) -> lightfoot::Result<()> {
     let path = at.path();
+    let opened = BitmapFile::open(&path, true)?;
+    // What the image is, once no server can be closing it any more (the lock is held).
     let (size, now) = image_now(&at.image)?;
-    let mut f = match BitmapFile::open(&path, true)? {
+    let mut f = match opened {
         Some(f) => f,
         None if create => BitmapFile::create(&path, size, now.clone())?,
         None => return Err(Error::new(ErrorKind::NotFound, Op::Bitmap).path(&path).detail("no such file")),
@@ -273,7 +284,7 @@ fn list(a: &ListArgs) -> lightfoot::Result<()> {
             })
             .collect();
         let v = serde_json::json!({
-            "file": path, "size": s.size, "in_use": s.in_use, "state": state, "bitmaps": maps,
+            "file": path.display().to_string(), "size": s.size, "in_use": s.in_use, "state": state, "bitmaps": maps,
         });
         super::print_out(&format!("{}\n", serde_json::to_string_pretty(&v).expect("json")));
         return Ok(());

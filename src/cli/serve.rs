@@ -168,7 +168,8 @@ pub struct ServeArgs {
     /// Keep the dirty bitmap NAME for incremental copies (repeat for more): every write,
     /// zero and trim marks the blocks it touches, and clients read the marks as the meta
     /// context qemu:dirty-bitmap:NAME (lightfoot copy --bitmap NAME, nbdinfo --map). The
-    /// bitmaps live in FILE (default: FILE.bitmaps beside the image; given once for all),
+    /// bitmaps live in FILE (default: IMAGE.bitmaps beside the image; given once for all;
+    /// needed for a block device),
     /// which is made if missing, as is NAME (64K granularity; other bitmaps there are kept
     /// and offered too, the enabled ones marked). Saved at a clean exit; a server killed
     /// before leaves them counting the whole image changed. With --read-only the file and
@@ -346,6 +347,18 @@ pub fn run(a: ServeArgs) -> i32 {
         Err(e) => return open_failed(e),
     };
     let size = export.size;
+    // One tracking server per image, whatever bitmap file it uses: another one's writes
+    // would be missing from this one's bitmaps (held until exit).
+    let _image_lock = match &bitmaps {
+        Some(_) if !a.read_only => match lock_image(&a.file) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                super::report(&e);
+                return 1;
+            }
+        },
+        _ => None,
+    };
     let tracker = match &bitmaps {
         None => None,
         Some((names, path)) => {
@@ -478,7 +491,7 @@ pub fn run(a: ServeArgs) -> i32 {
     // Clean only if every write reached the image: otherwise the next open counts all changed.
     let kept = tracker.as_ref().map(|t| {
         let clean = served.is_ok() && finished.is_ok();
-        t.close(clean, lightfoot::bitmap::identity(&a.file, size).ok())
+        t.close(clean, lightfoot::bitmap::file::settled_identity(&a.file, size).ok())
     });
     if a.stats {
         print_stats(&server, &stack, a.json);
@@ -499,6 +512,18 @@ pub fn run(a: ServeArgs) -> i32 {
     code
 }
 
+/// The image's `flock` that a server tracking its changes holds.
+fn lock_image(image: &std::path::Path) -> lightfoot::Result<std::fs::File> {
+    let f = std::fs::File::open(image).map_err(|e| lightfoot::Error::io(Op::Open, e).path(image))?;
+    match lightfoot::io::sys::try_flock(std::os::fd::AsFd::as_fd(&f), true) {
+        Ok(true) => Ok(f),
+        Ok(false) => Err(lightfoot::Error::new(ErrorKind::Permission, Op::Bitmap)
+            .path(image)
+            .detail("another server tracks changes to this image")),
+        Err(e) => Err(lightfoot::Error::io(Op::Bitmap, e).path(image).detail("lock")),
+    }
+}
+
 /// `--dirty-bitmap NAME[=FILE]`s: the names and the one file, `None` without any.
 fn dirty_bitmaps(
     given: &[String],
@@ -512,6 +537,9 @@ fn dirty_bitmaps(
             None => (g.as_str(), None),
         };
         lightfoot::bitmap::format::check_name(name).map_err(|e| format!("--dirty-bitmap '{g}': {e}"))?;
+        if f.as_ref().is_some_and(|f| f.as_os_str().is_empty()) {
+            return Err(format!("--dirty-bitmap '{g}': FILE is empty"));
+        }
         if let Some(f) = f {
             if file.as_ref().is_some_and(|have| *have != f) {
                 return Err("--dirty-bitmap: every bitmap of an export lives in one FILE".into());
@@ -522,7 +550,17 @@ fn dirty_bitmaps(
             names.push(name.to_string());
         }
     }
-    Ok((!names.is_empty()).then(|| (names, file.unwrap_or_else(|| lightfoot::bitmap::default_path(image)))))
+    if names.is_empty() {
+        return Ok(None);
+    }
+    use std::os::unix::fs::FileTypeExt;
+    let device = std::fs::metadata(image).is_ok_and(|m| m.file_type().is_block_device());
+    if device && file.is_none() {
+        return Err("--dirty-bitmap NAME=FILE: a block device's bitmaps need a FILE on a filesystem \
+                    (beside the device, in /dev, it would not outlive a reboot)"
+            .into());
+    }
+    Ok(Some((names, file.unwrap_or_else(|| lightfoot::bitmap::default_path(image)))))
 }
 
 /// A size that must not be 0 (`--prefetch-size`, `--prefetch-max-request`, `--coalesce-size`):
