@@ -144,6 +144,48 @@ while True:
     print(n, flush=True)
 "#;
 
+/// Epochs: each incremental records in its destination the epoch it brought it up to; the
+/// next is refused into a copy that is not the one its epoch applies to (an older backup),
+/// before anything is written, and accepted into the right one, and again as a retry.
+#[test]
+fn an_incremental_into_the_wrong_base_is_refused() {
+    let dir = scratch();
+    let (img, backup) = image_and_backup(dir.path());
+    ok(lightfoot(&["bitmap", "add", s(&img), "nightly"]));
+    let epoch = || -> String { list(&img)["bitmaps"][0]["epoch"].as_str().unwrap().to_string() };
+    let day = |changes: &[(&str, u64, u64)]| {
+        let w = Served::start(&img, &["--dirty-bitmap", "nightly"]);
+        qemu_io(&w.uri(), changes);
+        assert!(w.stop().0.success());
+    };
+    day(&CHANGES[..2]);
+    incremental(&img, &backup, "nightly");
+    let first = epoch();
+    ok(lightfoot(&["bitmap", "clear", s(&img), "nightly"]));
+    // An older backup: the copy as of the first epoch, record and all.
+    let old = dir.path().join("old.img");
+    let cp =
+        std::process::Command::new("cp").args(["--preserve=xattr", s(&backup), s(&old)]).status().unwrap();
+    assert!(cp.success());
+    day(&CHANGES[2..]);
+    incremental(&img, &backup, "nightly");
+    assert!(same_contents(&img, &backup));
+    ok(lightfoot(&["bitmap", "clear", s(&img), "nightly"]));
+    day(&[("write -P 0x77", 5 * MIB, 10)]);
+
+    let before = std::fs::read(&old).unwrap();
+    let ro = Served::start(&img, &["-r", "--dirty-bitmap", "nightly"]);
+    let out = lightfoot(&["copy", "--bitmap", "nightly", &ro.uri(), s(&old)]);
+    fails_with(&out, &["old.img", "not the copy bitmap 'nightly' started from", &first]);
+    assert_eq!(std::fs::read(&old).unwrap(), before, "the wrong base is untouched");
+    // The right one, twice (a retry of an epoch is its own base too).
+    for _ in 0..2 {
+        ok(lightfoot(&["copy", "--bitmap", "nightly", &ro.uri(), s(&backup)]));
+        assert!(same_contents(&img, &backup));
+    }
+    assert!(ro.stop().0.success());
+}
+
 /// Kill -9 at several points (before any write, after some, with --coalesce holding some):
 /// the restarted server counts every block changed, and the incremental copy still brings
 /// the backup level with the image.

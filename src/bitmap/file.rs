@@ -196,7 +196,13 @@ impl BitmapFile {
             );
         }
         let bits = Arc::new(Bits::new(self.sidecar.size, granularity));
-        self.sidecar.bitmaps.push(Bitmap { name: name.to_string(), enabled: true, epoch: new_epoch(), bits });
+        self.sidecar.bitmaps.push(Bitmap {
+            name: name.to_string(),
+            enabled: true,
+            epoch: new_epoch(),
+            parent: 0,
+            bits,
+        });
         Ok(())
     }
 

@@ -8,7 +8,8 @@
 //! identity length u16, identity (UTF-8: what the image was at the last clean close)
 //! count u32, then per bitmap:
 //!   name length u16, name (UTF-8)  flags u32 (bit 0: enabled)  granularity u64
-//!   epoch u64  bits length u64, bits (one per block, block i = bit i % 8 of byte i / 8)
+//!   epoch u64  parent u64 (the epoch before the last clear, 0: none)
+//!   bits length u64, bits (one per block, block i = bit i % 8 of byte i / 8)
 //! CRC-32 (ISO-HDLC, as zlib's) of everything before it, u32
 //! ```
 
@@ -51,6 +52,9 @@ pub struct Bitmap {
     pub enabled: bool,
     /// A random number drawn when the bitmap was made or last cleared: names its epoch.
     pub epoch: u64,
+    /// The epoch the last clear ended (0: none): a copy brought up to date from it is what
+    /// this epoch's changes apply to.
+    pub parent: u64,
     pub bits: Arc<Bits>,
 }
 
@@ -102,6 +106,7 @@ pub fn encode(s: &Sidecar) -> Vec<u8> {
         v.extend_from_slice(&(if b.enabled { FLAG_ENABLED } else { 0 }).to_le_bytes());
         v.extend_from_slice(&b.bits.granularity().to_le_bytes());
         v.extend_from_slice(&b.epoch.to_le_bytes());
+        v.extend_from_slice(&b.parent.to_le_bytes());
         let bits = b.bits.to_bytes();
         v.extend_from_slice(&(bits.len() as u64).to_le_bytes());
         v.extend_from_slice(&bits);
@@ -157,11 +162,18 @@ pub fn decode(bytes: &[u8]) -> Result<Sidecar, String> {
         let granularity = r.u64()?;
         check_granularity(granularity).map_err(|e| format!("bitmap '{name}': {e}"))?;
         let epoch = r.u64()?;
+        let parent = r.u64()?;
         let len = r.u64()?;
         let raw = r.take(len, "bits")?;
         let bits = Bits::from_bytes(size, granularity, raw)
             .ok_or_else(|| format!("bitmap '{name}': bits do not fit an image of {size} bytes"))?;
-        bitmaps.push(Bitmap { name, enabled: flags & FLAG_ENABLED != 0, epoch, bits: Arc::new(bits) });
+        bitmaps.push(Bitmap {
+            name,
+            enabled: flags & FLAG_ENABLED != 0,
+            epoch,
+            parent,
+            bits: Arc::new(bits),
+        });
     }
     if r.at != body.len() {
         return Err(format!("{} bytes after the last bitmap", body.len() - r.at));
@@ -219,11 +231,12 @@ mod tests {
             in_use: true,
             image: "file:1:2:3".into(),
             bitmaps: vec![
-                Bitmap { name: "nightly".into(), enabled: true, epoch: 7, bits: Arc::new(a) },
+                Bitmap { name: "nightly".into(), enabled: true, epoch: 7, parent: 3, bits: Arc::new(a) },
                 Bitmap {
                     name: "weekly ü".into(),
                     enabled: false,
                     epoch: 9,
+                    parent: 0,
                     bits: Arc::new(Bits::new(1 << 20, 512)),
                 },
             ],
@@ -237,7 +250,7 @@ mod tests {
         assert_eq!(encode(&s), bytes);
         assert!(s.in_use && s.image == "file:1:2:3" && s.names() == ["nightly", "weekly ü"]);
         let n = s.get("nightly").unwrap();
-        assert!(n.enabled && n.epoch == 7 && n.bits.dirty_bytes() == 2 * 65536);
+        assert!(n.enabled && n.epoch == 7 && n.parent == 3 && n.bits.dirty_bytes() == 2 * 65536);
         // Any one flipped bit is caught (the CRC, or the magic before it).
         for i in (0..bytes.len()).step_by(7) {
             let mut bad = bytes.clone();

@@ -21,6 +21,8 @@ pub struct Tracker {
     /// Every bitmap in the file, as clients see them, in the file's order.
     names: Vec<String>,
     bits: Vec<Arc<Bits>>,
+    /// Each one's epoch and parent (see `format::Bitmap`).
+    epochs: Vec<(u64, u64)>,
     /// The enabled ones: what writes mark.
     enabled: Vec<Arc<Bits>>,
     writable: bool,
@@ -93,6 +95,7 @@ impl Tracker {
         Ok(Tracker {
             names: s.bitmaps.iter().map(|b| b.name.clone()).collect(),
             bits: s.bitmaps.iter().map(|b| b.bits.clone()).collect(),
+            epochs: s.bitmaps.iter().map(|b| (b.epoch, b.parent)).collect(),
             enabled: s.bitmaps.iter().filter(|b| b.enabled).map(|b| b.bits.clone()).collect(),
             writable,
             marked: AtomicBool::new(false),
@@ -109,6 +112,11 @@ impl Tracker {
     /// Bitmap `i` of [`Tracker::names`].
     pub fn bits(&self, i: usize) -> &Bits {
         &self.bits[i]
+    }
+
+    /// Bitmap `i`'s epoch and the one before it (0: none).
+    pub fn epoch(&self, i: usize) -> (u64, u64) {
+        self.epochs[i]
     }
 
     /// Records a change of `offset..offset + len` in every enabled bitmap.

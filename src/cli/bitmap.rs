@@ -150,6 +150,7 @@ pub fn run(cmd: BitmapCommand) -> i32 {
         BitmapCommand::Clear(a) => change(&a.at, false, |f| {
             let b = f.get_mut(&a.name)?;
             b.bits.clear();
+            b.parent = b.epoch;
             b.epoch = bitmap::file::new_epoch();
             Ok(format!("bitmap '{}' cleared: a new epoch begins", a.name))
         }),
@@ -280,6 +281,7 @@ fn list(a: &ListArgs) -> lightfoot::Result<()> {
                     "granularity": b.bits.granularity(),
                     "changed": b.bits.dirty_bytes(),
                     "epoch": format!("{:016x}", b.epoch),
+                    "parent": format!("{:016x}", b.parent),
                 })
             })
             .collect();

@@ -402,6 +402,12 @@ pub fn run(args: CopyArgs) -> i32 {
         if opts.flush {
             dst.sync_parent().map_err(|error| lightfoot::copy::Failure { error, done: stats.bytes })?;
         }
+        // Only once every changed byte is in DST: a failed copy keeps the old record, so a
+        // retry is still checked against the right base.
+        if let Some(name) = &args.bitmap {
+            dst.record_epoch(&src, name)
+                .map_err(|error| lightfoot::copy::Failure { error, done: stats.bytes })?;
+        }
         Ok(stats)
     });
     let footprint = reporter.finish(result.is_ok());

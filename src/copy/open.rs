@@ -32,6 +32,38 @@ pub struct Opened {
     /// A block device destination held open with `O_EXCL` for the whole copy: the kernel then
     /// refuses to mount it (and refused the copy if it was mounted).
     _claim: Option<std::fs::File>,
+    /// An NBD source's dirty bitmap (`--bitmap`): its name, its epoch and the one before, when
+    /// the server says them (a lightfoot server).
+    pub epoch: Option<(String, u64, u64)>,
+}
+
+/// The extended attribute of an incremental copy's destination file that records the epoch
+/// of bitmap `name` whose changes it holds (hex).
+fn epoch_xattr(name: &str) -> String {
+    format!("user.lightfoot.epoch.{name}")
+}
+
+impl Opened {
+    /// After an incremental copy into a regular file: records the source bitmap's epoch in it,
+    /// so that the next one can tell it is the copy that epoch's successor applies to (or,
+    /// from a server that says no epoch, removes a stale record). Filesystems without user
+    /// extended attributes keep none: later copies are then not checked.
+    pub fn record_epoch(&self, src: &Opened, bitmap: &str) -> Result<()> {
+        let Some(OnDisk { path, .. }) = &self.on_disk else { return Ok(()) };
+        if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
+            return Ok(());
+        }
+        let done = match &src.epoch {
+            Some((_, epoch, _)) => {
+                crate::io::sys::set_xattr(path, &epoch_xattr(bitmap), format!("{epoch:016x}").as_bytes())
+            }
+            None => crate::io::sys::remove_xattr(path, &epoch_xattr(bitmap)),
+        };
+        match done {
+            Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => Ok(()),
+            r => r.map_err(|e| Error::io(Op::Write, e).path(path).detail("recording the bitmap's epoch")),
+        }
+    }
 }
 
 /// A file or device endpoint as [`Opened::check_size_unchanged`] and [`Opened::sync_parent`]
@@ -54,7 +86,7 @@ pub fn identity(meta: &std::fs::Metadata) -> (u64, u64) {
 
 impl Opened {
     fn plain(backend: Arc<dyn Backend>, zeroed: bool) -> Opened {
-        Opened { backend, created: false, zeroed, id: None, on_disk: None, _claim: None }
+        Opened { backend, created: false, zeroed, id: None, on_disk: None, _claim: None, epoch: None }
     }
 
     fn file(file: FileBackend, created: bool, zeroed: bool) -> Result<Opened> {
@@ -133,10 +165,11 @@ pub fn open_source(
             Arc::new(S3Backend::open(u, &S3Options { writable: false, ..s3.clone() })?),
             false,
         )),
-        Endpoint::Nbd(t) => Ok(Opened::plain(
-            Arc::new(NbdBackend::open_with_bitmap(t, connections, bitmap)?.keeping_extents()),
-            false,
-        )),
+        Endpoint::Nbd(t) => {
+            let b = NbdBackend::open_with_bitmap(t, connections, bitmap)?;
+            let epoch = bitmap.zip(b.info().epoch).map(|(name, (e, p))| (name.to_string(), e, p));
+            Ok(Opened { epoch, ..Opened::plain(Arc::new(b.keeping_extents()), false) })
+        }
         Endpoint::Stdio => {
             let mut o = Opened::plain(Arc::new(PipeBackend::stdin()?), false);
             // Standard input redirected from a file or device: known, so that it is never
@@ -359,6 +392,23 @@ fn open_in_place(
             }
             if src.id == Some(identity(&meta)) {
                 return refuse(ErrorKind::InvalidInput, "source and destination are the same file".into());
+            }
+            // The copy the bitmap's epoch applies to: one recorded as brought up to that
+            // epoch (a retry) or to the one before it (the last backup). No record: unknown.
+            if let (Some((name, epoch, parent)), true) = (&src.epoch, meta.is_file()) {
+                let record = crate::io::sys::get_xattr(p, &epoch_xattr(name))
+                    .map_err(|e| Error::io(Op::Open, e).path(p).detail("reading its bitmap epoch"))?;
+                let record = record.and_then(|r| u64::from_str_radix(&String::from_utf8_lossy(&r), 16).ok());
+                if let Some(r) = record.filter(|r| r != epoch && r != parent) {
+                    return refuse(
+                        ErrorKind::InvalidInput,
+                        format!(
+                            "not the copy bitmap '{name}' started from: it holds the changes up to epoch \
+                             {r:016x}, and the bitmap records those since epoch {parent:016x} (its own is \
+                             {epoch:016x}); copy in full, or into that copy"
+                        ),
+                    );
+                }
             }
             let claim = if meta.file_type().is_block_device() { Some(claim_device(p)?) } else { None };
             let fb = FileBackend::open(

@@ -126,6 +126,25 @@ pub const STATE_DIRTY: u32 = 1 << 0;
 pub const BASE_ALLOCATION: &str = "base:allocation";
 /// QEMU's dirty bitmaps as meta contexts: this prefix, then the bitmap's name.
 pub const DIRTY_BITMAP_PREFIX: &str = "qemu:dirty-bitmap:";
+/// lightfoot's own namespace, listed only (never selected): `lightfoot:epoch:NAME:E:P` says
+/// that dirty bitmap NAME's epoch is E (16 hex digits) and the one before it P (0: none), so
+/// that `copy --bitmap` can tell whether its destination is the copy the epoch applies to.
+pub const EPOCH_PREFIX: &str = "lightfoot:epoch:";
+
+/// `lightfoot:epoch:NAME:E:P` for bitmap `name`.
+pub fn epoch_context(name: &str, epoch: u64, parent: u64) -> String {
+    format!("{EPOCH_PREFIX}{name}:{epoch:016x}:{parent:016x}")
+}
+
+/// The epoch and parent of bitmap `name` from a listed context, if it is its epoch context.
+pub fn parse_epoch_context(context: &str, name: &str) -> Option<(u64, u64)> {
+    let rest = context.strip_prefix(EPOCH_PREFIX)?.strip_prefix(name)?.strip_prefix(':')?;
+    let (e, p) = rest.split_once(':')?;
+    if e.len() != 16 || p.len() != 16 {
+        return None;
+    }
+    Some((u64::from_str_radix(e, 16).ok()?, u64::from_str_radix(p, 16).ok()?))
+}
 
 /// Error values (the spec fixes them; they equal Linux's).
 pub const EPERM: u32 = 1;

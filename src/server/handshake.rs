@@ -278,6 +278,23 @@ fn meta_context(
                 .iter()
                 .any(|q| q == name || (listing && q.ends_with(':') && name.starts_with(q.as_str())))
     };
+    // Epochs are listed to clients that ask for them by namespace ("lightfoot:", or one
+    // bitmap's "lightfoot:epoch:NAME"), never selected: a plain listing stays as qemu's.
+    if listing {
+        if let Some(t) = &export.bitmaps {
+            for (i, name) in t.names().iter().enumerate() {
+                let (epoch, parent) = t.epoch(i);
+                let context = epoch_context(name, epoch, parent);
+                let asked = m
+                    .queries
+                    .iter()
+                    .any(|q| q == "lightfoot:" || q == EPOCH_PREFIX || *q == format!("{EPOCH_PREFIX}{name}"));
+                if asked {
+                    reply(s, option, REP_META_CONTEXT, &rep_meta_context(0, &context))?;
+                }
+            }
+        }
+    }
     for (name, id) in &offered {
         if !wanted(name) {
             continue;

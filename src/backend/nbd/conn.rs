@@ -349,6 +349,7 @@ mod tests {
             structured: true,
             allocation,
             bitmap,
+            epoch: None,
         };
         let registered = super::super::interrupt::register(ours.closer().unwrap());
         (Arc::new(Connection::new(Box::new(ours), info, "test", registered).unwrap()), theirs)

@@ -25,6 +25,8 @@ pub struct ExportInfo {
     pub allocation: Option<u32>,
     /// The id of the `qemu:dirty-bitmap:NAME` context asked for (negotiation fails without it).
     pub bitmap: Option<u32>,
+    /// That bitmap's epoch and the one before it, from a lightfoot server (`lightfoot:epoch:`).
+    pub epoch: Option<(u64, u64)>,
 }
 
 impl ExportInfo {
@@ -116,7 +118,26 @@ pub fn options<S: Read + Write + ?Sized>(
     let mut haggle = Haggle { s, who, io: &io };
     let structured = haggle.simple_option(OPT_STRUCTURED_REPLY, &[])?;
     let dirty_context = bitmap.map(|b| format!("{DIRTY_BITMAP_PREFIX}{b}"));
-    let (mut allocation, mut dirty) = (None, None);
+    let (mut allocation, mut dirty, mut epoch) = (None, None, None);
+    if let (true, Some(name)) = (structured, bitmap) {
+        // A lightfoot server says which epoch the bitmap is in; others list nothing for a
+        // namespace they do not know (or refuse the query: no epoch either).
+        haggle.send(OPT_LIST_META_CONTEXT, &meta_data(export, &[&format!("{EPOCH_PREFIX}{name}")]))?;
+        loop {
+            let (ty, data) = haggle.reply(OPT_LIST_META_CONTEXT)?;
+            match ty {
+                REP_META_CONTEXT => {
+                    let (_, context) = parse_meta_context(&data).map_err(|e| haggle.invalid(e))?;
+                    epoch = epoch.or(parse_epoch_context(&context, name));
+                }
+                REP_ACK => break,
+                _ => {
+                    epoch = None;
+                    break;
+                }
+            }
+        }
+    }
     if structured {
         let mut queries = vec![BASE_ALLOCATION];
         queries.extend(dirty_context.as_deref());
@@ -189,7 +210,7 @@ pub fn options<S: Read + Write + ?Sized>(
         tracing::warn!("{who}: ignoring the server's invalid block sizes {block:?}");
         block = DEFAULT_BLOCK;
     }
-    Ok(ExportInfo { size, flags, block, structured, allocation, bitmap: dirty })
+    Ok(ExportInfo { size, flags, block, structured, allocation, bitmap: dirty, epoch })
 }
 
 /// An error reply to GO, in words.

@@ -165,3 +165,61 @@ pub fn try_flock(fd: BorrowedFd, exclusive: bool) -> io::Result<bool> {
         }
     }
 }
+
+fn c_path(p: &std::path::Path) -> io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+/// The extended attribute `name` of the file at `path`; `None` if it has none of that name
+/// (or the filesystem keeps none).
+pub fn get_xattr(path: &std::path::Path, name: &str) -> io::Result<Option<Vec<u8>>> {
+    let (p, n) = (
+        c_path(path)?,
+        std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
+    );
+    let mut buf = vec![0u8; 256];
+    // SAFETY: two NUL-terminated strings and a buffer of buf.len() bytes, all live for the call.
+    let r = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::ENODATA) | Some(libc::ENOTSUP) => Ok(None),
+            _ => Err(e),
+        };
+    }
+    buf.truncate(r as usize);
+    Ok(Some(buf))
+}
+
+/// Sets the extended attribute `name` of the file at `path` to `value`.
+pub fn set_xattr(path: &std::path::Path, name: &str, value: &[u8]) -> io::Result<()> {
+    let (p, n) = (
+        c_path(path)?,
+        std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
+    );
+    // SAFETY: two NUL-terminated strings and `value`, all live for the call; read only.
+    let r = unsafe { libc::setxattr(p.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Removes the extended attribute `name` of the file at `path` (none there is no error).
+pub fn remove_xattr(path: &std::path::Path, name: &str) -> io::Result<()> {
+    let (p, n) = (
+        c_path(path)?,
+        std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
+    );
+    // SAFETY: two NUL-terminated strings, live for the call.
+    let r = unsafe { libc::removexattr(p.as_ptr(), n.as_ptr()) };
+    match r {
+        0 => Ok(()),
+        _ => match io::Error::last_os_error() {
+            e if matches!(e.raw_os_error(), Some(libc::ENODATA) | Some(libc::ENOTSUP)) => Ok(()),
+            e => Err(e),
+        },
+    }
+}

@@ -42,9 +42,9 @@ pub use cache::{
     sync_file_range, Advice, CacheStat, SFR_WAIT_AFTER, SFR_WAIT_BEFORE, SFR_WRITE,
 };
 pub use file::{
-    can_write, dio_alignment, fallocate, fdatasync, fs_block_size, pread, pwrite, rename_noreplace,
-    seek_data, seek_hole, try_flock, FALLOC_KEEP_SIZE, FALLOC_PUNCH_HOLE, FALLOC_ZERO_RANGE, RWF_DONTCACHE,
-    RWF_DSYNC,
+    can_write, dio_alignment, fallocate, fdatasync, fs_block_size, get_xattr, pread, pwrite, remove_xattr,
+    rename_noreplace, seek_data, seek_hole, set_xattr, try_flock, FALLOC_KEEP_SIZE, FALLOC_PUNCH_HOLE,
+    FALLOC_ZERO_RANGE, RWF_DONTCACHE, RWF_DSYNC,
 };
 pub use mem::{page_size, AlignedBuf, FileMapping, BUF_ALIGN, HUGE_BUF_MIN};
 pub use net::{
