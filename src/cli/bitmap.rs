@@ -254,7 +254,7 @@ fn file_state(path: &Path, s: &bitmap::format::Sidecar, image: &Path) -> lightfo
     let (size, now) = image_now(image)?;
     Ok(if s.in_use {
         match BitmapFile::open(path, false) {
-            Ok(_) => "left in use by a server that was killed: enabled bitmaps count the whole image changed",
+            Ok(_) => "left in use by a server that was killed or whose final flush failed: enabled bitmaps count the whole image changed",
             Err(_) => "in use by a running server (figures from its start)",
         }
     } else if s.size != size {
