@@ -111,8 +111,7 @@ impl BitmapFile {
             let mut bytes = Vec::new();
             std::io::Read::read_to_end(&mut &f, &mut bytes)
                 .map_err(|e| Error::io(Op::Bitmap, e).path(path))?;
-            let sidecar = format::decode(&bytes)
-                .map_err(|why| Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(path).detail(why))?;
+            let sidecar = decode(path, &bytes)?;
             return Ok(Some(BitmapFile { path: path.to_path_buf(), lock: f, exclusive, sidecar }));
         }
     }
@@ -120,8 +119,7 @@ impl BitmapFile {
     /// Reads the file without a lock (a listing): what its last save wrote.
     pub fn peek(path: &Path) -> Result<Sidecar> {
         let bytes = std::fs::read(path).map_err(|e| Error::io(Op::Bitmap, e).path(path))?;
-        format::decode(&bytes)
-            .map_err(|why| Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(path).detail(why))
+        decode(path, &bytes)
     }
 
     /// A new file with no bitmaps, for an image of `size` bytes that is `image` now: made
@@ -232,6 +230,12 @@ pub fn missing(path: &Path, s: &Sidecar, name: &str) -> Error {
     Error::new(ErrorKind::NotFound, Op::Bitmap)
         .path(path)
         .detail(format!("no bitmap named '{name}' ({there})"))
+}
+
+/// The file at `path`'s bytes read, or an error naming it and what is wrong.
+fn decode(path: &Path, bytes: &[u8]) -> Result<Sidecar> {
+    format::decode(bytes)
+        .map_err(|why| Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(path).detail(why))
 }
 
 fn same_file(f: &std::fs::File, path: &Path) -> bool {

@@ -131,12 +131,7 @@ pub fn can_write(path: &std::ffi::CStr) -> bool {
 /// `rename(from, to)` that fails with `EEXIST` instead of replacing `to` (renameat2
 /// `RENAME_NOREPLACE`; `EINVAL` where the filesystem does not support it).
 pub fn rename_noreplace(from: &std::path::Path, to: &std::path::Path) -> io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = |p: &std::path::Path| {
-        std::ffi::CString::new(p.as_os_str().as_bytes())
-            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
-    };
-    let (f, t) = (c(from)?, c(to)?);
+    let (f, t) = (c_string(from)?, c_string(to)?);
     // SAFETY: two NUL-terminated paths that outlive the call.
     let r = unsafe {
         libc::renameat2(libc::AT_FDCWD, f.as_ptr(), libc::AT_FDCWD, t.as_ptr(), libc::RENAME_NOREPLACE)
@@ -166,18 +161,16 @@ pub fn try_flock(fd: BorrowedFd, exclusive: bool) -> io::Result<bool> {
     }
 }
 
-fn c_path(p: &std::path::Path) -> io::Result<std::ffi::CString> {
+/// A path or name as the C calls take it (`InvalidInput` if it holds a NUL byte).
+fn c_string(s: impl AsRef<std::ffi::OsStr>) -> io::Result<std::ffi::CString> {
     use std::os::unix::ffi::OsStrExt;
-    std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+    std::ffi::CString::new(s.as_ref().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
 }
 
 /// The extended attribute `name` of the file at `path`; `None` if it has none of that name
 /// (or the filesystem keeps none).
 pub fn get_xattr(path: &std::path::Path, name: &str) -> io::Result<Option<Vec<u8>>> {
-    let (p, n) = (
-        c_path(path)?,
-        std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
-    );
+    let (p, n) = (c_string(path)?, c_string(name)?);
     let mut buf = vec![0u8; 256];
     // SAFETY: two NUL-terminated strings and a buffer of buf.len() bytes, all live for the call.
     let r = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
@@ -194,10 +187,7 @@ pub fn get_xattr(path: &std::path::Path, name: &str) -> io::Result<Option<Vec<u8
 
 /// Sets the extended attribute `name` of the file at `path` to `value`.
 pub fn set_xattr(path: &std::path::Path, name: &str, value: &[u8]) -> io::Result<()> {
-    let (p, n) = (
-        c_path(path)?,
-        std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
-    );
+    let (p, n) = (c_string(path)?, c_string(name)?);
     // SAFETY: two NUL-terminated strings and `value`, all live for the call; read only.
     let r = unsafe { libc::setxattr(p.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
     if r == 0 {
@@ -209,10 +199,7 @@ pub fn set_xattr(path: &std::path::Path, name: &str, value: &[u8]) -> io::Result
 
 /// Removes the extended attribute `name` of the file at `path` (none there is no error).
 pub fn remove_xattr(path: &std::path::Path, name: &str) -> io::Result<()> {
-    let (p, n) = (
-        c_path(path)?,
-        std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
-    );
+    let (p, n) = (c_string(path)?, c_string(name)?);
     // SAFETY: two NUL-terminated strings, live for the call.
     let r = unsafe { libc::removexattr(p.as_ptr(), n.as_ptr()) };
     match r {

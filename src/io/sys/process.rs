@@ -2,7 +2,6 @@
 //! group), the effective user id, and directory locks between lightfoot processes.
 
 use std::io;
-use std::os::fd::AsRawFd;
 
 use super::check;
 
@@ -65,23 +64,13 @@ pub fn euid() -> u32 {
 pub fn lock_dir(dir: &std::path::Path, wait: std::time::Duration) -> io::Result<std::fs::File> {
     let f = std::fs::File::open(dir)?;
     let deadline = std::time::Instant::now() + wait;
-    loop {
-        // SAFETY: plain system call on an fd we own.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-            return Ok(f);
+    while !super::try_flock(std::os::fd::AsFd::as_fd(&f), true)? {
+        if std::time::Instant::now() >= deadline {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "held by another process"));
         }
-        let e = io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EINTR) => {}
-            Some(libc::EWOULDBLOCK) if std::time::Instant::now() < deadline => {
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            Some(libc::EWOULDBLOCK) => {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, "held by another process"))
-            }
-            _ => return Err(e),
-        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
+    Ok(f)
 }
 
 /// The signals `lightfoot run` passes on to its command when they are sent to lightfoot itself.
