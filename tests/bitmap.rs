@@ -350,9 +350,6 @@ fn bad_input_is_refused_and_changes_nothing() {
     fails_with(&out, &["disk.img.bitmaps", "no such file"]);
     let out = lightfoot(&["serve", "--dirty-bitmap", "a=f1", "--dirty-bitmap", "b=f2", s(&img)]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
-    let out = lightfoot(&["serve", "--dirty-bitmap", "x", "s3://bucket/key"]);
-    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
-    assert!(text(&out).contains("--dirty-bitmap is for files and block devices"), "{}", text(&out));
 
     // A bad name makes no file; a server that fails to start leaves the file clean.
     let out = lightfoot(&["bitmap", "add", s(&img), "a=b"]);
@@ -406,4 +403,96 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert_eq!(std::fs::read(&sidecar).unwrap(), good);
     let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert!(!left.iter().any(|n| n.to_string_lossy().contains(".new.")), "no temporary file left: {left:?}");
+}
+
+/// An `s3://` block image: its bitmaps are the object `KEY/lightfoot.bitmaps`, beside its
+/// blocks. Writes through the server (plain and `--coalesce`) are copied incrementally; a
+/// server killed with -9 (restarted with --break-lease) or a writer keeping no bitmap makes
+/// the next incremental a full one; `lightfoot bitmap` works on the object; what cannot be
+/// tracked is refused.
+#[test]
+fn an_s3_block_image_keeps_its_bitmaps_beside_its_blocks() {
+    use common::s3::{Gateway, S3Served, Seaweed};
+    let w = Seaweed::start();
+    w.bucket("disks");
+    let dir = scratch();
+    let d = dir.path();
+    let (img, backup) = image_and_backup(d);
+    let uri = "s3://disks/vm";
+    let lf = |args: &[&str]| {
+        let out = w.lightfoot(120, args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    lf(&["copy", "--object-size=1M", s(&img), uri]);
+    let list =
+        || -> serde_json::Value { serde_json::from_str(&lf(&["bitmap", "list", "--json", uri])).unwrap() };
+    // The incremental from a read-only server into `backup`: what it counted changed, and
+    // `backup` equals the image after it.
+    let incremental = || -> u64 {
+        let ro = S3Served::start(&w, d, uri, &["-r", "--dirty-bitmap", "nightly"]);
+        let out: serde_json::Value =
+            serde_json::from_str(&lf(&["copy", "--json", "--bitmap", "nightly", &ro.uri(), s(&backup)]))
+                .unwrap();
+        ro.stop();
+        let now = d.join("now.img");
+        lf(&["copy", uri, s(&now)]);
+        assert!(same_contents(&now, &backup), "the incremental copy equals the image");
+        out["changed"].as_u64().unwrap()
+    };
+
+    for extra in [&[][..], &["--coalesce"][..]] {
+        let args = [&["--dirty-bitmap", "nightly"][..], extra].concat();
+        let srv = S3Served::start(&w, d, uri, &args);
+        qemu_io(&srv.uri(), CHANGES);
+        srv.stop();
+        let l = list();
+        assert_eq!(l["state"], "clean", "{extra:?}: {l}");
+        assert_eq!(l["file"], "s3://disks/vm/lightfoot.bitmaps", "{l}");
+        assert_eq!(l["bitmaps"][0]["changed"], marked(CHANGES), "{extra:?}: {l}");
+        assert_eq!(incremental(), marked(CHANGES), "{extra:?}");
+        lf(&["bitmap", "clear", uri, "nightly"]);
+        assert_eq!(list()["bitmaps"][0]["changed"], 0);
+    }
+    assert!(w.list("disks", "vm/").contains(&"vm/lightfoot.bitmaps".to_string()));
+
+    // Killed after writing: the lease stays until it expires (broken here), the bitmaps
+    // stay in use, and the next server counts everything changed.
+    let srv = S3Served::start(&w, d, uri, &["--dirty-bitmap", "nightly", "--coalesce"]);
+    qemu_io(&srv.uri(), &CHANGES[..2]);
+    srv.kill9();
+    let srv = S3Served::start(&w, d, uri, &["--dirty-bitmap", "nightly", "--break-lease"]);
+    qemu_io(&srv.uri(), &CHANGES[2..3]);
+    let err = srv.stop();
+    assert!(err.contains("did not close it cleanly"), "{err}");
+    assert_eq!(incremental(), SIZE);
+    lf(&["bitmap", "clear", uri, "nightly"]);
+
+    // Another lightfoot writing without a bitmap changes the image's objects: seen.
+    let srv = S3Served::start(&w, d, uri, &[]);
+    qemu_io(&srv.uri(), &[("write -P 0x44", 7 * MIB, 100)]);
+    srv.stop();
+    assert!(list()["state"].as_str().unwrap().contains("image changed"), "{}", list());
+    assert_eq!(incremental(), SIZE);
+
+    // What cannot be tracked: refused, nothing made.
+    let refused = |args: &[&str], words: &[&str]| fails_with(&w.lightfoot(60, args), words);
+    let out = w.lightfoot(60, &["serve", "--dirty-bitmap", "n=/tmp/x.bitmaps", uri]);
+    assert_eq!(out.status.code(), Some(2), "a usage error: {}", text(&out));
+    assert!(
+        text(&out).contains("beside its blocks (KEY/lightfoot.bitmaps), not in a FILE"),
+        "{}",
+        text(&out)
+    );
+    refused(&["serve", "--without-lease", "--dirty-bitmap", "n", uri], &["needs the image's lease"]);
+    refused(&["bitmap", "list", "--bitmaps", "/tmp/x", uri], &["no --bitmaps"]);
+    lf(&["copy", s(&img), "s3://disks/one"]);
+    refused(&["serve", "-r", "--dirty-bitmap", "n", "s3://disks/one"], &["needs a block image"]);
+    refused(&["bitmap", "add", "s3://disks/one", "n"], &["in one object"]);
+    assert!(!w.list("disks", "one/").iter().any(|k| k.contains("bitmaps")));
+    // A read-only server's bitmaps must exist.
+    refused(
+        &["serve", "-r", "--dirty-bitmap", "other", uri],
+        &["no bitmap named 'other' (it holds: nightly)"],
+    );
 }

@@ -1,5 +1,6 @@
-//! The bitmap file on disk ([`BitmapFile`]): found beside the image (`IMAGE.bitmaps`) or
-//! where the user says, locked while in use, replaced whole on every save.
+//! The bitmap file ([`BitmapFile`]): found beside the image (`IMAGE.bitmaps`) or where the
+//! user says, locked while in use, replaced whole on every save. An `s3://` block image's is
+//! an object beside its blocks ([`Location::Object`]); its lease stands in for the locks.
 //!
 //! - **Locks**: a server writing through the bitmaps, and every command that changes them,
 //!   holds an exclusive `flock`; a read-only server a shared one. A second writer is refused
@@ -18,9 +19,52 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use bytes::Bytes;
+use object_store::{PutMode, UpdateVersion};
+
 use super::bits::Bits;
 use super::format::{self, Bitmap, Sidecar};
+use crate::backend::s3::Store;
 use crate::error::{Error, ErrorKind, Op, Result};
+
+/// The bitmaps of an `s3://` block image: the object `KEY/lightfoot.bitmaps`, beside its
+/// blocks (sorts after them, so nbdkit's TRIM leaves it, as the manifest).
+pub const OBJECT: &str = "lightfoot.bitmaps";
+
+/// Where a bitmap file is kept.
+#[derive(Clone)]
+pub enum Location {
+    /// A file, `flock`ed while in use (see the module's note).
+    File(PathBuf),
+    /// An object beside an `s3://` block image's blocks. One writer at a time by the image's
+    /// lease, which a writing server and every command that changes the bitmaps hold;
+    /// saves are conditional on the version read, so a writer without it fails.
+    Object { store: Arc<Store>, key: String },
+}
+
+impl Location {
+    /// The bitmaps of the `s3://` block image under `image_key`.
+    pub fn beside(store: Arc<Store>, image_key: &str) -> Location {
+        Location::Object { store, key: format!("{image_key}/{OBJECT}") }
+    }
+
+    /// What messages call it: the file's path, or the object's URI.
+    pub fn name(&self) -> PathBuf {
+        match self {
+            Location::File(p) => p.clone(),
+            Location::Object { store, key } => PathBuf::from(store.uri(key)),
+        }
+    }
+}
+
+/// What this process holds of an open bitmap file.
+enum Held {
+    /// The open file whose `flock` it holds.
+    Lock(std::fs::File),
+    /// The object and the ETag of the version read or last saved (`None`: the store gives
+    /// none).
+    Object { store: Arc<Store>, key: String, etag: Option<String> },
+}
 
 /// The granularity of a bitmap made without one given: qemu's default too. A 1 TiB image
 /// takes 2 MiB of bits.
@@ -78,17 +122,30 @@ pub fn new_epoch() -> u64 {
 
 /// A bitmap file, read and locked.
 pub struct BitmapFile {
+    /// What messages call it ([`Location::name`]).
     path: PathBuf,
-    /// The open file whose `flock` this process holds.
-    lock: std::fs::File,
+    held: Held,
     exclusive: bool,
     pub sidecar: Sidecar,
 }
 
 impl BitmapFile {
-    /// Opens and locks the file at `path` (exclusive to change it); `Ok(None)` if there is
-    /// none. Held by another process: an error saying so.
-    pub fn open(path: &Path, exclusive: bool) -> Result<Option<BitmapFile>> {
+    /// Opens the bitmap file at `at` (a file: locked, exclusively to change it); `Ok(None)`
+    /// if there is none. A file held by another process: an error saying so.
+    pub fn open(at: &Location, exclusive: bool) -> Result<Option<BitmapFile>> {
+        match at {
+            Location::File(path) => BitmapFile::open_file(path, exclusive),
+            Location::Object { store, key } => {
+                let path = at.name();
+                let Some((bytes, meta)) = store.run(store.get(key, None, None))? else { return Ok(None) };
+                let sidecar = decode(&path, &bytes)?;
+                let held = Held::Object { store: store.clone(), key: key.clone(), etag: meta.etag };
+                Ok(Some(BitmapFile { path, held, exclusive, sidecar }))
+            }
+        }
+    }
+
+    fn open_file(path: &Path, exclusive: bool) -> Result<Option<BitmapFile>> {
         loop {
             let f = match std::fs::File::open(path) {
                 Ok(f) => f,
@@ -112,36 +169,67 @@ impl BitmapFile {
             std::io::Read::read_to_end(&mut &f, &mut bytes)
                 .map_err(|e| Error::io(Op::Bitmap, e).path(path))?;
             let sidecar = decode(path, &bytes)?;
-            return Ok(Some(BitmapFile { path: path.to_path_buf(), lock: f, exclusive, sidecar }));
+            return Ok(Some(BitmapFile {
+                path: path.to_path_buf(),
+                held: Held::Lock(f),
+                exclusive,
+                sidecar,
+            }));
         }
     }
 
     /// Reads the file without a lock (a listing): what its last save wrote.
-    pub fn peek(path: &Path) -> Result<Sidecar> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(Op::Bitmap, e).path(path))?;
-        decode(path, &bytes)
+    pub fn peek(at: &Location) -> Result<Sidecar> {
+        let path = at.name();
+        let bytes = match at {
+            Location::File(p) => std::fs::read(p).map_err(|e| Error::io(Op::Bitmap, e).path(p))?,
+            Location::Object { store, key } => match store.run(store.get(key, None, None))? {
+                Some((bytes, _)) => bytes.to_vec(),
+                None => return Err(no_file(&path)),
+            },
+        };
+        decode(&path, &bytes)
     }
 
     /// A new file with no bitmaps, for an image of `size` bytes that is `image` now: made
     /// whole, locked exclusively. Another process making it first wins; this one then opens
     /// theirs.
-    pub fn create(path: &Path, size: u64, image: String) -> Result<BitmapFile> {
+    pub fn create(at: &Location, size: u64, image: String) -> Result<BitmapFile> {
         let sidecar = Sidecar { size, in_use: false, image, bitmaps: Vec::new() };
-        let (tmp, f) = write_new(path, &format::encode(&sidecar))?;
-        match crate::io::sys::rename_noreplace(&tmp, path) {
-            Ok(()) => {
-                sync_dir(path)?;
-                Ok(BitmapFile { path: path.to_path_buf(), lock: f, exclusive: true, sidecar })
-            }
-            Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
-                if e.raw_os_error() == Some(libc::EEXIST) {
-                    if let Some(theirs) = BitmapFile::open(path, true)? {
-                        return Ok(theirs);
+        let path = at.name();
+        let made = match at {
+            Location::File(p) => {
+                let (tmp, f) = write_new(p, &format::encode(&sidecar))?;
+                match crate::io::sys::rename_noreplace(&tmp, p) {
+                    Ok(()) => {
+                        sync_dir(p)?;
+                        Some(Held::Lock(f))
+                    }
+                    Err(e) => {
+                        let _ = std::fs::remove_file(&tmp);
+                        if e.raw_os_error() != Some(libc::EEXIST) {
+                            return Err(Error::io(Op::Bitmap, e).path(p));
+                        }
+                        None
                     }
                 }
-                Err(Error::io(Op::Bitmap, e).path(path))
             }
+            Location::Object { store, key } => {
+                let body = Bytes::from(format::encode(&sidecar));
+                store.run(store.put(key, body, PutMode::Create))?.map(|(etag, _)| Held::Object {
+                    store: store.clone(),
+                    key: key.clone(),
+                    etag,
+                })
+            }
+        };
+        match made {
+            Some(held) => Ok(BitmapFile { path, held, exclusive: true, sidecar }),
+            None => BitmapFile::open(at, true)?.ok_or_else(|| {
+                Error::new(ErrorKind::Io, Op::Bitmap)
+                    .path(&path)
+                    .detail("made and removed at once by another process")
+            }),
         }
     }
 
@@ -150,15 +238,37 @@ impl BitmapFile {
     }
 
     /// Writes the bitmaps as they are now, durably (see the module's note on saves).
+    /// An object is replaced only if it is still the version read or last saved: one PUT,
+    /// stored whole once answered.
     pub fn save(&mut self) -> Result<()> {
         debug_assert!(self.exclusive, "saved under a shared lock");
-        let (tmp, f) = write_new(&self.path, &format::encode(&self.sidecar))?;
-        if let Err(e) = std::fs::rename(&tmp, &self.path) {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(Error::io(Op::Bitmap, e).path(&self.path));
+        let bytes = format::encode(&self.sidecar);
+        match &mut self.held {
+            Held::Lock(lock) => {
+                let (tmp, f) = write_new(&self.path, &bytes)?;
+                if let Err(e) = std::fs::rename(&tmp, &self.path) {
+                    let _ = std::fs::remove_file(&tmp);
+                    return Err(Error::io(Op::Bitmap, e).path(&self.path));
+                }
+                *lock = f;
+                sync_dir(&self.path)
+            }
+            Held::Object { store, key, etag } => {
+                let mode = match etag.clone() {
+                    Some(e) => PutMode::Update(UpdateVersion { e_tag: Some(e), version: None }),
+                    None => PutMode::Overwrite,
+                };
+                match store.run(store.put(key, Bytes::from(bytes), mode))? {
+                    Some((new, _)) => {
+                        *etag = new;
+                        Ok(())
+                    }
+                    None => Err(Error::new(ErrorKind::Io, Op::Bitmap).path(&self.path).detail(
+                        "replaced by another writer since it was read (one without the image's lease?): not saved",
+                    )),
+                }
+            }
         }
-        self.lock = f;
-        sync_dir(&self.path)
     }
 
     /// Accounts for writes no bitmap saw (see the module's note), given what the image is
@@ -219,6 +329,11 @@ impl BitmapFile {
     fn invalid(&self, why: String) -> Error {
         Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(&self.path).detail(why)
     }
+}
+
+/// "no such file", for a bitmap file that does not exist.
+pub fn no_file(path: &Path) -> Error {
+    Error::new(ErrorKind::NotFound, Op::Bitmap).path(path).detail("no such file")
 }
 
 /// "no bitmap 'x'", with the names there are.
@@ -285,7 +400,7 @@ mod tests {
     #[test]
     fn saves_are_whole_and_locks_follow_them() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("img.bitmaps");
+        let p = Location::File(dir.path().join("img.bitmaps"));
         assert!(BitmapFile::open(&p, true).unwrap().is_none());
         let mut f = BitmapFile::create(&p, 1 << 20, "file:a".into()).unwrap();
         f.add("n", 4096).unwrap();
@@ -310,7 +425,7 @@ mod tests {
     #[test]
     fn unseen_writes_make_enabled_bitmaps_all_dirty() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("img.bitmaps");
+        let p = Location::File(dir.path().join("img.bitmaps"));
         let mut f = BitmapFile::create(&p, 1 << 20, "file:a".into()).unwrap();
         f.add("on", 65536).unwrap();
         f.add("off", 65536).unwrap();

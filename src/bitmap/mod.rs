@@ -3,8 +3,9 @@
 //!
 //! - [`Bits`]: one bit per block of a granularity (64 KiB unless chosen), marked lock-free.
 //! - [`format`]: the bitmap file's bytes, checked field by field (a fuzz target).
-//! - [`BitmapFile`]: the file beside the image (`IMAGE.bitmaps`), locked while in use, saved
-//!   whole; at open it accounts for writes no bitmap saw ([`BitmapFile::resolve`]).
+//! - [`BitmapFile`]: the file beside the image (`IMAGE.bitmaps`; an object beside an `s3://`
+//!   block image's blocks), held by one writer, saved whole; at open it accounts for writes
+//!   no bitmap saw ([`BitmapFile::resolve`]).
 //! - [`Tracker`]: a server's bitmaps while it runs (`serve --dirty-bitmap`): marked by every
 //!   change, read by clients as `qemu:dirty-bitmap:NAME`, saved at a clean close.
 //!
@@ -16,5 +17,5 @@ pub mod format;
 mod tracker;
 
 pub use bits::Bits;
-pub use file::{default_path, identity, BitmapFile, DEFAULT_GRANULARITY};
+pub use file::{default_path, identity, BitmapFile, Location, DEFAULT_GRANULARITY};
 pub use tracker::Tracker;

@@ -8,12 +8,11 @@
 //! in use and counts every enabled bitmap all dirty ([`BitmapFile::resolve`]). Marks cost a
 //! bit set in memory, never a write of their own.
 
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::bits::Bits;
-use super::file::{BitmapFile, DEFAULT_GRANULARITY};
+use super::file::{BitmapFile, Location, DEFAULT_GRANULARITY};
 use crate::error::{Error, ErrorKind, Op, Result};
 
 pub struct Tracker {
@@ -32,17 +31,18 @@ pub struct Tracker {
 }
 
 impl Tracker {
-    /// Opens the bitmap file at `path` for an image of `size` bytes that is `image_now`
-    /// (`file::identity`). Writable: made if missing, the bitmaps in `names` added if
+    /// Opens the bitmap file at `at` for an image of `size` bytes that is `image_now`
+    /// (`file::identity`, `BlockImage::identity`). Writable: made if missing, the bitmaps in `names` added if
     /// missing, then saved marked in use. Read-only: the file and the bitmaps must exist.
     pub fn open(
-        path: &Path,
+        at: &Location,
         size: u64,
         image_now: &str,
         names: &[String],
         writable: bool,
     ) -> Result<Tracker> {
-        let mut file = match BitmapFile::open(path, writable)? {
+        let path = &at.name();
+        let mut file = match BitmapFile::open(at, writable)? {
             Some(f) => f,
             None if writable => {
                 tracing::warn!(
@@ -50,12 +50,12 @@ impl Tracker {
                      now for the next incremental to start from)",
                     path.display()
                 );
-                BitmapFile::create(path, size, image_now.to_string())?
+                BitmapFile::create(at, size, image_now.to_string())?
             }
             None => {
-                return Err(Error::new(ErrorKind::NotFound, Op::Bitmap)
-                    .path(path)
-                    .detail("no such file (a server without --read-only makes it)"))
+                return Err(
+                    super::file::no_file(path).detail("no such file (a server without --read-only makes it)")
+                )
             }
         };
         if file.sidecar.size != size {
@@ -172,7 +172,7 @@ mod tests {
     #[test]
     fn a_server_that_never_closes_leaves_everything_dirty() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("i.bitmaps");
+        let p = Location::File(dir.path().join("i.bitmaps"));
         let names = vec!["a".to_string()];
         let e = Tracker::open(&p, 1 << 20, "x", &names, false).err().unwrap();
         assert!(e.to_string().contains("no such file"), "{e}");

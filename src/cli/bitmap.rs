@@ -4,7 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
-use lightfoot::bitmap::{self, BitmapFile};
+use lightfoot::backend::s3::{S3Options, S3Uri};
+use lightfoot::backend::{Backend, S3Backend};
+use lightfoot::bitmap::{self, BitmapFile, Location};
 use lightfoot::error::{Error, ErrorKind, Op};
 
 use super::human;
@@ -35,7 +37,9 @@ pub enum BitmapCommand {
 
 #[derive(Args)]
 pub struct Where {
-    /// The image (file or block device) the bitmaps are of.
+    /// The image the bitmaps are of: a file, a block device, or an s3:// block image (its
+    /// bitmaps are the object KEY/lightfoot.bitmaps; a command that changes them takes the
+    /// image's lease for its run).
     #[arg(value_name = "IMAGE")]
     image: PathBuf,
 
@@ -44,9 +48,54 @@ pub struct Where {
     bitmaps: Option<PathBuf>,
 }
 
+/// The image, opened as far as its bitmaps need: where they are, its size and what it is
+/// now (`bitmap::identity`).
+struct Image {
+    at: Location,
+    /// An `s3://` image, held open: a changing command holds its lease until the end.
+    s3: Option<S3Backend>,
+}
+
 impl Where {
-    fn path(&self) -> PathBuf {
-        self.bitmaps.clone().unwrap_or_else(|| bitmap::default_path(&self.image))
+    /// The image; `change`: to change its bitmaps (an `s3://` image's lease is taken).
+    fn open(&self, change: bool) -> lightfoot::Result<Image> {
+        let Some(uri) = self.image.to_str().filter(|p| S3Uri::is_s3(p)) else {
+            let path = self.bitmaps.clone().unwrap_or_else(|| bitmap::default_path(&self.image));
+            return Ok(Image { at: Location::File(path), s3: None });
+        };
+        let refused =
+            |why: &str| Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(uri).detail(why.to_string());
+        if self.bitmaps.is_some() {
+            return Err(refused(
+                "an s3:// image's bitmaps live beside its blocks (KEY/lightfoot.bitmaps): no --bitmaps",
+            ));
+        }
+        let uri: S3Uri = uri.parse()?;
+        let b = S3Backend::open(&uri, &S3Options { writable: change, ..S3Options::default() })?;
+        let Some(t) = b.tracking() else {
+            return Err(refused(
+                "an image in one object has no bitmaps (serve --dirty-bitmap keeps them for block images)",
+            ));
+        };
+        Ok(Image { at: Location::beside(t.store, &t.key), s3: Some(b) })
+    }
+}
+
+impl Image {
+    /// The image's size and what it is now.
+    fn now(&self, image: &Path) -> lightfoot::Result<(u64, String)> {
+        match &self.s3 {
+            Some(b) => Ok((b.size().unwrap_or(0), b.identity().unwrap_or_default())),
+            None => image_now(image),
+        }
+    }
+
+    /// Another process writes through the bitmaps now (their marks are in its memory).
+    fn in_use(&self) -> bool {
+        match &self.s3 {
+            Some(b) => b.tracking().is_some_and(|t| t.written_elsewhere),
+            None => BitmapFile::open(&self.at, false).is_err(),
+        }
     }
 }
 
@@ -198,14 +247,15 @@ fn change(
     create: bool,
     op: impl FnOnce(&mut BitmapFile) -> lightfoot::Result<String>,
 ) -> lightfoot::Result<()> {
-    let path = at.path();
-    let opened = BitmapFile::open(&path, true)?;
+    let image = at.open(true)?;
+    let path = image.at.name();
+    let opened = BitmapFile::open(&image.at, true)?;
     // What the image is, once no server can be closing it any more (the lock is held).
-    let (size, now) = image_now(&at.image)?;
+    let (size, now) = image.now(&at.image)?;
     let mut f = match opened {
         Some(f) => f,
-        None if create => BitmapFile::create(&path, size, now.clone())?,
-        None => return Err(Error::new(ErrorKind::NotFound, Op::Bitmap).path(&path).detail("no such file")),
+        None if create => BitmapFile::create(&image.at, size, now.clone())?,
+        None => return Err(bitmap::file::no_file(&path)),
     };
     check_size(&f, size, &at.image)?;
     if let Some(why) = f.resolve(&now) {
@@ -250,12 +300,13 @@ fn merge(f: &mut BitmapFile, target: &str, sources: &[String]) -> lightfoot::Res
 }
 
 /// What a listing says of the whole file: in use (by whom), or changed since.
-fn file_state(path: &Path, s: &bitmap::format::Sidecar, image: &Path) -> lightfoot::Result<&'static str> {
-    let (size, now) = image_now(image)?;
+fn file_state(at: &Image, s: &bitmap::format::Sidecar, image: &Path) -> lightfoot::Result<&'static str> {
+    let (size, now) = at.now(image)?;
     Ok(if s.in_use {
-        match BitmapFile::open(path, false) {
-            Ok(_) => "left in use by a server that was killed or whose final flush failed: enabled bitmaps count the whole image changed",
-            Err(_) => "in use by a running server (figures from its start)",
+        if at.in_use() {
+            "in use by a running server (figures from its start)"
+        } else {
+            "left in use by a server that was killed or whose final flush failed: enabled bitmaps count the whole image changed"
         }
     } else if s.size != size {
         "for an image of another size"
@@ -267,9 +318,10 @@ fn file_state(path: &Path, s: &bitmap::format::Sidecar, image: &Path) -> lightfo
 }
 
 fn list(a: &ListArgs) -> lightfoot::Result<()> {
-    let path = a.at.path();
-    let s = BitmapFile::peek(&path)?;
-    let state = file_state(&path, &s, &a.at.image)?;
+    let image = a.at.open(false)?;
+    let path = image.at.name();
+    let s = BitmapFile::peek(&image.at)?;
+    let state = file_state(&image, &s, &a.at.image)?;
     if a.json {
         let maps: Vec<_> = s
             .bitmaps
@@ -307,11 +359,16 @@ fn list(a: &ListArgs) -> lightfoot::Result<()> {
 }
 
 fn show(a: &ShowArgs) -> lightfoot::Result<()> {
-    let path = a.at.path();
+    let image = a.at.open(false)?;
+    let path = image.at.name();
     // Shared: refused while a server writes through it (its marks are in its memory).
-    let mut f = BitmapFile::open(&path, false)?
-        .ok_or_else(|| Error::new(ErrorKind::NotFound, Op::Bitmap).path(&path).detail("no such file"))?;
-    let (size, now) = image_now(&a.at.image)?;
+    if image.s3.is_some() && image.in_use() {
+        return Err(Error::new(ErrorKind::Permission, Op::Bitmap)
+            .path(&path)
+            .detail("in use by a server writing through it"));
+    }
+    let mut f = BitmapFile::open(&image.at, false)?.ok_or_else(|| bitmap::file::no_file(&path))?;
+    let (size, now) = image.now(&a.at.image)?;
     check_size(&f, size, &a.at.image)?;
     if let Some(why) = f.resolve(&now) {
         super::report(&format!("{}: {why}: the whole image counts as changed", path.display()));

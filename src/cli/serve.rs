@@ -6,7 +6,7 @@ use std::sync::Arc;
 use clap::Args;
 use lightfoot::backend::s3::S3Uri;
 use lightfoot::backend::{Backend, FileBackend, S3Backend};
-use lightfoot::bitmap::Tracker;
+use lightfoot::bitmap::{Location, Tracker};
 use lightfoot::copy::endpoint::parse_size;
 use lightfoot::error::{io_message, Op};
 use lightfoot::filters::coalesce::CoalesceConfig;
@@ -173,8 +173,9 @@ pub struct ServeArgs {
     /// which is made if missing, as is NAME (64K granularity; other bitmaps there are kept
     /// and offered too, the enabled ones marked). Saved at a clean exit; a server killed
     /// before leaves them counting the whole image changed. With --read-only the file and
-    /// NAME must exist. Files and block devices; see lightfoot bitmap and
-    /// docs/incremental.md.
+    /// NAME must exist. An s3:// block image keeps its bitmaps in the object
+    /// KEY/lightfoot.bitmaps (no =FILE; not with --without-lease). See lightfoot bitmap and
+    /// docs/bitmap.md.
     #[arg(long, value_name = "NAME[=FILE]")]
     dirty_bitmap: Vec<String>,
 
@@ -279,12 +280,6 @@ pub fn run(a: ServeArgs) -> i32 {
         ..PrefetchConfig::default()
     };
     let bitmaps = match dirty_bitmaps(&a.dirty_bitmap, &a.file) {
-        Ok(Some(_)) if path.to_str().is_some_and(S3Uri::is_s3) => {
-            return super::usage_error(
-                "serve",
-                "--dirty-bitmap is for files and block devices, not s3:// images",
-            )
-        }
         Ok(b) => b,
         Err(e) => return super::usage_error("serve", e),
     };
@@ -350,7 +345,7 @@ pub fn run(a: ServeArgs) -> i32 {
     // One tracking server per image, whatever bitmap file it uses: another one's writes
     // would be missing from this one's bitmaps (held until exit).
     let _image_lock = match &bitmaps {
-        Some(_) if !a.read_only => match lock_image(&a.file) {
+        Some(_) if !a.read_only && !remote => match lock_image(&a.file) {
             Ok(l) => Some(l),
             Err(e) => {
                 super::report(&e);
@@ -362,8 +357,13 @@ pub fn run(a: ServeArgs) -> i32 {
     let tracker = match &bitmaps {
         None => None,
         Some((names, path)) => {
-            let opened = lightfoot::bitmap::identity(&a.file, size)
-                .and_then(|now| Tracker::open(path, size, &now, names, !a.read_only));
+            let opened = match &to_release {
+                Some(b) => s3_tracking(b, !a.read_only)
+                    .and_then(|(at, now)| Tracker::open(&at, size, &now, names, !a.read_only)),
+                None => lightfoot::bitmap::identity(&a.file, size).and_then(|now| {
+                    Tracker::open(&Location::File(path.clone()), size, &now, names, !a.read_only)
+                }),
+            };
             match opened {
                 Ok(t) => Some(Arc::new(t)),
                 Err(e) => {
@@ -485,14 +485,19 @@ pub fn run(a: ServeArgs) -> i32 {
     // Clean shutdown: read-ahead stops, then held writes are written back and flushed; then
     // an image in object storage is free for another writer.
     let finished = stack.finish();
+    // Clean only if every write reached the image: otherwise the next open counts all
+    // changed. Saved while an s3:// image's lease is still held.
+    let kept = tracker.as_ref().map(|t| {
+        let clean = served.is_ok() && finished.is_ok();
+        let now = match &to_release {
+            Some(b) => b.identity(),
+            None => lightfoot::bitmap::file::settled_identity(&a.file, size).ok(),
+        };
+        t.close(clean, now)
+    });
     if let Some(b) = &to_release {
         b.release();
     }
-    // Clean only if every write reached the image: otherwise the next open counts all changed.
-    let kept = tracker.as_ref().map(|t| {
-        let clean = served.is_ok() && finished.is_ok();
-        t.close(clean, lightfoot::bitmap::file::settled_identity(&a.file, size).ok())
-    });
     if a.stats {
         print_stats(&server, &stack, a.json);
     }
@@ -524,6 +529,29 @@ fn lock_image(image: &std::path::Path) -> lightfoot::Result<std::fs::File> {
     }
 }
 
+/// Where an `s3://` image's bitmaps are and what the image is now; an error if it cannot be
+/// tracked: one object (read-only), written without the lease, or read-only while another
+/// server writes it (its marks are in that server's memory).
+fn s3_tracking(b: &S3Backend, writable: bool) -> lightfoot::Result<(Location, String)> {
+    let refused = |why: &str| {
+        Err(lightfoot::Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(b.name()).detail(why.to_string()))
+    };
+    let (Some(t), Some(now)) = (b.tracking(), b.identity()) else {
+        return refused("--dirty-bitmap needs a block image (this one is one object, read-only)");
+    };
+    if writable && !t.leased {
+        return refused(
+            "--dirty-bitmap needs the image's lease, to be its only writer (not --without-lease)",
+        );
+    }
+    if t.written_elsewhere {
+        return Err(lightfoot::Error::new(ErrorKind::Permission, Op::Bitmap)
+            .path(b.name())
+            .detail("another server writes the image: its bitmaps are in use by it"));
+    }
+    Ok((Location::beside(t.store, &t.key), now))
+}
+
 /// `--dirty-bitmap NAME[=FILE]`s: the names and the one file, `None` without any.
 fn dirty_bitmaps(
     given: &[String],
@@ -552,6 +580,14 @@ fn dirty_bitmaps(
     }
     if names.is_empty() {
         return Ok(None);
+    }
+    if image.to_str().is_some_and(S3Uri::is_s3) {
+        if file.is_some() {
+            return Err("--dirty-bitmap NAME=FILE: an s3:// image's bitmaps live beside its blocks \
+                        (KEY/lightfoot.bitmaps), not in a FILE"
+                .into());
+        }
+        return Ok(Some((names, PathBuf::new())));
     }
     use std::os::unix::fs::FileTypeExt;
     let device = std::fs::metadata(image).is_ok_and(|m| m.file_type().is_block_device());

@@ -99,6 +99,32 @@ impl BlockImage {
         self.present.lock().unwrap().is_empty()
     }
 
+    /// This open holds the image's lease: no other lightfoot writes it.
+    pub fn leased(&self) -> bool {
+        self.lease.is_some()
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// What the image is now, for a dirty bitmap's check at its next open: the objects that
+    /// exist and their ETags, hashed. Any other writer's PUT or DELETE changes it. With no
+    /// ETags from the store it names nothing and is never equal to another.
+    pub fn identity(&self) -> String {
+        let p = self.present.lock().unwrap();
+        if p.values().any(Option::is_none) {
+            return format!("s3:no-etags:{:016x}", crate::bitmap::file::new_epoch());
+        }
+        let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc64Nvme);
+        for (b, etag) in p.iter() {
+            d.update(&b.to_le_bytes());
+            d.update(etag.as_deref().unwrap_or_default().as_bytes());
+            d.update(&[0]);
+        }
+        format!("s3:{}:{:016x}", p.len(), d.finalize())
+    }
+
     /// Releases the lease, if this open holds it: writes fail from then on.
     pub fn release(&self) {
         if let Some(l) = &self.lease {

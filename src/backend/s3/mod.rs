@@ -58,6 +58,16 @@ pub struct S3Options {
     pub config: Option<S3Config>,
 }
 
+/// What dirty bitmaps need of a block image ([`S3Backend::tracking`]).
+pub struct Tracking {
+    pub store: Arc<Store>,
+    pub key: String,
+    /// This open holds the lease: the one writer.
+    pub leased: bool,
+    /// Opened read-only while another writer holds the lease.
+    pub written_elsewhere: bool,
+}
+
 /// What tells the three images apart. [`S3Backend`] does what they share: the checks of
 /// range and of writing, the capabilities, and the operations that are the same for all.
 trait Image: Send + Sync {
@@ -130,6 +140,23 @@ impl S3Backend {
     /// A block image with no objects (new, or wholly trimmed): it reads as zeroes.
     pub fn is_empty(&self) -> bool {
         self.image.blocks().is_some_and(BlockImage::is_empty)
+    }
+
+    /// The block image's store and key, whether this open holds its lease, and what it is now
+    /// (`BlockImage::identity`): where and how its dirty bitmaps are kept. `None` for an
+    /// image in one object.
+    pub fn tracking(&self) -> Option<Tracking> {
+        self.image.blocks().map(|b| Tracking {
+            store: self.store.clone(),
+            key: b.key().to_string(),
+            leased: b.leased(),
+            written_elsewhere: !b.map_current(),
+        })
+    }
+
+    /// What a block image is now (see [`S3Backend::tracking`]); `None` for one object.
+    pub fn identity(&self) -> Option<String> {
+        self.image.blocks().map(BlockImage::identity)
     }
 
     /// The object size of a block image, `None` for one object.
