@@ -425,19 +425,25 @@ fn an_s3_block_image_keeps_its_bitmaps_beside_its_blocks() {
         String::from_utf8(out.stdout).unwrap()
     };
     lf(&["copy", "--object-size=1M", s(&img), uri]);
+    // A second backup, in the store: its epoch record is an object beside its blocks.
+    let bk = "s3://disks/bk";
+    lf(&["copy", "--object-size=256K", s(&img), bk]);
     let list =
         || -> serde_json::Value { serde_json::from_str(&lf(&["bitmap", "list", "--json", uri])).unwrap() };
-    // The incremental from a read-only server into `backup`: what it counted changed, and
-    // `backup` equals the image after it.
+    // The incremental from a read-only server into `backup` and `bk`: what it counted
+    // changed; both equal the image after it.
     let incremental = || -> u64 {
         let ro = S3Served::start(&w, d, uri, &["-r", "--dirty-bitmap", "nightly"]);
         let out: serde_json::Value =
             serde_json::from_str(&lf(&["copy", "--json", "--bitmap", "nightly", &ro.uri(), s(&backup)]))
                 .unwrap();
+        lf(&["copy", "--bitmap", "nightly", &ro.uri(), bk]);
         ro.stop();
-        let now = d.join("now.img");
+        let (now, bk_now) = (d.join("now.img"), d.join("bk.img"));
         lf(&["copy", uri, s(&now)]);
+        lf(&["copy", bk, s(&bk_now)]);
         assert!(same_contents(&now, &backup), "the incremental copy equals the image");
+        assert!(same_contents(&now, &bk_now), "the incremental copy in the store equals the image");
         out["changed"].as_u64().unwrap()
     };
 
@@ -474,6 +480,27 @@ fn an_s3_block_image_keeps_its_bitmaps_beside_its_blocks() {
     srv.stop();
     assert!(list()["state"].as_str().unwrap().contains("image changed"), "{}", list());
     assert_eq!(incremental(), SIZE);
+
+    // The store's backup records the epoch it was brought up to; one recorded with another
+    // is refused before anything is written to it.
+    let epoch = list()["bitmaps"][0]["epoch"].as_str().unwrap().to_string();
+    let (code, record) = w.request("GET", "/disks/bk/lightfoot.epochs", b"").unwrap();
+    assert_eq!((code, record), (200, format!(r#"{{"nightly":"{epoch}"}}"#)));
+    let srv = S3Served::start(&w, d, uri, &["--dirty-bitmap", "nightly"]);
+    qemu_io(&srv.uri(), &[("write -P 0x45", 3 * MIB, 100)]);
+    srv.stop();
+    w.request("PUT", "/disks/bk/lightfoot.epochs", br#"{"nightly":"0000000000000001"}"#).unwrap();
+    let objects = w.list("disks", "bk/");
+    let bk_before = d.join("bk-before.img");
+    lf(&["copy", bk, s(&bk_before)]);
+    let ro = S3Served::start(&w, d, uri, &["-r", "--dirty-bitmap", "nightly"]);
+    let out = w.lightfoot(60, &["copy", "--bitmap", "nightly", &ro.uri(), bk]);
+    ro.stop();
+    fails_with(&out, &[bk, "not the copy bitmap 'nightly' started from", "0000000000000001"]);
+    let bk_after = d.join("bk-after.img");
+    lf(&["copy", bk, s(&bk_after)]);
+    assert!(same_contents(&bk_before, &bk_after), "the wrong base is untouched");
+    assert_eq!(w.list("disks", "bk/"), objects);
 
     // What cannot be tracked: refused, nothing made.
     let refused = |args: &[&str], words: &[&str]| fails_with(&w.lightfoot(60, args), words);

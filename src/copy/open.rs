@@ -35,6 +35,8 @@ pub struct Opened {
     /// An NBD source's dirty bitmap (`--bitmap`): its name, its epoch and the one before, when
     /// the server says them (a lightfoot server).
     pub epoch: Option<(String, u64, u64)>,
+    /// An `s3://` block image destination of an incremental copy: where its epoch record is.
+    s3: Option<Arc<S3Backend>>,
 }
 
 /// The extended attribute of an incremental copy's destination file that records the epoch
@@ -49,6 +51,9 @@ impl Opened {
     /// from a server that says no epoch, removes a stale record). Filesystems without user
     /// extended attributes keep none: later copies are then not checked.
     pub fn record_epoch(&self, src: &Opened, bitmap: &str) -> Result<()> {
+        if let Some(b) = &self.s3 {
+            return b.record_epoch(bitmap, src.epoch.as_ref().map(|e| e.1));
+        }
         let Some(OnDisk { path, .. }) = &self.on_disk else { return Ok(()) };
         if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
             return Ok(());
@@ -86,7 +91,16 @@ pub fn identity(meta: &std::fs::Metadata) -> (u64, u64) {
 
 impl Opened {
     fn plain(backend: Arc<dyn Backend>, zeroed: bool) -> Opened {
-        Opened { backend, created: false, zeroed, id: None, on_disk: None, _claim: None, epoch: None }
+        Opened {
+            backend,
+            created: false,
+            zeroed,
+            id: None,
+            on_disk: None,
+            _claim: None,
+            epoch: None,
+            s3: None,
+        }
     }
 
     fn file(file: FileBackend, created: bool, zeroed: bool) -> Result<Opened> {
@@ -368,10 +382,15 @@ fn open_in_place(
         }
         // A block image's geometry comes from its manifest (or --object-size and --size for one
         // nbdkit made); an image in one object refuses to open for writing.
-        Endpoint::S3(u) => Opened::plain(
-            Arc::new(S3Backend::open(u, &S3Options { writable: true, ..opts.s3.clone() })?),
-            false,
-        ),
+        Endpoint::S3(u) => {
+            let b = Arc::new(S3Backend::open(u, &S3Options { writable: true, ..opts.s3.clone() })?);
+            if let Some((name, epoch, parent)) = &src.epoch {
+                if let Some(r) = b.epoch_record(name)?.filter(|r| r != epoch && r != parent) {
+                    return refuse(ErrorKind::InvalidInput, wrong_base(name, r, *epoch, *parent));
+                }
+            }
+            Opened { s3: Some(b.clone()), ..Opened::plain(b, false) }
+        }
         Endpoint::Nbd(t) => Opened::plain(Arc::new(NbdBackend::open(t, opts.connections)?), false),
         Endpoint::Path(p) => {
             let meta =
@@ -400,14 +419,7 @@ fn open_in_place(
                     .map_err(|e| Error::io(Op::Open, e).path(p).detail("reading its bitmap epoch"))?;
                 let record = record.and_then(|r| u64::from_str_radix(&String::from_utf8_lossy(&r), 16).ok());
                 if let Some(r) = record.filter(|r| r != epoch && r != parent) {
-                    return refuse(
-                        ErrorKind::InvalidInput,
-                        format!(
-                            "not the copy bitmap '{name}' started from: it holds the changes up to epoch \
-                             {r:016x}, and the bitmap records those since epoch {parent:016x} (its own is \
-                             {epoch:016x}); copy in full, or into that copy"
-                        ),
-                    );
+                    return refuse(ErrorKind::InvalidInput, wrong_base(name, r, *epoch, *parent));
                 }
             }
             let claim = if meta.file_type().is_block_device() { Some(claim_device(p)?) } else { None };
@@ -444,6 +456,16 @@ fn open_in_place(
         return refuse(ErrorKind::Permission, "destination is read-only".into());
     }
     Ok(opened)
+}
+
+/// Why a destination recorded as brought up to epoch `record` is not the base of bitmap
+/// `name`'s changes (those since `parent`; its own epoch `epoch`, for a retry).
+fn wrong_base(name: &str, record: u64, epoch: u64, parent: u64) -> String {
+    format!(
+        "not the copy bitmap '{name}' started from: it holds the changes up to epoch {record:016x}, and \
+         the bitmap records those since epoch {parent:016x} (its own is {epoch:016x}); copy in full, or \
+         into that copy"
+    )
 }
 
 /// Checks an NBD destination before anything is written to it, and makes it read as zeroes

@@ -17,6 +17,7 @@
 
 mod blocks;
 pub mod config;
+pub mod epochs;
 pub mod lease;
 pub mod manifest;
 mod object;
@@ -152,6 +153,23 @@ impl S3Backend {
             leased: b.leased(),
             written_elsewhere: !b.map_current(),
         })
+    }
+
+    /// The epoch of the source's bitmap `bitmap` an incremental copy brought this block image
+    /// up to ([`epochs`]); `None` when none is recorded or it is one object.
+    pub fn epoch_record(&self, bitmap: &str) -> Result<Option<u64>> {
+        match self.image.blocks() {
+            Some(b) => epochs::get(&self.store, b.key(), bitmap),
+            None => Ok(None),
+        }
+    }
+
+    /// Records it after an incremental copy (`None`: removes a stale one).
+    pub fn record_epoch(&self, bitmap: &str, epoch: Option<u64>) -> Result<()> {
+        match self.image.blocks() {
+            Some(b) => epochs::set(&self.store, b.key(), bitmap, epoch),
+            None => Ok(()),
+        }
     }
 
     /// What a block image is now (see [`S3Backend::tracking`]); `None` for one object.
