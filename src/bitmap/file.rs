@@ -291,6 +291,19 @@ impl BitmapFile {
         Some(why)
     }
 
+    /// Its bitmaps cover an image of `size` bytes: else an error (the image was resized, or
+    /// the file is another image's).
+    pub fn check_size(&self, size: u64) -> Result<()> {
+        if self.sidecar.size == size {
+            return Ok(());
+        }
+        Err(self.invalid(format!(
+            "its bitmaps are for an image of {} bytes, this one has {size} (remove the file and start again \
+             from a full copy)",
+            self.sidecar.size
+        )))
+    }
+
     /// Adds an empty, enabled bitmap.
     pub fn add(&mut self, name: &str, granularity: u64) -> Result<()> {
         format::check_name(name).map_err(|e| self.invalid(e))?;

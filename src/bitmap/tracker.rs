@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use super::bits::Bits;
 use super::file::{BitmapFile, Location, DEFAULT_GRANULARITY};
-use crate::error::{Error, ErrorKind, Op, Result};
+use crate::error::Result;
 
 pub struct Tracker {
     file: Mutex<BitmapFile>,
@@ -58,13 +58,7 @@ impl Tracker {
                 )
             }
         };
-        if file.sidecar.size != size {
-            return Err(Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(path).detail(format!(
-                "its bitmaps are for an image of {} bytes, this one has {size} (remove the file and start \
-                 again from a full copy)",
-                file.sidecar.size
-            )));
-        }
+        file.check_size(size)?;
         if let Some(why) = file.resolve(image_now) {
             tracing::warn!(
                 "{}: {why}: every block of its enabled bitmaps counts as changed (the next incremental copy \

@@ -257,7 +257,7 @@ fn change(
         None if create => BitmapFile::create(&image.at, size, now.clone())?,
         None => return Err(bitmap::file::no_file(&path)),
     };
-    check_size(&f, size, &at.image)?;
+    f.check_size(size)?;
     if let Some(why) = f.resolve(&now) {
         super::report(&format!(
             "{}: {why}: every block of its enabled bitmaps now counts as changed",
@@ -268,17 +268,6 @@ fn change(
     f.save()?;
     super::print_out(&format!("{said} ({})\n", path.display()));
     Ok(())
-}
-
-fn check_size(f: &BitmapFile, size: u64, image: &Path) -> lightfoot::Result<()> {
-    if f.sidecar.size == size {
-        return Ok(());
-    }
-    Err(Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(f.path()).detail(format!(
-        "its bitmaps are for an image of {} bytes, {} has {size}",
-        f.sidecar.size,
-        image.display()
-    )))
 }
 
 fn merge(f: &mut BitmapFile, target: &str, sources: &[String]) -> lightfoot::Result<String> {
@@ -369,7 +358,7 @@ fn show(a: &ShowArgs) -> lightfoot::Result<()> {
     }
     let mut f = BitmapFile::open(&image.at, false)?.ok_or_else(|| bitmap::file::no_file(&path))?;
     let (size, now) = image.now(&a.at.image)?;
-    check_size(&f, size, &a.at.image)?;
+    f.check_size(size)?;
     if let Some(why) = f.resolve(&now) {
         super::report(&format!("{}: {why}: the whole image counts as changed", path.display()));
     }
