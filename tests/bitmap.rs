@@ -523,3 +523,44 @@ fn an_s3_block_image_keeps_its_bitmaps_beside_its_blocks() {
         &["no bitmap named 'other' (it holds: nightly)"],
     );
 }
+
+/// A block device: its bitmaps need a FILE; writes through the server are copied
+/// incrementally into another block device holding the previous copy.
+#[test]
+fn a_block_device_is_tracked_and_copied_into_another() {
+    if !root_or_skip("needs root for losetup") {
+        return;
+    }
+    let dir = scratch();
+    let d = dir.path();
+    let (img, _) = image_and_backup(d);
+    let (src, dst) = (Loop::new(SIZE), Loop::new(SIZE));
+    // The device under a name in the scratch folder, so the server's socket is made there.
+    let dev = d.join("disk");
+    std::os::unix::fs::symlink(&src.dev, &dev).unwrap();
+    ok(lightfoot(&["copy", s(&img), &src.dev]));
+    ok(lightfoot(&["copy", &src.dev, &dst.dev]));
+    let out = lightfoot(&["serve", "--dirty-bitmap", "nightly", s(&dev)]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("a block device's bitmaps need a FILE"), "{}", text(&out));
+
+    let file = d.join("disk.bitmaps");
+    let arg = format!("nightly={}", file.display());
+    let w = Served::start(&dev, &["--dirty-bitmap", &arg]);
+    qemu_io(&w.uri(), CHANGES);
+    let (status, err) = w.stop();
+    assert!(status.success(), "{err}");
+    let l: serde_json::Value =
+        serde_json::from_str(&ok(lightfoot(&["bitmap", "list", "--json", "--bitmaps", s(&file), s(&dev)])))
+            .unwrap();
+    assert_eq!(l["state"], "clean", "{l}");
+    assert_eq!(l["bitmaps"][0]["changed"], marked(CHANGES), "{l}");
+    assert_ne!(std::fs::read(&src.dev).unwrap(), std::fs::read(&dst.dev).unwrap());
+
+    let ro = Served::start(&dev, &["-r", "--dirty-bitmap", &arg]);
+    let out = lightfoot(&["copy", "--json", "--bitmap", "nightly", &ro.uri(), &dst.dev]);
+    assert!(ro.stop().0.success());
+    let json: serde_json::Value = serde_json::from_str(&ok(out)).unwrap();
+    assert_eq!(json["changed"].as_u64(), Some(marked(CHANGES)), "{json}");
+    assert!(std::fs::read(&src.dev).unwrap() == std::fs::read(&dst.dev).unwrap(), "the devices differ");
+}
