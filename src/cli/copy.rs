@@ -148,9 +148,9 @@ pub struct CopyArgs {
     /// into DST, which must hold the previous copy: it must exist and be SRC's size, and is
     /// written in place (no truncation, no zeroing). Changed ranges that read as zeroes are
     /// zeroed with WRITE_ZEROES. A source without the bitmap is an error listing the contexts
-    /// it offers. From lightfoot serve --dirty-bitmap, a file DST records the bitmap's epoch,
-    /// and a later incremental into a file that is not the copy its epoch applies to is
-    /// refused (docs/bitmap.md).
+    /// it offers. From lightfoot serve --dirty-bitmap, a file or s3:// block image DST records
+    /// the bitmap's epoch, and a later incremental into one that is not the copy its epoch
+    /// applies to is refused (docs/bitmap.md).
     #[arg(long, value_name = "NAME", conflicts_with_all = ["preallocate", "destination_is_zero"])]
     bitmap: Option<String>,
 
