@@ -467,6 +467,10 @@ fn an_s3_block_image_keeps_its_bitmaps_beside_its_blocks() {
     let srv = S3Served::start(&w, d, uri, &["--dirty-bitmap", "nightly", "--coalesce"]);
     qemu_io(&srv.uri(), &CHANGES[..2]);
     srv.kill9();
+    // Its lease is live until it expires: its bitmaps count as held by a writer.
+    let held = ["vm/lightfoot.bitmaps", "in use by a server writing through it"];
+    fails_with(&w.lightfoot(60, &["bitmap", "show", uri, "nightly"]), &held);
+    fails_with(&w.lightfoot(60, &["serve", "-r", "--dirty-bitmap", "nightly", uri]), &held);
     let srv = S3Served::start(&w, d, uri, &["--dirty-bitmap", "nightly", "--break-lease"]);
     qemu_io(&srv.uri(), &CHANGES[2..3]);
     let err = srv.stop();

@@ -20,10 +20,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use object_store::{PutMode, UpdateVersion};
 
 use super::bits::Bits;
 use super::format::{self, Bitmap, Sidecar};
+use crate::backend::s3::store::replacing;
 use crate::backend::s3::Store;
 use crate::error::{Error, ErrorKind, Op, Result};
 
@@ -38,21 +38,22 @@ pub enum Location {
     File(PathBuf),
     /// An object beside an `s3://` block image's blocks. One writer at a time by the image's
     /// lease, which a writing server and every command that changes the bitmaps hold;
-    /// saves are conditional on the version read, so a writer without it fails.
-    Object { store: Arc<Store>, key: String },
+    /// saves are conditional on the version read, so a writer without it fails. `busy`:
+    /// another server holds the lease, its marks in its memory (as a file's lock held).
+    Object { store: Arc<Store>, key: String, busy: bool },
 }
 
 impl Location {
-    /// The bitmaps of the `s3://` block image under `image_key`.
-    pub fn beside(store: Arc<Store>, image_key: &str) -> Location {
-        Location::Object { store, key: format!("{image_key}/{OBJECT}") }
+    /// The bitmaps of the `s3://` block image under `image_key`; `busy` as above.
+    pub fn beside(store: Arc<Store>, image_key: &str, busy: bool) -> Location {
+        Location::Object { store, key: format!("{image_key}/{OBJECT}"), busy }
     }
 
     /// What messages call it: the file's path, or the object's URI.
     pub fn name(&self) -> PathBuf {
         match self {
             Location::File(p) => p.clone(),
-            Location::Object { store, key } => PathBuf::from(store.uri(key)),
+            Location::Object { store, key, .. } => PathBuf::from(store.uri(key)),
         }
     }
 }
@@ -135,8 +136,11 @@ impl BitmapFile {
     pub fn open(at: &Location, exclusive: bool) -> Result<Option<BitmapFile>> {
         match at {
             Location::File(path) => BitmapFile::open_file(path, exclusive),
-            Location::Object { store, key } => {
+            Location::Object { store, key, busy } => {
                 let path = at.name();
+                if *busy {
+                    return Err(in_use(&path, exclusive));
+                }
                 let Some((bytes, meta)) = store.run(store.get(key, None, None))? else { return Ok(None) };
                 let sidecar = decode(&path, &bytes)?;
                 let held = Held::Object { store: store.clone(), key: key.clone(), etag: meta.etag };
@@ -155,11 +159,7 @@ impl BitmapFile {
             let locked = crate::io::sys::try_flock(f.as_fd(), exclusive)
                 .map_err(|e| Error::io(Op::Bitmap, e).path(path).detail("lock"))?;
             if !locked {
-                return Err(Error::new(ErrorKind::Permission, Op::Bitmap).path(path).detail(if exclusive {
-                    "in use by another lightfoot (a server or a bitmap command)"
-                } else {
-                    "in use by a server writing through it"
-                }));
+                return Err(in_use(path, exclusive));
             }
             // A save renamed a new file into place between the open and the lock: that one.
             if !same_file(&f, path) {
@@ -183,7 +183,7 @@ impl BitmapFile {
         let path = at.name();
         let bytes = match at {
             Location::File(p) => std::fs::read(p).map_err(|e| Error::io(Op::Bitmap, e).path(p))?,
-            Location::Object { store, key } => match store.run(store.get(key, None, None))? {
+            Location::Object { store, key, .. } => match store.run(store.get(key, None, None))? {
                 Some((bytes, _)) => bytes.to_vec(),
                 None => return Err(no_file(&path)),
             },
@@ -214,9 +214,9 @@ impl BitmapFile {
                     }
                 }
             }
-            Location::Object { store, key } => {
+            Location::Object { store, key, .. } => {
                 let body = Bytes::from(format::encode(&sidecar));
-                store.run(store.put(key, body, PutMode::Create))?.map(|(etag, _)| Held::Object {
+                store.run(store.put(key, body, replacing(None)))?.map(|(etag, _)| Held::Object {
                     store: store.clone(),
                     key: key.clone(),
                     etag,
@@ -254,11 +254,7 @@ impl BitmapFile {
                 sync_dir(&self.path)
             }
             Held::Object { store, key, etag } => {
-                let mode = match etag.clone() {
-                    Some(e) => PutMode::Update(UpdateVersion { e_tag: Some(e), version: None }),
-                    None => PutMode::Overwrite,
-                };
-                match store.run(store.put(key, Bytes::from(bytes), mode))? {
+                match store.run(store.put(key, Bytes::from(bytes), replacing(Some(etag))))? {
                     Some((new, _)) => {
                         *etag = new;
                         Ok(())
@@ -342,6 +338,15 @@ impl BitmapFile {
     fn invalid(&self, why: String) -> Error {
         Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(&self.path).detail(why)
     }
+}
+
+/// Held by another process: one writing through the bitmaps (or, `exclusive`, any holder).
+fn in_use(path: &Path, exclusive: bool) -> Error {
+    Error::new(ErrorKind::Permission, Op::Bitmap).path(path).detail(if exclusive {
+        "in use by another lightfoot (a server or a bitmap command)"
+    } else {
+        "in use by a server writing through it"
+    })
 }
 
 /// "no such file", for a bitmap file that does not exist.

@@ -77,7 +77,7 @@ impl Where {
                 "an image in one object has no bitmaps (serve --dirty-bitmap keeps them for block images)",
             ));
         };
-        Ok(Image { at: Location::beside(t.store, &t.key), s3: Some(b) })
+        Ok(Image { at: Location::beside(t.store, &t.key, t.written_elsewhere), s3: Some(b) })
     }
 }
 
@@ -92,10 +92,7 @@ impl Image {
 
     /// Another process writes through the bitmaps now (their marks are in its memory).
     fn in_use(&self) -> bool {
-        match &self.s3 {
-            Some(b) => b.tracking().is_some_and(|t| t.written_elsewhere),
-            None => BitmapFile::open(&self.at, false).is_err(),
-        }
+        BitmapFile::open(&self.at, false).is_err()
     }
 }
 
@@ -351,11 +348,6 @@ fn show(a: &ShowArgs) -> lightfoot::Result<()> {
     let image = a.at.open(false)?;
     let path = image.at.name();
     // Shared: refused while a server writes through it (its marks are in its memory).
-    if image.s3.is_some() && image.in_use() {
-        return Err(Error::new(ErrorKind::Permission, Op::Bitmap)
-            .path(&path)
-            .detail("in use by a server writing through it"));
-    }
     let mut f = BitmapFile::open(&image.at, false)?.ok_or_else(|| bitmap::file::no_file(&path))?;
     let (size, now) = image.now(&a.at.image)?;
     f.check_size(size)?;

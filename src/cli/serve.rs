@@ -530,8 +530,8 @@ fn lock_image(image: &std::path::Path) -> lightfoot::Result<std::fs::File> {
 }
 
 /// Where an `s3://` image's bitmaps are and what the image is now; an error if it cannot be
-/// tracked: one object (read-only), written without the lease, or read-only while another
-/// server writes it (its marks are in that server's memory).
+/// tracked: one object (read-only), or written without the lease. (Read-only while another
+/// server writes it, the bitmaps refuse to open, as a locked file does.)
 fn s3_tracking(b: &S3Backend, writable: bool) -> lightfoot::Result<(Location, String)> {
     let refused = |why: &str| {
         Err(lightfoot::Error::new(ErrorKind::InvalidInput, Op::Bitmap).path(b.name()).detail(why.to_string()))
@@ -544,12 +544,7 @@ fn s3_tracking(b: &S3Backend, writable: bool) -> lightfoot::Result<(Location, St
             "--dirty-bitmap needs the image's lease, to be its only writer (not --without-lease)",
         );
     }
-    if t.written_elsewhere {
-        return Err(lightfoot::Error::new(ErrorKind::Permission, Op::Bitmap)
-            .path(b.name())
-            .detail("another server writes the image: its bitmaps are in use by it"));
-    }
-    Ok((Location::beside(t.store, &t.key), now))
+    Ok((Location::beside(t.store, &t.key, t.written_elsewhere), now))
 }
 
 /// `--dirty-bitmap NAME[=FILE]`s: the names and the one file, `None` without any.

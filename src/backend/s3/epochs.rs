@@ -6,9 +6,8 @@
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use object_store::{PutMode, UpdateVersion};
 
-use super::store::Store;
+use super::store::{replacing, Store};
 use crate::error::{Error, ErrorKind, Op, Result};
 
 /// Named so that it sorts after the block names, as the manifest.
@@ -49,13 +48,8 @@ pub fn set(store: &Store, key: &str, bitmap: &str, epoch: Option<u64>) -> Result
         return Ok(());
     }
     let name = format!("{key}/{EPOCHS}");
-    let mode = match version {
-        None => PutMode::Create,
-        Some(Some(e)) => PutMode::Update(UpdateVersion { e_tag: Some(e), version: None }),
-        Some(None) => PutMode::Overwrite,
-    };
     let body = Bytes::from(serde_json::to_vec(&records).expect("records serialize"));
-    match store.run(store.put(&name, body, mode))? {
+    match store.run(store.put(&name, body, replacing(version.as_ref())))? {
         Some(_) => Ok(()),
         None => Err(Error::new(ErrorKind::Io, Op::Write).path(store.uri(&name)).detail(
             "changed by another writer while it was being recorded (one without the image's lease?)",

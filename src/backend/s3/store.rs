@@ -14,7 +14,7 @@ use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path;
 use object_store::{
     BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutMode, PutOptions,
-    PutPayload, RetryConfig,
+    PutPayload, RetryConfig, UpdateVersion,
 };
 
 use super::config::{S3Config, S3Uri};
@@ -80,6 +80,17 @@ impl Counters {
 pub struct Meta {
     pub size: u64,
     pub etag: Option<String>,
+}
+
+/// The PUT that replaces exactly the version `known` of an object: create it where none is
+/// known to exist (`None`), `If-Match` its ETag, or overwrite one the store gave no ETag for
+/// (nothing to be conditional on).
+pub fn replacing(known: Option<&Option<String>>) -> PutMode {
+    match known {
+        None => PutMode::Create,
+        Some(Some(e)) => PutMode::Update(UpdateVersion { e_tag: Some(e.clone()), version: None }),
+        Some(None) => PutMode::Overwrite,
+    }
 }
 
 pub struct Store {

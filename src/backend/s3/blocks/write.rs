@@ -5,9 +5,9 @@
 
 use std::ops::Range;
 
+use crate::backend::s3::store::replacing;
 use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
-use object_store::{PutMode, UpdateVersion};
 
 use super::{in_image, lock_stripe, split, wrong_size, BlockImage};
 use crate::backend::s3::IN_FLIGHT;
@@ -102,13 +102,7 @@ impl BlockImage {
                 // Zeroing part of a missing object: it reads as zeroes already.
                 return Ok(());
             };
-            let mode = match &known {
-                None => PutMode::Create,
-                Some(Some(e)) => PutMode::Update(UpdateVersion { e_tag: Some(e.clone()), version: None }),
-                // A store that gives no ETags: nothing to be conditional on.
-                Some(None) => PutMode::Overwrite,
-            };
-            if let Some((etag, _)) = store.put(&key, body, mode).await.map_err(here)? {
+            if let Some((etag, _)) = store.put(&key, body, replacing(known.as_ref())).await.map_err(here)? {
                 self.present.lock().unwrap().insert(b, etag);
                 return Ok(());
             }
