@@ -523,30 +523,38 @@ fn readahead_left_by_another_reader_does_not_spill() {
     let dir = scratch();
     let (src, dst) = (dir.path().join("src"), dir.path().join("dst"));
     sample(&src, 128 * MIB, 32 * MIB);
+    let blocks = |p: &Path| -> Vec<u64> { (0..64).map(|b| cached(p, b * 2 * MIB, Some(2 * MIB))).collect() };
     for args in [&[][..], &["--no-dontcache", "--read-mechanism", "evict-behind"][..]] {
-        evict(&src);
-        // Like `dd bs=1M count=16`: plain buffered reads with the default readahead.
-        let out = Command::new("dd")
-            .args([&format!("if={}", s(&src)), "of=/dev/null", "bs=1M", "count=16", "status=none"])
-            .output()
-            .unwrap();
-        assert!(out.status.success());
-        let blocks =
-            |p: &Path| -> Vec<u64> { (0..64).map(|b| cached(p, b * 2 * MIB, Some(2 * MIB))).collect() };
-        let before = blocks(&src);
-        assert!(before.iter().sum::<u64>() > 16 * MIB, "dd should have read ahead: {before:?}");
-        let mut all = vec!["copy"];
-        all.extend_from_slice(args);
-        all.extend_from_slice(&[s(&src), s(&dst)]);
-        let out = lightfoot(&all);
-        assert!(out.status.success(), "{}", text(&out));
-        let after = blocks(&src);
-        // Nothing added anywhere (the regression left a readahead window cached), and what dd
-        // cached kept but for the few pages the host's background reclaim may take meanwhile
-        // (a 16 KiB folio of one block went once in 8 runs of this file's tests in parallel).
-        for (b, (a, w)) in after.iter().zip(&before).enumerate() {
-            assert!(a <= w, "{args:?}: block {b} gained cache ({w} -> {a}): {after:?}");
+        // dd's pages are read once, so cold to the host's background reclaim, which took 1 MiB
+        // of them during a CI run: a control warmed beside them tells its work from the copy's.
+        for attempt in 1..=3 {
+            let control = Control::read_once(dir.path(), "control", 4 * MIB);
+            evict(&src);
+            // Like `dd bs=1M count=16`: plain buffered reads with the default readahead.
+            let out = Command::new("dd")
+                .args([&format!("if={}", s(&src)), "of=/dev/null", "bs=1M", "count=16", "status=none"])
+                .output()
+                .unwrap();
+            assert!(out.status.success());
+            let before = blocks(&src);
+            assert!(before.iter().sum::<u64>() > 16 * MIB, "dd should have read ahead: {before:?}");
+            let mut all = vec!["copy"];
+            all.extend_from_slice(args);
+            all.extend_from_slice(&[s(&src), s(&dst)]);
+            let out = lightfoot(&all);
+            assert!(out.status.success(), "{}", text(&out));
+            let after = blocks(&src);
+            // Nothing added anywhere (the regression left a readahead window cached), whatever
+            // the host's reclaim did meanwhile.
+            for (b, (a, w)) in after.iter().zip(&before).enumerate() {
+                assert!(a <= w, "{args:?}: block {b} gained cache ({w} -> {a}): {after:?}");
+            }
+            let (kept, want) = (after.iter().sum(), before.iter().sum());
+            if lost_few(kept, want) || control.intact() || attempt == 3 {
+                assert_kept(kept, want, &format!("{args:?}: dd's pages"));
+                break;
+            }
+            eprintln!("{args:?}: the control lost pages too (host reclaim): again");
         }
-        assert_kept(after.iter().sum(), before.iter().sum(), &format!("{args:?}: dd's pages"));
     }
 }

@@ -354,6 +354,16 @@ impl Control {
         Control { path, len }
     }
 
+    /// Writes a `len`-byte file as [`Control::warm`] does but reads it once, as cold to the
+    /// host's reclaim as pages another program read once.
+    pub fn read_once(dir: &Path, name: &str, len: u64) -> Control {
+        let path = dir.join(name);
+        random_file(&path, len);
+        evict(&path);
+        std::fs::read(&path).unwrap();
+        Control { path, len }
+    }
+
     /// Whether the control kept all but the few pages [`assert_kept`] allows.
     pub fn intact(&self) -> bool {
         lost_few(cached(&self.path, 0, None), self.len)
