@@ -53,7 +53,11 @@ impl ReadAround {
     /// Records that a read touched the chunks of `[offset, offset+len)`.
     pub fn touch(&mut self, offset: u64, len: u64) {
         for c in chunks(offset, len) {
-            if let Some(i) = self.recent.iter().position(|&r| r == c) {
+            // From the latest: a stream's next read is most often in the chunk it just read.
+            if self.recent.back() == Some(&c) {
+                continue;
+            }
+            if let Some(i) = self.recent.iter().rposition(|&r| r == c) {
                 self.recent.remove(i);
             } else if self.recent.len() == RECENT {
                 self.recent.pop_front();

@@ -315,6 +315,10 @@ impl Prefetch {
     /// Queues jobs for the read-ahead threads: runs of consecutive chunks for one owner go
     /// together, within aligned units of `unit` chunks, to be read with one request.
     fn submit(&self, jobs: Vec<Job>, unit: usize) {
+        // Most reads queue nothing: they leave the queue's lock alone.
+        if jobs.is_empty() {
+            return;
+        }
         let guard = self.jobs.lock().unwrap();
         let Some(tx) = guard.as_ref() else { return };
         let unit_bytes = unit.max(1) as u64 * CHUNK;
