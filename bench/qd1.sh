@@ -28,7 +28,8 @@
 # /work/tmp/bench-qd1).
 #
 # Output: MiB/s per run in DIR/qd1.csv (lightfoot's `--stats --json` in DIR/logs/*.server); a table of medians with each config's ratio to nbdkit
-# file's, and lightfoot-s3's to lightfoot-prefetch's (the local rate), on stdout.
+# file's, and lightfoot-s3's to the local rate: the median of the lightfoot and
+# lightfoot-prefetch runs together (one server since read-ahead became the default), on stdout.
 set -euo pipefail
 export LC_ALL=C
 
@@ -128,10 +129,17 @@ by = {}
 for r in rows:
     by.setdefault(r["config"], []).append(float(r["mib_s"]))
 med = {c: statistics.median(v) for c, v in by.items()}
-print("| server | runs | MiB/s (median) | min-max | rel. nbdkit file | rel. local lightfoot --prefetch |")
+# The default server and --prefetch are one server since read-ahead became the default: their
+# runs together are the local rate (the order within a round moved each one's median by 20 %).
+local = by.get("lightfoot", []) + by.get("lightfoot-prefetch", [])
+if local:
+    med["local"] = statistics.median(local)
+print("| server | runs | MiB/s (median) | min-max | rel. nbdkit file | rel. local lightfoot (default and --prefetch pooled) |")
 print("|---|---|---|---|---|---|")
 for c, v in by.items():
     rel = lambda b: f"{med[c] / med[b]:.2f}" if b in med else "-"
     print(f"| {c} | {len(v)} | {med[c]:.1f} | {min(v):.0f}-{max(v):.0f} | {rel('nbdkit')} | "
-          f"{rel('lightfoot-prefetch') if c == 'lightfoot-s3' else '-'} |")
+          f"{rel('local') if c == 'lightfoot-s3' else '-'} |")
+if local:
+    print(f"\nlocal rate: {med['local']:.1f} MiB/s, the median of {len(local)} runs of lightfoot and lightfoot-prefetch")
 EOF
