@@ -344,23 +344,25 @@ pub struct Control {
     len: u64,
 }
 
-impl Control {
-    /// Writes a `len`-byte file named `name` in `dir` and warms it as [`warm`] does.
-    pub fn warm(dir: &Path, name: &str, len: u64) -> Control {
-        let path = dir.join(name);
-        random_file(&path, len);
-        evict(&path);
-        warm(&path, 0, len);
-        Control { path, len }
-    }
+/// How a [`Control`] is read before the job: as its working set is.
+#[derive(Clone, Copy)]
+pub enum Warmth {
+    /// Warmed as [`warm`] does (twice: active pages).
+    Warm,
+    /// Read once, as cold to the host's reclaim as pages another program read once.
+    ReadOnce,
+}
 
-    /// Writes a `len`-byte file as [`Control::warm`] does but reads it once, as cold to the
-    /// host's reclaim as pages another program read once.
-    pub fn read_once(dir: &Path, name: &str, len: u64) -> Control {
+impl Control {
+    /// Writes a `len`-byte file named `name` in `dir` and reads it as `warmth` says.
+    pub fn new(dir: &Path, name: &str, len: u64, warmth: Warmth) -> Control {
         let path = dir.join(name);
         random_file(&path, len);
         evict(&path);
-        std::fs::read(&path).unwrap();
+        match warmth {
+            Warmth::Warm => warm(&path, 0, len),
+            Warmth::ReadOnce => drop(std::fs::read(&path).unwrap()),
+        }
         Control { path, len }
     }
 
@@ -377,11 +379,22 @@ impl Control {
 /// idle cache (KERNEL-NOTES), not the command. A working set that alone lost pages is returned
 /// at once, for the caller's [`assert_kept`] to fail.
 pub fn kept_despite_host_reclaim(dir: &Path, want: u64, what: &str, mut job: impl FnMut() -> u64) -> u64 {
+    despite_host_reclaim(dir, Warmth::Warm, what, || (job(), want)).0
+}
+
+/// [`kept_despite_host_reclaim`] for a working set whose size the job learns: `job` returns
+/// the bytes kept and the bytes there were; the control is read as `warmth` says.
+pub fn despite_host_reclaim(
+    dir: &Path,
+    warmth: Warmth,
+    what: &str,
+    mut job: impl FnMut() -> (u64, u64),
+) -> (u64, u64) {
     for attempt in 1.. {
-        let control = Control::warm(dir, "control", 4 * MIB);
-        let kept = job();
+        let control = Control::new(dir, "control", 4 * MIB, warmth);
+        let (kept, want) = job();
         if lost_few(kept, want) || control.intact() || attempt == 3 {
-            return kept;
+            return (kept, want);
         }
         eprintln!("{what}: the control lost pages too (host reclaim): again");
     }
