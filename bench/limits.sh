@@ -28,7 +28,8 @@
 #     WORKLOADS="randread-j4 randread-d16 randwrite-j4 randwrite-d16"
 #     SERVERS="lightfoot nbdkit" (disk: "lightfoot-neutral lightfoot-direct qemu-none nbdkit-none")
 #     LIGHTFOOT=path/to/lightfoot   EXTRA="--threads 4"
-#     OLD=path/to/another/lightfoot: server "old" runs it (an A/B: SERVERS="lightfoot old")
+#     OLD=path/to/another/lightfoot: server "old" runs it (an A/B: SERVERS="lightfoot old"),
+#     "old-neutral" as lightfoot-neutral (STORAGE=disk SERVERS="lightfoot-neutral old-neutral")
 #     server "nbdkit-null" (nbdkit's null plugin: no storage) shows the client's own ceiling
 # Output: DIR/limits.csv (every run) and a table of medians on stdout (DIR/limits.md).
 set -euo pipefail
@@ -74,6 +75,8 @@ start() {
 	lightfoot) "$LF" serve --cache=keep $EXTRA --unix "$SOCK" "$IMG" 2>"$DIR/logs/server.log" & ;;
 	# shellcheck disable=SC2086
 	old) "${OLD:?OLD=path to the other binary}" serve --cache=keep $EXTRA --unix "$SOCK" "$IMG" 2>"$DIR/logs/server.log" & ;;
+	# shellcheck disable=SC2086
+	old-neutral) "${OLD:?OLD=path to the other binary}" serve $EXTRA --unix "$SOCK" "$IMG" 2>"$DIR/logs/server.log" & ;;
 	# shellcheck disable=SC2086
 	lightfoot-neutral) "$LF" serve $EXTRA --unix "$SOCK" "$IMG" 2>"$DIR/logs/server.log" & ;;
 	# shellcheck disable=SC2086

@@ -626,6 +626,55 @@ fn pipelined_requests_are_still_served_in_parallel() {
     srv.stop().unwrap();
 }
 
+/// A client that pipelines, then waits for each reply (a guest reading one small file after
+/// another), has those requests carried out by the connection's reader while the disk answers
+/// them quickly (the hand-off to a worker would cost more than it saves), and by the workers
+/// once they are slow (object storage: a request sent meanwhile should not wait behind one).
+#[test]
+fn a_pipelining_client_at_depth_one_is_served_by_the_reader_while_reads_are_quick() {
+    use lightfoot::backend::{Backend, MemoryBackend};
+    use lightfoot::server::transmission::WORKER_THREAD;
+    use lightfoot::testing::fault::{Fault, FaultInjector, Op, Rule};
+    use std::sync::Arc;
+
+    let store = Arc::new(MemoryBackend::new(64 * MIB));
+    // The first 32 MiB answer as a local disk does (well under a millisecond), the rest as
+    // object storage does.
+    let rules = vec![
+        Rule::new(Op::Read, Fault::Slow(Duration::from_micros(100))).at(0, 32 * MIB),
+        Rule::new(Op::Read, Fault::Slow(Duration::from_millis(20))).at(32 * MIB, 32 * MIB),
+    ];
+    let disk = Arc::new(FaultInjector::new(store, rules));
+    let backend: Arc<dyn Backend> = disk.clone();
+    let srv = InProcess::start(move || Ok(backend.clone()), |_| {});
+    let mut c = connect(&srv.sock);
+    go(&mut c);
+    let mut data = vec![0u8; 4096];
+    let mut one_at_a_time = |c: &mut UnixStream, first: u64, offset: u64| -> Vec<String> {
+        let before = disk.read_threads().len();
+        for i in 0..8 {
+            request(c, CMD_READ, first + i, offset + i * 4096, 4096);
+            assert_eq!(simple(c), (first + i, 0));
+            c.read_exact(&mut data).unwrap();
+        }
+        disk.read_threads()[before..].to_vec()
+    };
+    // Timed, then found out as a client that pipelines (a burst of adjacent reads, merged
+    // into one read and not timed).
+    one_at_a_time(&mut c, 0, 0);
+    burst_of_reads(&mut c, 10, MIB);
+    let quick = one_at_a_time(&mut c, 20, 2 * MIB);
+    assert!(quick.iter().all(|t| t != WORKER_THREAD), "quick reads at depth one went to workers: {quick:?}");
+    // Slow ones: the first shows the reader they are slow, the workers take the rest.
+    let slow = one_at_a_time(&mut c, 30, 40 * MIB);
+    assert!(
+        slow[1..].iter().all(|t| t == WORKER_THREAD),
+        "slow reads at depth one stayed on the reader: {slow:?}"
+    );
+    let _ = c.shutdown(std::net::Shutdown::Both);
+    srv.stop().unwrap();
+}
+
 /// A client that connects and never finishes the handshake (silent, or dribbling a byte at a
 /// time) is cut after the handshake timeout; one that has chosen its export may then idle.
 #[test]

@@ -2,7 +2,7 @@
 //! offsets or every n-th time, so every error path can be exercised without a broken disk.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::backend::{Backend, Caps, Extent, ZeroFlags};
@@ -69,12 +69,20 @@ impl Rule {
 pub struct FaultInjector {
     inner: Arc<dyn Backend>,
     rules: Vec<(Rule, AtomicU64, AtomicU64)>,
+    /// The name of the thread that carried out each read, in order ("" for an unnamed one).
+    read_threads: Mutex<Vec<String>>,
 }
 
 impl FaultInjector {
     pub fn new(inner: Arc<dyn Backend>, rules: Vec<Rule>) -> FaultInjector {
         let rules = rules.into_iter().map(|r| (r, AtomicU64::new(0), AtomicU64::new(0))).collect();
-        FaultInjector { inner, rules }
+        FaultInjector { inner, rules, read_threads: Mutex::default() }
+    }
+
+    /// The names of the threads that carried out the reads so far, in order ("" for an
+    /// unnamed thread): which of a server's threads served a request.
+    pub fn read_threads(&self) -> Vec<String> {
+        self.read_threads.lock().unwrap().clone()
     }
 
     /// How many times the rules fired, in order.
@@ -168,6 +176,8 @@ impl Backend for FaultInjector {
     }
 
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        let thread = std::thread::current().name().unwrap_or_default().to_string();
+        self.read_threads.lock().unwrap().push(thread);
         match self.check(Op::Read, offset, buf.len() as u64) {
             Some(Fault::Fail(k)) => Err(self.fail(k, Op::Read, offset, buf.len() as u64)),
             Some(Fault::Short) => {

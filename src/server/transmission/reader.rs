@@ -267,12 +267,16 @@ impl Reader<'_, '_> {
         // they take less than a hand-off costs (pages in the cache, tmpfs: a few µs against
         // about 10 µs of wake-ups and switches), as measured by the recent ones (`Conn::took`);
         // once they take longer (the disk), they go to the workers, which run them in parallel.
-        // Other commands (FLUSH: carried out here, it cost `--coalesce` on strided writes) and
-        // larger requests always go to the workers.
-        let depth_one = !self.pipelined
-            && self.held.is_none()
+        // Yet when nothing else is in flight or waiting (a guest reading one small file after
+        // another), a request the local disk answers soon ([`Conn::quick`]) is carried out
+        // here too: a request sent meanwhile waits at most that long, and the hand-off, under
+        // a guest's emulation, cost more than that wait. Other commands (FLUSH: carried out
+        // here, it cost `--coalesce` on strided writes) and larger requests always go to the
+        // workers.
+        let depth_one = self.held.is_none()
             && conn.in_flight.load(Ordering::Acquire) == 0
-            && after < REQUEST_LEN;
+            && after < REQUEST_LEN
+            && (!self.pipelined || conn.quick());
         if job.is_small_io() && (depth_one || conn.fast()) {
             conn.serve_job(server, job, &mut self.own, self.closer);
             if let Some(e) = conn.broken.get() {
