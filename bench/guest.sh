@@ -40,6 +40,7 @@
 # is uploaded once as one object, s3://bench/guest.img, to a SeaweedFS started for the run
 # (bench/store.sh: loopback, Toxiproxy in front for added latency), and served read-only:
 #   lightfoot-s3       lightfoot serve -r $LIGHTFOOT_S3_ARGS s3://bench/guest.img
+#   lightfoot-s3-old   the same with the binary $LIGHTFOOT_OLD (an A/B over object storage)
 #   nbdkit-s3          nbdkit -r S3 endpoint-url=… bucket=bench key=guest.img (nbdkit's S3
 #                      plugin, nbdkit-plugin-python + python3-boto3: a range GET per request)
 #   nbdkit-s3-filters  the same with --filter=readahead --filter=cache (readahead asks the
@@ -162,6 +163,7 @@ config_name() {
 	case $1 in
 	*@*) echo "$(config_name "${1%@*}"), +${1#*@} ms" ;;
 	lightfoot-s3) echo "lightfoot s3${LIGHTFOOT_S3_ARGS:+ $LIGHTFOOT_S3_ARGS}" ;;
+	lightfoot-s3-old) echo "lightfoot $LIGHTFOOT_OLD s3${LIGHTFOOT_S3_ARGS:+ $LIGHTFOOT_S3_ARGS}" ;;
 	nbdkit-s3) echo "nbdkit S3" ;;
 	nbdkit-s3-filters) echo "nbdkit --filter=readahead --filter=cache S3" ;;
 	lightfoot) echo "lightfoot${LIGHTFOOT_ARGS:+ $LIGHTFOOT_ARGS}" ;;
@@ -178,8 +180,8 @@ config_name() {
 	esac
 }
 for c in "${CONFIG_KEYS[@]}"; do config_name "$c" >/dev/null || die "CONFIGS: unknown $c"; done
-[[ " ${CONFIG_KEYS[*]} " != *" lightfoot-old "* || -x ${LIGHTFOOT_OLD:-} ]] ||
-	die "lightfoot-old needs LIGHTFOOT_OLD, a binary"
+[[ " ${CONFIG_KEYS[*]} " != *" lightfoot-old "* && " ${CONFIG_KEYS[*]} " != *" lightfoot-s3-old@"* ||
+	-x ${LIGHTFOOT_OLD:-} ]] || die "lightfoot-old and lightfoot-s3-old need LIGHTFOOT_OLD, a binary"
 
 # --- the images ----------------------------------------------------------------------------
 
@@ -291,6 +293,7 @@ start_server() {
 	fi
 	case $1 in
 	lightfoot-s3@*) cmd=("${lf[@]}" -r $LIGHTFOOT_S3_ARGS "s3://$BUCKET/guest.img") ;;
+	lightfoot-s3-old@*) cmd=("$LIGHTFOOT_OLD" "${lf[@]:1}" -r $LIGHTFOOT_S3_ARGS "s3://$BUCKET/guest.img") ;;
 	nbdkit-s3@*) cmd=("${nk[@]}" -r S3 "${s3[@]}") ;;
 	nbdkit-s3-filters@*) cmd=("${nk[@]}" -r --filter=readahead --filter=cache S3 "${s3[@]}") ;;
 	lightfoot) cmd=("${lf[@]}" $LIGHTFOOT_ARGS "$2") ;;
