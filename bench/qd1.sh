@@ -18,13 +18,15 @@
 #   lightfoot-s3        lightfoot serve -r $LIGHTFOOT_S3_ARGS s3://bench/qd1.img (default
 #                       --prefetch): FILE uploaded once as
 #                       one object to a SeaweedFS on loopback (bench/store.sh), no added latency
+#   lightfoot-s3-old    the same with the binary $LIGHTFOOT_OLD (an A/B over object storage)
 #
 # Usage (as root: it drops caches):
 #     bench/qd1.sh [DIR]
 #     ROUNDS=1 CONFIGS="lightfoot nbdkit" bench/qd1.sh       # smoke test
 #
 # Environment: ROUNDS (default 5), SIZE (default 512M), READ (default 256M), CONFIGS (default
-# all above), LIGHTFOOT_S3_ARGS, LIGHTFOOT (default ../target/release/lightfoot), DIR (default: the argument, else
+# all above but lightfoot-s3-old), LIGHTFOOT_S3_ARGS, LIGHTFOOT (default
+# ../target/release/lightfoot), LIGHTFOOT_OLD (for lightfoot-s3-old), DIR (default: the argument, else
 # /work/tmp/bench-qd1).
 #
 # Output: MiB/s per run in DIR/qd1.csv (lightfoot's `--stats --json` in DIR/logs/*.server); a table of medians with each config's ratio to nbdkit
@@ -64,7 +66,9 @@ fi
 
 SERVER_PID=""
 STORE=0
-[[ " ${KEYS[*]} " == *" lightfoot-s3 "* ]] && STORE=1
+[[ " ${KEYS[*]} " == *" lightfoot-s3"* ]] && STORE=1
+[[ " ${KEYS[*]} " != *" lightfoot-s3-old "* || -x ${LIGHTFOOT_OLD:-} ]] ||
+	die "lightfoot-s3-old needs LIGHTFOOT_OLD, a binary"
 cleanup() {
 	[[ -z $SERVER_PID ]] || kill -KILL "$SERVER_PID" 2>/dev/null || true
 	((STORE == 0)) || store_stop
@@ -89,6 +93,7 @@ start() { # KEY LOG
 	nbdkit) cmd=(nbdkit -f -U "$SOCK" -P "$PIDF" file "$SRC") ;;
 	qemu-none) cmd=(qemu-nbd -f raw -t -k "$SOCK" --pid-file="$PIDF" --cache=none "$SRC") ;;
 	lightfoot-s3) cmd=("${lf[@]}" -r $LIGHTFOOT_S3_ARGS "s3://$BUCKET/qd1.img") ;;
+	lightfoot-s3-old) cmd=("$LIGHTFOOT_OLD" "${lf[@]:1}" -r $LIGHTFOOT_S3_ARGS "s3://$BUCKET/qd1.img") ;;
 	*) die "CONFIGS: unknown $1" ;;
 	esac
 	rm -f -- "$SOCK" "$PIDF"
@@ -139,7 +144,7 @@ print("|---|---|---|---|---|---|")
 for c, v in by.items():
     rel = lambda b: f"{med[c] / med[b]:.2f}" if b in med else "-"
     print(f"| {c} | {len(v)} | {med[c]:.1f} | {min(v):.0f}-{max(v):.0f} | {rel('nbdkit')} | "
-          f"{rel('local') if c == 'lightfoot-s3' else '-'} |")
+          f"{rel('local') if c.startswith('lightfoot-s3') else '-'} |")
 if local:
     print(f"\nlocal rate: {med['local']:.1f} MiB/s, the median of {len(local)} runs of lightfoot and lightfoot-prefetch")
 EOF
