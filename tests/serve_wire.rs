@@ -644,7 +644,7 @@ fn a_pipelining_client_at_depth_one_is_served_by_the_reader_while_reads_are_quic
         Rule::new(Op::Read, Fault::Slow(Duration::from_micros(100))).at(0, 32 * MIB),
         Rule::new(Op::Read, Fault::Slow(Duration::from_millis(20))).at(32 * MIB, 32 * MIB),
     ];
-    let disk = Arc::new(FaultInjector::new(store, rules));
+    let disk = Arc::new(FaultInjector::new(store, rules).recording_threads());
     let backend: Arc<dyn Backend> = disk.clone();
     let srv = InProcess::start(move || Ok(backend.clone()), |_| {});
     let mut c = connect(&srv.sock);

@@ -69,8 +69,9 @@ impl Rule {
 pub struct FaultInjector {
     inner: Arc<dyn Backend>,
     rules: Vec<(Rule, AtomicU64, AtomicU64)>,
-    /// The name of the thread that carried out each read, in order ("" for an unnamed one).
-    read_threads: Mutex<Vec<String>>,
+    /// The name of the thread that carried out each read, in order ("" for an unnamed one),
+    /// once asked for ([`FaultInjector::recording_threads`]).
+    read_threads: Mutex<Option<Vec<String>>>,
 }
 
 impl FaultInjector {
@@ -79,10 +80,17 @@ impl FaultInjector {
         FaultInjector { inner, rules, read_threads: Mutex::default() }
     }
 
-    /// The names of the threads that carried out the reads so far, in order ("" for an
-    /// unnamed thread): which of a server's threads served a request.
+    /// Records the name of the thread that carries out each read from now on
+    /// ([`FaultInjector::read_threads`]).
+    pub fn recording_threads(self) -> FaultInjector {
+        *self.read_threads.lock().unwrap() = Some(Vec::new());
+        self
+    }
+
+    /// The names of the threads that carried out the reads recorded so far, in order (""
+    /// for an unnamed thread): which of a server's threads served a request.
     pub fn read_threads(&self) -> Vec<String> {
-        self.read_threads.lock().unwrap().clone()
+        self.read_threads.lock().unwrap().clone().unwrap_or_default()
     }
 
     /// How many times the rules fired, in order.
@@ -176,8 +184,9 @@ impl Backend for FaultInjector {
     }
 
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        let thread = std::thread::current().name().unwrap_or_default().to_string();
-        self.read_threads.lock().unwrap().push(thread);
+        if let Some(threads) = self.read_threads.lock().unwrap().as_mut() {
+            threads.push(std::thread::current().name().unwrap_or_default().to_string());
+        }
         match self.check(Op::Read, offset, buf.len() as u64) {
             Some(Fault::Fail(k)) => Err(self.fail(k, Op::Read, offset, buf.len() as u64)),
             Some(Fault::Short) => {
