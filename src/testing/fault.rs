@@ -82,8 +82,8 @@ impl FaultInjector {
 
     /// Records the name of the thread that carries out each read from now on
     /// ([`FaultInjector::read_threads`]).
-    pub fn recording_threads(self) -> FaultInjector {
-        *self.read_threads.lock().unwrap() = Some(Vec::new());
+    pub fn recording_threads(mut self) -> FaultInjector {
+        self.read_threads = Mutex::new(Some(Vec::new()));
         self
     }
 

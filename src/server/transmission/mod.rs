@@ -159,8 +159,9 @@ struct Conn<'a> {
     recent_ns: AtomicU64,
 }
 
-/// The name of a connection's worker threads.
-pub const WORKER_THREAD: &str = "lightfoot-worker";
+/// The name of a connection's worker threads (within the kernel's 15 characters, so that
+/// `top -H` shows it whole).
+pub const WORKER_THREAD: &str = "lf-worker";
 
 /// Small READs and WRITEs that take less than this (on average, recently) are carried out by
 /// the reader even for a client that pipelines: a hand-off to a worker costs about this much
