@@ -652,7 +652,7 @@ fn a_pipelining_client_at_depth_one_is_served_by_the_reader_while_reads_are_quic
     let mut data = vec![0u8; 4096];
     let mut one_at_a_time = |c: &mut UnixStream, first: u64, offset: u64| -> Vec<String> {
         let before = disk.read_threads().len();
-        for i in 0..8 {
+        for i in 0..16 {
             request(c, CMD_READ, first + i, offset + i * 4096, 4096);
             assert_eq!(simple(c), (first + i, 0));
             c.read_exact(&mut data).unwrap();
@@ -662,11 +662,18 @@ fn a_pipelining_client_at_depth_one_is_served_by_the_reader_while_reads_are_quic
     // Timed, then found out as a client that pipelines (a burst of adjacent reads, merged
     // into one read and not timed).
     one_at_a_time(&mut c, 0, 0);
-    burst_of_reads(&mut c, 10, MIB);
-    let quick = one_at_a_time(&mut c, 20, 2 * MIB);
-    assert!(quick.iter().all(|t| t != WORKER_THREAD), "quick reads at depth one went to workers: {quick:?}");
+    burst_of_reads(&mut c, 100, MIB);
+    // The burst's worker counts itself out just after its last reply: a request sent at once
+    // may still find it in flight (and go to a worker, as it should then).
+    std::thread::sleep(Duration::from_millis(50));
+    // Most stay on the reader: a loaded machine may stretch a few 100 µs waits far enough to
+    // lift the recent average over the bound for a read or two. The old rule sent all to
+    // the workers.
+    let quick = one_at_a_time(&mut c, 200, 2 * MIB);
+    let on_reader = quick.iter().filter(|t| *t != WORKER_THREAD).count();
+    assert!(on_reader >= 12, "quick reads at depth one went to workers: {quick:?}");
     // Slow ones: the first shows the reader they are slow, the workers take the rest.
-    let slow = one_at_a_time(&mut c, 30, 40 * MIB);
+    let slow = one_at_a_time(&mut c, 300, 40 * MIB);
     assert!(
         slow[1..].iter().all(|t| t == WORKER_THREAD),
         "slow reads at depth one stayed on the reader: {slow:?}"
